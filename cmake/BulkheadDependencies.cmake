@@ -1,0 +1,35 @@
+# Finds what every build needs; the CUDA Toolkit and NCCL only when present.
+# Nothing is downloaded: install-deps.sh installs the system packages.
+
+find_package(Torch REQUIRED)
+find_package(MPI REQUIRED COMPONENTS C)
+find_package(HDF5 REQUIRED COMPONENTS C)
+find_package(fmt REQUIRED)
+# libtorch 2.x ships its own fmt headers; the header-only target keeps one fmt
+# in every translation unit, whichever the include path finds first.
+set(BULKHEAD_FMT fmt::fmt-header-only)
+
+set(BULKHEAD_WITH_NCCL OFF)
+if(NOT BULKHEAD_NCCL STREQUAL "OFF")
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND)
+    find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ENV NCCL_HOME PATH_SUFFIXES include)
+    find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} ENV NCCL_HOME PATH_SUFFIXES lib lib64)
+  endif()
+  if(CUDAToolkit_FOUND AND NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
+    set(BULKHEAD_WITH_NCCL ON)
+    if(NOT TARGET bulkhead_nccl_library)
+      add_library(bulkhead_nccl_library INTERFACE IMPORTED)
+      target_include_directories(bulkhead_nccl_library INTERFACE ${NCCL_INCLUDE_DIR})
+      target_link_libraries(bulkhead_nccl_library INTERFACE ${NCCL_LIBRARY} CUDA::cudart)
+    endif()
+  elseif(BULKHEAD_NCCL STREQUAL "ON")
+    message(FATAL_ERROR "BULKHEAD_NCCL=ON but the CUDA Toolkit or NCCL was not found (set NCCL_HOME)")
+  endif()
+endif()
+
+if(BULKHEAD_WITH_NCCL)
+  message(STATUS "Bulkhead: CUDA ${CUDAToolkit_VERSION} and NCCL (${NCCL_LIBRARY}) found: GPU support is on")
+else()
+  message(STATUS "Bulkhead: no CUDA Toolkit or NCCL found: building the CPU (mpi) backend only")
+endif()

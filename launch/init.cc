@@ -1,0 +1,94 @@
+#include "launch/init.h"
+
+#include <fmt/format.h>
+
+#include "runtime/env.h"
+#include "runtime/errors.h"
+#include "runtime/log.h"
+#include "runtime/mpi/mpi_backend.h"
+
+namespace bulkhead {
+
+const char* toString(Backend backend) {
+  switch (backend) {
+    case Backend::Auto: return "auto";
+    case Backend::Mpi: return "mpi";
+    case Backend::Nccl: return "nccl";
+  }
+  return "?";
+}
+
+Backend parseBackend(std::string_view text) {
+  if (text == "auto") return Backend::Auto;
+  if (text == "mpi") return Backend::Mpi;
+  if (text == "nccl") return Backend::Nccl;
+  throw ConfigError(fmt::format("{}='{}' is not a backend; use auto, mpi or nccl", env::kBackend.name(), text),
+                    {.expected = "auto, mpi or nccl"});
+}
+
+namespace {
+
+Backend resolve(Backend wanted) {
+  if (wanted == Backend::Nccl)
+    throw ConfigError("this build of Bulkhead has no NCCL backend; use the mpi backend (BULKHEAD_BACKEND=mpi)",
+                      {.expected = "backend mpi"});
+  return Backend::Mpi;
+}
+
+}  // namespace
+
+Runtime::Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world)
+    : info_(std::move(info)), backend_(backend), world_(std::move(world)) {}
+
+Runtime::~Runtime() {
+  try {
+    shutdown();
+  } catch (const std::exception& e) {
+    log::error("launch", "shutdown failed: {}", e.what());
+  }
+}
+
+void Runtime::shutdown(std::optional<Deadline> deadline) {
+  if (down_) return;
+  down_ = true;
+  Deadline until = deadline.value_or(Deadline::afterSeconds(env::kShutdownTimeout.seconds()));
+  world_.reset();
+  mpi::finalize(until);
+}
+
+std::unique_ptr<Runtime> init(InitOptions options) {
+  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
+  Backend backend = resolve(options.backend.value_or(parseBackend(env::kBackend.text())));
+  std::optional<launch::WorldInfo> found = launch::findWorld();
+
+  CommunicatorPtr world = mpi::initWorld({.deadline = deadline});
+  launch::WorldInfo info = found.value_or(launch::WorldInfo{.source = launch::WorldSource::Generic});
+  if (!found) {
+    info.size = world->size();
+    info.rank = world->rank();
+  }
+  if (info.rank != world->rank() || info.size != world->size())
+    throw ConfigError(fmt::format("the {} launcher says rank {} of {}, but MPI sees rank {} of {}; the mpi backend "
+                                  "needs a job started by mpirun or srun (with PMIx)",
+                                  launch::toString(info.source), info.rank, info.size, world->rank(), world->size()),
+                      {.rank = world->rank(), .group = "world", .expected = "the launcher and MPI to agree"});
+  log::setRank(info.rank, info.size);
+  if (!found) log::info("launch", "no launcher variables found: running as a single process");
+  log::debug("launch", "world of {} ranks from {}, backend {}", info.size, launch::toString(info.source),
+             toString(backend));
+  return std::make_unique<Runtime>(std::move(info), backend, std::move(world));
+}
+
+int guardedMain(const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const Error& e) {
+    log::error("launch", "{}", e.what());
+    return e.exitCode();
+  } catch (const std::exception& e) {
+    log::error("launch", "unexpected error: {}", e.what());
+    return 1;
+  }
+}
+
+}  // namespace bulkhead

@@ -1,0 +1,65 @@
+#pragma once
+// Runtime init: discovers the world, starts the backend and returns the world
+// communicator; shutdown is bounded like everything else.
+//
+//   int main() {
+//     return bulkhead::guardedMain([] {
+//       auto runtime = bulkhead::init();
+//       auto& world = runtime->world();
+//       ...
+//       return 0;
+//     });
+//   }
+
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "launch/world.h"
+#include "runtime/communicator.h"
+
+namespace bulkhead {
+
+enum class Backend { Auto, Mpi, Nccl };
+const char* toString(Backend backend);
+// "auto", "mpi", "nccl"; anything else is a ConfigError.
+Backend parseBackend(std::string_view text);
+
+struct InitOptions {
+  std::optional<Backend> backend;   // unset: BULKHEAD_BACKEND
+  std::optional<Deadline> deadline; // unset: BULKHEAD_INIT_TIMEOUT from the call
+};
+
+class Runtime {
+ public:
+  Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world);
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+  // Shuts down with BULKHEAD_SHUTDOWN_TIMEOUT if shutdown() was not called.
+  ~Runtime();
+
+  const launch::WorldInfo& info() const { return info_; }
+  Backend backend() const { return backend_; }
+  Communicator& world() { return *world_; }
+  const CommunicatorPtr& worldPtr() const { return world_; }
+
+  // A final world barrier under the deadline, then the backend's finalize.
+  // With MPI, a process whose collective timed out exits here with code 3
+  // (see runtime/mpi/mpi_backend.h).
+  void shutdown(std::optional<Deadline> deadline = std::nullopt);
+
+ private:
+  launch::WorldInfo info_;
+  Backend backend_;
+  CommunicatorPtr world_;
+  bool down_ = false;
+};
+
+std::unique_ptr<Runtime> init(InitOptions options = {});
+
+// Runs a program's body and turns a Bulkhead error into a logged message and
+// the error's exit code (2 config, 3 timeout, 4 desync, 5 comm, 6 io,
+// 7 checkpoint); any other exception exits with 1.
+int guardedMain(const std::function<int()>& body);
+
+}  // namespace bulkhead

@@ -1,0 +1,110 @@
+#pragma once
+// The Communicator: one group of ranks and the operations they run together
+// (design section 3). Backends: mpi (CPU tensors) and nccl (CUDA tensors).
+//
+// Contract, for every backend:
+// - All ranks of a group issue the same collectives in the same order.
+//   Zero-size messages are legal and still take part.
+// - Every operation returns a Work at once. Its deadline (the options', or the
+//   communicator's default timeout counted from the call) covers the whole
+//   operation. Work::wait returns when it completed, or raises:
+//     TimeoutError  the deadline passed; the communicator is aborted and refuses
+//                   further use (MPI cannot cancel a collective, so an MPI
+//                   process must then exit: see mpi_backend.h);
+//     CommError     the backend failed, or the communicator was aborted.
+// - Bad arguments (split lengths, negative sizes, unsupported dtype, a tensor
+//   on the wrong device or not contiguous) raise ConfigError before any
+//   communication, on the calling rank.
+// - Tensors passed in must stay untouched until the Work completes; the Work
+//   keeps them alive.
+// Tensors are at::Tensor, the same type as torch::Tensor.
+
+#include <ATen/core/Tensor.h>
+
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/deadline.h"
+#include "runtime/ledger.h"
+
+namespace bulkhead {
+
+struct CallOptions {
+  // Unset: the communicator's default timeout, counted from the call.
+  std::optional<Deadline> deadline;
+};
+
+struct ReduceOptions {
+  ReduceOp op = ReduceOp::Sum;
+  std::optional<Deadline> deadline;
+};
+
+struct SplitOptions {
+  // Unset: BULKHEAD_INIT_TIMEOUT from the call. Splitting is bootstrap work.
+  std::optional<Deadline> deadline;
+};
+
+// The handle of one operation in flight.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // True once the operation has ended, successfully or not. Never blocks.
+  virtual bool isCompleted() = 0;
+  // Waits until the operation ends or the earlier of `deadline` and the
+  // operation's own deadline passes (see the contract above); rethrows the
+  // error the operation ended with.
+  virtual void wait(std::optional<Deadline> deadline = std::nullopt) = 0;
+  // The error the operation ended with, if it ended with one.
+  virtual std::exception_ptr exception() const = 0;
+  // Its sequence number in the communicator's ledger.
+  virtual uint64_t sequence() const = 0;
+};
+
+using WorkPtr = std::shared_ptr<Work>;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "world", "tp[0]", "ep[1]": the name every message about this group uses.
+  virtual const std::string& name() const = 0;
+  // The world ranks of the members, in this group's rank order.
+  virtual const std::vector<int>& members() const = 0;
+  virtual const char* backend() const = 0;
+  virtual const Ledger& ledger() const = 0;
+
+  // In place: every rank ends with the reduction of all ranks' tensors.
+  virtual WorkPtr allReduce(at::Tensor tensor, ReduceOptions options = {}) = 0;
+  // output.numel() == size() * input.numel(); rank r's input lands in chunk r.
+  virtual WorkPtr allGather(at::Tensor input, at::Tensor output, CallOptions options = {}) = 0;
+  // input.numel() == size() * output.numel(); rank r gets chunk r of the reduction.
+  virtual WorkPtr reduceScatter(at::Tensor input, at::Tensor output, ReduceOptions options = {}) = 0;
+  // Rows (dim 0) of `send` go to ranks in order: sendSplits[r] rows to rank r;
+  // recvSplits[r] rows arrive from rank r. Empty split lists mean equal splits.
+  // Uneven and zero splits are legal; both tensors share dtype and row shape.
+  virtual WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits,
+                           std::vector<int64_t> recvSplits, CallOptions options = {}) = 0;
+  virtual WorkPtr broadcast(at::Tensor tensor, int root, CallOptions options = {}) = 0;
+  virtual WorkPtr barrier(CallOptions options = {}) = 0;
+  virtual WorkPtr send(at::Tensor tensor, int peer, CallOptions options = {}) = 0;
+  virtual WorkPtr recv(at::Tensor tensor, int peer, CallOptions options = {}) = 0;
+
+  // Collective over this group: ranks with the same color form a new group,
+  // ordered by (key, rank). A negative color joins no group and gets nullptr.
+  // The new group is named "<name>[<color>]".
+  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name,
+                                              SplitOptions options = {}) = 0;
+
+  // Marks the communicator unusable and fails its pending work; bounded.
+  virtual void abort(const std::string& reason) = 0;
+  virtual bool isAborted() const = 0;
+};
+
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+}  // namespace bulkhead

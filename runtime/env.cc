@@ -1,0 +1,95 @@
+#include "runtime/env.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <optional>
+
+#include "runtime/errors.h"
+
+namespace bulkhead::env {
+
+const Knob kLogLevel{"BULKHEAD_LOG_LEVEL", "info", "log level: error, warn, info, debug or trace"};
+const Knob kBackend{"BULKHEAD_BACKEND", "auto",
+                    "communication backend: auto (nccl where a GPU and NCCL are present, else mpi), mpi or nccl"};
+const Knob kInitTimeout{"BULKHEAD_INIT_TIMEOUT", "120",
+                        "seconds for world init, communicator bootstrap, splits and warm-up"};
+const Knob kCollectiveTimeout{"BULKHEAD_COLLECTIVE_TIMEOUT", "300",
+                              "seconds a collective or point-to-point operation may take before TimeoutError"};
+const Knob kCheckpointTimeout{"BULKHEAD_CHECKPOINT_TIMEOUT", "600", "seconds for a checkpoint save or load"};
+const Knob kShutdownTimeout{"BULKHEAD_SHUTDOWN_TIMEOUT", "30", "seconds for the final barrier and finalize"};
+const Knob kAbortGrace{"BULKHEAD_ABORT_GRACE", "1",
+                       "seconds a process whose MPI collective timed out waits before it exits, so peers can report too"};
+const Knob kLedgerCapacity{"BULKHEAD_LEDGER_CAPACITY", "1024",
+                           "collectives each communicator remembers in its ledger (ring buffer)"};
+
+const std::vector<const Knob*>& all() {
+  static const std::vector<const Knob*> knobs = {&kLogLevel,         &kBackend,          &kInitTimeout,
+                                                 &kCollectiveTimeout, &kCheckpointTimeout, &kShutdownTimeout,
+                                                 &kAbortGrace,       &kLedgerCapacity};
+  return knobs;
+}
+
+namespace {
+
+std::mutex cacheMutex;
+std::map<std::string, std::optional<std::string>> cache;  // name -> value in the environment, if set
+
+std::optional<std::string> lookup(const char* name) {
+  std::lock_guard<std::mutex> lock(cacheMutex);
+  auto it = cache.find(name);
+  if (it == cache.end()) {
+    const char* raw = std::getenv(name);
+    it = cache.emplace(name, raw ? std::optional<std::string>(raw) : std::nullopt).first;
+  }
+  return it->second;
+}
+
+[[noreturn]] void reject(const Knob& knob, const std::string& value, const char* wanted) {
+  throw ConfigError(fmt::format("{}='{}' is not {}; unset it to use the default ({}) or set a valid value",
+                                knob.name(), value, wanted, knob.defaultValue()),
+                    {.expected = wanted});
+}
+
+}  // namespace
+
+void forgetCachedValues() {
+  std::lock_guard<std::mutex> lock(cacheMutex);
+  cache.clear();
+}
+
+bool Knob::isSet() const { return lookup(name_).has_value(); }
+
+std::string Knob::text() const { return lookup(name_).value_or(defaultValue_); }
+
+double Knob::seconds() const {
+  std::string value = text();
+  char* end = nullptr;
+  double parsed = std::strtod(value.c_str(), &end);
+  if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(parsed) || parsed <= 0)
+    reject(*this, value, "a positive number of seconds");
+  return parsed;
+}
+
+int64_t Knob::integer() const {
+  std::string value = text();
+  char* end = nullptr;
+  long long parsed = std::strtoll(value.c_str(), &end, 10);
+  if (value.empty() || end != value.c_str() + value.size()) reject(*this, value, "an integer");
+  return parsed;
+}
+
+bool Knob::flag() const {
+  std::string value = text();
+  std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
+  if (value == "0" || value == "false" || value == "no" || value == "off" || value.empty()) return false;
+  reject(*this, text(), "a flag (1/0, true/false, yes/no, on/off)");
+}
+
+}  // namespace bulkhead::env
