@@ -44,8 +44,7 @@ const char* toString(OpState state) {
 
 bool isPointToPoint(OpType op) { return op == OpType::Send || op == OpType::Recv; }
 
-namespace {
-const char* shortName(c10::ScalarType dtype) {
+const char* dtypeName(c10::ScalarType dtype) {
   switch (dtype) {
     case c10::ScalarType::BFloat16: return "bf16";
     case c10::ScalarType::Half: return "fp16";
@@ -58,12 +57,11 @@ const char* shortName(c10::ScalarType dtype) {
     default: return c10::toString(dtype);
   }
 }
-}  // namespace
 
 std::string Fingerprint::describe() const {
   std::string text = toString(op);
   if (op == OpType::Barrier) return text;
-  text += fmt::format(" {} [{}]", shortName(dtype), fmt::join(shape, " x "));
+  text += fmt::format(" {} [{}]", dtypeName(dtype), fmt::join(shape, " x "));
   if (op == OpType::AllReduce || op == OpType::ReduceScatter) text += fmt::format(" {}", toString(reduce));
   if (op == OpType::Broadcast) text += fmt::format(" root {}", root);
   if (isPointToPoint(op)) text += fmt::format(" peer {}", root);

@@ -20,6 +20,8 @@ enum class OpType { AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, Ba
 enum class ReduceOp { Sum, Avg, Prod, Min, Max };
 
 const char* toString(OpType op);
+// Short dtype names used in every message: "bf16", "fp32", "int64", ...
+const char* dtypeName(c10::ScalarType dtype);
 const char* toString(ReduceOp op);
 bool isPointToPoint(OpType op);
 

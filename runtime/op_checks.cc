@@ -24,9 +24,9 @@ void tensor(const Communicator& comm, const BackendRules& rules, const at::Tenso
                       context(comm, c10::DeviceTypeName(rules.device, true)));
   if (std::find(rules.dtypes.begin(), rules.dtypes.end(), t.scalar_type()) == rules.dtypes.end()) {
     std::vector<std::string> names;
-    for (auto d : rules.dtypes) names.emplace_back(c10::toString(d));
+    for (auto d : rules.dtypes) names.emplace_back(dtypeName(d));
     throw ConfigError(fmt::format("the {} tensor has dtype {}, which the {} backend does not support", role,
-                                  c10::toString(t.scalar_type()), comm.backend()),
+                                  dtypeName(t.scalar_type()), comm.backend()),
                       context(comm, fmt::format("one of {}", fmt::join(names, ", "))));
   }
   if (!t.is_contiguous())
@@ -36,8 +36,7 @@ void tensor(const Communicator& comm, const BackendRules& rules, const at::Tenso
 
 void sameDtype(const Communicator& comm, const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type())
-    throw ConfigError(fmt::format("input is {} but output is {}", c10::toString(a.scalar_type()),
-                                  c10::toString(b.scalar_type())),
+    throw ConfigError(fmt::format("input is {} but output is {}", dtypeName(a.scalar_type()), dtypeName(b.scalar_type())),
                       context(comm, "input and output of the same dtype"));
 }
 
@@ -85,6 +84,15 @@ std::vector<int64_t> splits(const Communicator& comm, const at::Tensor& t, std::
                                   fmt::join(splits, ","), total, rows),
                       context(comm, fmt::format("split sizes adding up to {}", rows)));
   return splits;
+}
+
+void selfSplit(const Communicator& comm, const std::vector<int64_t>& sendSplits,
+               const std::vector<int64_t>& recvSplits) {
+  int me = comm.rank();
+  if (sendSplits[me] != recvSplits[me])
+    throw ConfigError(fmt::format("all-to-all sends {} rows from rank {} to itself but expects {} back", sendSplits[me],
+                                  me, recvSplits[me]),
+                      context(comm, "send split == recv split for this rank's own pair"));
 }
 
 void sameRowShape(const Communicator& comm, const at::Tensor& send, const at::Tensor& recv) {

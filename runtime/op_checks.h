@@ -31,6 +31,10 @@ void peer(const Communicator& comm, int peer, const char* role);
 // Length must be size(), entries non-negative, sum equal to t.size(0).
 std::vector<int64_t> splits(const Communicator& comm, const at::Tensor& t, std::vector<int64_t> splits,
                             const char* role);
+// What a rank sends to itself is what it receives from itself: the one pair
+// of an all-to-all that one rank can check alone.
+void selfSplit(const Communicator& comm, const std::vector<int64_t>& sendSplits,
+               const std::vector<int64_t>& recvSplits);
 void sameRowShape(const Communicator& comm, const at::Tensor& send, const at::Tensor& recv);
 // Elements per row of a tensor split on dim 0 (1 for 0-d and 1-d tensors).
 int64_t rowElements(const at::Tensor& t);

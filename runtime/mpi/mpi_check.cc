@@ -33,7 +33,7 @@ MPI_Datatype datatype(c10::ScalarType dtype) {
     case c10::ScalarType::Byte: return MPI_UINT8_T;
     case c10::ScalarType::BFloat16:
     case c10::ScalarType::Half: return MPI_UINT16_T;
-    default: throw ConfigError(fmt::format("dtype {} has no MPI datatype", c10::toString(dtype)));
+    default: throw ConfigError(fmt::format("dtype {} has no MPI datatype", dtypeName(dtype)));
   }
 }
 

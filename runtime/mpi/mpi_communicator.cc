@@ -173,6 +173,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     checks::sameRowShape(*this, send, recv);
     sendSplits = checks::splits(*this, send, std::move(sendSplits), "all-to-all send");
     recvSplits = checks::splits(*this, recv, std::move(recvSplits), "all-to-all recv");
+    checks::selfSplit(*this, sendSplits, recvSplits);
     auto op = prepare(OpType::AllToAll, send, recv);
     op->fingerprint.sendSplits = sendSplits;
     op->fingerprint.recvSplits = recvSplits;

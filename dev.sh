@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Bulkhead's developer entry point (the README's quickstart).
+#   ./dev.sh run     install what is missing, build, run the main job on 4 ranks
+#   ./dev.sh test    install what is missing, build, run the whole test suite
+#   ./dev.sh build   install what is missing and build
+# BULKHEAD_BUILD_DIR picks the build folder (default: build).
+set -euo pipefail
+cd "$(dirname "$0")"
+build_dir=${BULKHEAD_BUILD_DIR:-build}
+# Open MPI refuses root without these (containers and CI run as root).
+if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+
+build() {
+  ./install-deps.sh
+  local generator=() prefix
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  # A PyTorch install (with CUDA on GPU machines) provides libtorch's CMake files.
+  prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
+  cmake -S . -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"}
+  cmake --build "$build_dir" -j "$(nproc)"
+}
+
+case "${1:-}" in
+  build) build ;;
+  run)
+    build
+    mpirun --oversubscribe -np 4 "$build_dir/bin/bulkhead-collectives"
+    ;;
+  test)
+    build
+    ctest --test-dir "$build_dir" --output-on-failure
+    ;;
+  *)
+    echo "usage: $0 run|test|build" >&2
+    exit 2
+    ;;
+esac

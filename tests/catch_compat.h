@@ -1,0 +1,15 @@
+#pragma once
+// Catch2 v2 (Debian 12) and v3 (Ubuntu 24.04) behind one include.
+// c10's logging (glog or its own) defines CHECK too: take it in first, drop its
+// CHECK, and let Catch's stand; c10's include guards keep it from coming back.
+#include <c10/util/Logging.h>
+#undef CHECK
+#if __has_include(<catch2/catch_test_macros.hpp>)
+#include <catch2/catch_approx.hpp>
+#include <catch2/catch_session.hpp>
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+#define BULKHEAD_CATCH3 1
+#else
+#include <catch2/catch.hpp>
+#endif
