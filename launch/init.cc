@@ -6,6 +6,7 @@
 #include "runtime/errors.h"
 #include "runtime/log.h"
 #include "runtime/mpi/mpi_backend.h"
+#include "runtime/nccl/nccl_backend.h"
 
 namespace bulkhead {
 
@@ -29,16 +30,14 @@ Backend parseBackend(std::string_view text) {
 namespace {
 
 Backend resolve(Backend wanted) {
-  if (wanted == Backend::Nccl)
-    throw ConfigError("this build of Bulkhead has no NCCL backend; use the mpi backend (BULKHEAD_BACKEND=mpi)",
-                      {.expected = "backend mpi"});
-  return Backend::Mpi;
+  if (wanted == Backend::Auto) return nccl::available() ? Backend::Nccl : Backend::Mpi;
+  return wanted;  // nccl without a GPU fails in nccl::initWorld with a ConfigError that says why
 }
 
 }  // namespace
 
-Runtime::Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world)
-    : info_(std::move(info)), backend_(backend), world_(std::move(world)) {}
+Runtime::Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world, CommunicatorPtr cpuWorld)
+    : info_(std::move(info)), backend_(backend), world_(std::move(world)), cpuWorld_(std::move(cpuWorld)) {}
 
 Runtime::~Runtime() {
   try {
@@ -53,6 +52,7 @@ void Runtime::shutdown(std::optional<Deadline> deadline) {
   down_ = true;
   Deadline until = deadline.value_or(Deadline::afterSeconds(env::kShutdownTimeout.seconds()));
   world_.reset();
+  cpuWorld_.reset();
   mpi::finalize(until);
 }
 
@@ -76,7 +76,10 @@ std::unique_ptr<Runtime> init(InitOptions options) {
   if (!found) log::info("launch", "no launcher variables found: running as a single process");
   log::debug("launch", "world of {} ranks from {}, backend {}", info.size, launch::toString(info.source),
              toString(backend));
-  return std::make_unique<Runtime>(std::move(info), backend, std::move(world));
+  CommunicatorPtr backendWorld = world;
+  if (backend == Backend::Nccl)
+    backendWorld = nccl::initWorld(*world, {.deadline = deadline, .localRank = info.localRank});
+  return std::make_unique<Runtime>(std::move(info), backend, std::move(backendWorld), std::move(world));
 }
 
 int guardedMain(const std::function<int()>& body) {

@@ -20,6 +20,7 @@
 
 namespace bulkhead {
 
+// auto: nccl when this build has it and a GPU is visible, else mpi.
 enum class Backend { Auto, Mpi, Nccl };
 const char* toString(Backend backend);
 // "auto", "mpi", "nccl"; anything else is a ConfigError.
@@ -32,7 +33,9 @@ struct InitOptions {
 
 class Runtime {
  public:
-  Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world);
+  // `world` runs the backend's operations; `cpuWorld` is the MPI world that
+  // bootstrapped it (the same communicator when the backend is mpi).
+  Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world, CommunicatorPtr cpuWorld);
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
   // Shuts down with BULKHEAD_SHUTDOWN_TIMEOUT if shutdown() was not called.
@@ -42,6 +45,10 @@ class Runtime {
   Backend backend() const { return backend_; }
   Communicator& world() { return *world_; }
   const CommunicatorPtr& worldPtr() const { return world_; }
+  // CPU tensors, whatever the backend: bootstrap and out-of-band coordination.
+  Communicator& cpuWorld() { return *cpuWorld_; }
+  // The device of the backend's tensors: cuda:<n> for nccl, cpu for mpi.
+  c10::Device device() const { return world_->device(); }
 
   // A final world barrier under the deadline, then the backend's finalize.
   // With MPI, a process whose collective timed out exits here with code 3
@@ -52,6 +59,7 @@ class Runtime {
   launch::WorldInfo info_;
   Backend backend_;
   CommunicatorPtr world_;
+  CommunicatorPtr cpuWorld_;
   bool down_ = false;
 };
 

@@ -5,7 +5,10 @@
 // Contract, for every backend:
 // - All ranks of a group issue the same collectives in the same order.
 //   Zero-size messages are legal and still take part.
-// - Every operation returns a Work at once. Its deadline (the options', or the
+// - Every operation returns a Work at once. GPU backends enqueue it on a CUDA
+//   stream (see StreamHandle): later work on that stream is ordered after it
+//   without waiting; Work::wait blocks the host until it completed. A watchdog
+//   enforces the deadline of work nobody waits on. Its deadline (the options', or the
 //   communicator's default timeout counted from the call) covers the whole
 //   operation. Work::wait returns when it completed, or raises:
 //     TimeoutError  the deadline passed; the communicator is aborted and refuses
@@ -32,14 +35,21 @@
 
 namespace bulkhead {
 
+// A CUDA stream (cudaStream_t) for GPU backends, kept opaque here so this
+// header needs no CUDA. Null: the caller's current stream (PyTorch's current
+// stream of the communicator's device). CPU backends ignore it.
+using StreamHandle = void*;
+
 struct CallOptions {
   // Unset: the communicator's default timeout, counted from the call.
   std::optional<Deadline> deadline;
+  StreamHandle stream = nullptr;
 };
 
 struct ReduceOptions {
   ReduceOp op = ReduceOp::Sum;
   std::optional<Deadline> deadline;
+  StreamHandle stream = nullptr;
 };
 
 struct SplitOptions {
@@ -76,6 +86,8 @@ class Communicator {
   // The world ranks of the members, in this group's rank order.
   virtual const std::vector<int>& members() const = 0;
   virtual const char* backend() const = 0;
+  // Where this communicator's tensors must live: cpu for mpi, cuda:<n> for nccl.
+  virtual c10::Device device() const = 0;
   virtual const Ledger& ledger() const = 0;
 
   // In place: every rank ends with the reduction of all ranks' tensors.

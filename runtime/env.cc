@@ -24,7 +24,8 @@ const Knob kCollectiveTimeout{"BULKHEAD_COLLECTIVE_TIMEOUT", "300",
 const Knob kCheckpointTimeout{"BULKHEAD_CHECKPOINT_TIMEOUT", "600", "seconds for a checkpoint save or load"};
 const Knob kShutdownTimeout{"BULKHEAD_SHUTDOWN_TIMEOUT", "30", "seconds for the final barrier and finalize"};
 const Knob kAbortGrace{"BULKHEAD_ABORT_GRACE", "1",
-                       "seconds a process whose MPI collective timed out waits before it exits, so peers can report too"};
+                       "seconds an abort may take (ncclCommAbort runs on a helper thread and is abandoned after it), "
+                       "and that a process whose MPI collective timed out waits before exiting, so peers report too"};
 const Knob kLedgerCapacity{"BULKHEAD_LEDGER_CAPACITY", "1024",
                            "collectives each communicator remembers in its ledger (ring buffer)"};
 

@@ -179,7 +179,7 @@ Row measure(Communicator& world, const Case& c, int64_t bytes, int iterations) {
 int main(int argc, char** argv) {
   return guardedMain([&] {
     Options options = parse(argc, argv);
-    auto runtime = init();
+    auto runtime = init({.backend = Backend::Mpi});
     Communicator& world = runtime->world();
     std::vector<Row> rows;
     for (int64_t bytes : options.bytes) {

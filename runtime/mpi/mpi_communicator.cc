@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "runtime/backoff.h"
+#include "runtime/diagnosis.h"
 #include "runtime/env.h"
 #include "runtime/log.h"
 #include "runtime/mpi/mpi_backend.h"
@@ -114,6 +115,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   const std::string& name() const override { return name_; }
   const std::vector<int>& members() const override { return members_; }
   const char* backend() const override { return "mpi"; }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
   const Ledger& ledger() const override { return ledger_; }
   bool isAborted() const override { return aborted_; }
 
@@ -305,15 +307,9 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
 
   [[noreturn]] void timeout(const PendingOp& op) {
     double waited = std::chrono::duration<double>(op.deadline.when() - op.issuedAt).count();
-    LedgerHeads heads = ledger_.heads();
-    std::string message = fmt::format(
-        "group {} {} seq {} did not complete in {:.1f} s ({}); this rank last completed seq {}. "
-        "Look for a rank that never issued seq {} (stalled, crashed, or in a different collective), "
-        "or raise {} if the operation is only slow. MPI cannot cancel it: the communicator is aborted "
-        "and this process exits with code 3 at shutdown.",
-        checks::describeGroup(*this), toString(op.fingerprint.op), op.seq, waited, op.fingerprint.describe(),
-        isPointToPoint(op.fingerprint.op) ? heads.lastCompletedP2P : heads.lastCompleted, op.seq,
-        env::kCollectiveTimeout.name());
+    std::string message = describeTimeout(*this, op.fingerprint, op.seq, waited,
+                                          "MPI cannot cancel it: the communicator is aborted and this process "
+                                          "exits with code 3 at shutdown.");
     log::error("comm", "{}", message);
     markAborted(fmt::format("{} seq {} timed out", toString(op.fingerprint.op), op.seq));
     throw TimeoutError(message, checks::context(*this), op.seq);

@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
   std::string groupKind = argv[2], op = argv[3], outDir = argv[5];
   auto deadline = std::chrono::milliseconds(std::stoi(argv[4]));
 
-  auto runtime = init();
+  auto runtime = init({.backend = Backend::Mpi});
   Communicator& world = runtime->world();
   int me = world.rank(), n = world.size();
   CommunicatorPtr group = groupKind == "split" ? world.split(me % 2, me, "half") : runtime->worldPtr();

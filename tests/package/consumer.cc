@@ -7,7 +7,7 @@
 
 int main() {
   return bulkhead::guardedMain([] {
-    auto runtime = bulkhead::init();
+    auto runtime = bulkhead::init({.backend = bulkhead::Backend::Mpi});
     at::Tensor t = at::full({3}, runtime->world().rank() + 1.0);
     runtime->world().allReduce(t)->wait();
     int n = runtime->world().size();

@@ -1,0 +1,35 @@
+#pragma once
+// The NCCL backend: communicators on CUDA tensors (design section 3). This
+// header does not include nccl.h; only runtime/nccl sees it.
+//
+// Bootstrap and splits are non-blocking (config.blocking = 0) and polled with
+// ncclCommGetAsyncError against the init deadline: a rank that never joins
+// gives TimeoutError, not a hang. Operations are enqueued on a CUDA stream and
+// complete through CUDA events; a watchdog thread per communicator marks them
+// complete, watches for asynchronous NCCL errors and enforces the deadline of
+// work nobody waits on. On expiry or an error the communicator is aborted with
+// ncclCommAbort on a helper thread, abandoned after BULKHEAD_ABORT_GRACE, and
+// every pending Work fails with the error.
+
+#include "runtime/communicator.h"
+
+namespace bulkhead::nccl {
+
+// True when Bulkhead was built with NCCL, libtorch has CUDA, and a GPU is visible.
+bool available();
+// GPUs visible to this process (0 without a driver).
+int deviceCount();
+
+struct WorldOptions {
+  // Unset: BULKHEAD_INIT_TIMEOUT from the call.
+  std::optional<Deadline> deadline;
+  // The GPU of this rank; -1: local rank modulo the visible GPUs.
+  int device = -1;
+  int localRank = 0;
+};
+
+// Creates the world communicator over the ranks of `bootstrap` (a CPU
+// communicator, e.g. MPI's world), which carries NCCL's unique id.
+CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options = {});
+
+}  // namespace bulkhead::nccl

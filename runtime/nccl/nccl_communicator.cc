@@ -1,0 +1,234 @@
+// The NCCL backend's operations and work handle (see nccl_backend.h).
+#include "runtime/nccl/nccl_communicator.h"
+
+#include <fmt/format.h>
+
+#include "runtime/backoff.h"
+#include "runtime/env.h"
+#include "runtime/op_checks.h"
+
+#if BULKHEAD_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace bulkhead::nccl {
+namespace {
+
+using c10::ScalarType;
+
+const checks::BackendRules kRules{c10::kCUDA,
+                                  {ScalarType::Float, ScalarType::Double, ScalarType::BFloat16, ScalarType::Half,
+                                   ScalarType::Int, ScalarType::Long, ScalarType::Char, ScalarType::Byte}};
+
+class NcclWork : public Work {
+ public:
+  NcclWork(std::shared_ptr<NcclCommunicator> comm, std::shared_ptr<NcclOp> op)
+      : comm_(std::move(comm)), op_(std::move(op)) {}
+
+  bool isCompleted() override {
+    if (op_->status == OpStatus::Pending) comm_->progress();
+    return op_->status != OpStatus::Pending;
+  }
+
+  void wait(std::optional<Deadline> deadline) override {
+    Deadline until = deadline ? op_->deadline.earliest(*deadline) : op_->deadline;
+    Backoff backoff(std::chrono::microseconds(50));
+    for (;;) {
+      comm_->progress();
+      OpStatus status = op_->status;
+      if (status == OpStatus::Completed) return;
+      if (status == OpStatus::Failed) std::rethrow_exception(op_->error);
+      if (until.expired()) comm_->timeout(*op_);
+      backoff.pause(until);
+    }
+  }
+
+  std::exception_ptr exception() const override {
+    return op_->status == OpStatus::Failed ? op_->error : nullptr;
+  }
+  uint64_t sequence() const override { return op_->seq; }
+
+ private:
+  std::shared_ptr<NcclCommunicator> comm_;
+  std::shared_ptr<NcclOp> op_;
+};
+
+}  // namespace
+
+void NcclCommunicator::ensureUsable() const {
+  if (!aborted_) return;
+  std::lock_guard<std::mutex> lock(pendingMutex_);
+  throw CommError(fmt::format("{} was aborted ({}) and refuses further operations; restart the job from its last "
+                              "checkpoint once the cause is fixed",
+                              checks::describeGroup(*this), abortReason_),
+                  checks::context(*this));
+}
+
+std::shared_ptr<NcclOp> NcclCommunicator::prepare(OpType type, const at::Tensor& input, const at::Tensor& output) {
+  ensureUsable();
+  auto check = [&](const at::Tensor& t) {
+    if (t.defined() && t.is_cuda() && t.get_device() != device_)
+      throw ConfigError(fmt::format("the tensor is on cuda:{}, but this rank's communicator uses cuda:{}",
+                                    t.get_device(), device_),
+                        checks::context(*this, fmt::format("tensors on cuda:{}", device_)));
+  };
+  check(input);
+  check(output);
+  auto op = std::make_shared<NcclOp>();
+  op->fingerprint = checks::fingerprint(type, input);
+  if (input.defined()) op->buffers.push_back(input);
+  if (output.defined()) op->buffers.push_back(output);
+  return op;
+}
+
+cudaStream_t NcclCommunicator::streamFor(StreamHandle handle) const {
+  if (handle) return static_cast<cudaStream_t>(handle);
+#if BULKHEAD_TORCH_CUDA
+  return c10::cuda::getCurrentCUDAStream(device_).stream();
+#else
+  return nullptr;  // CUDA tensors need a libtorch with CUDA; this build has none
+#endif
+}
+
+WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::optional<Deadline> deadline,
+                                  StreamHandle stream, const char* call, const Issue& issue) {
+  op->issuedAt = Deadline::Clock::now();
+  op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
+  cudaStream_t cudaStream = streamFor(stream);
+  DeviceGuard guard(device_);
+  {
+    std::lock_guard<std::mutex> lock(enqueueMutex_);
+    ensureUsable();
+    op->seq = ledger_.issue(op->fingerprint);
+    ncclResult_t rc = issue(cudaStream);
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      ledger_.fail(op->fingerprint.op, op->seq);
+      check(rc, call, checks::context(*this));
+    }
+    // A non-blocking communicator may still be connecting peers: the
+    // operation is enqueued once it reports success, within its deadline.
+    if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
+    op->done = takeEvent();
+    check(cudaEventRecord(op->done, cudaStream), "cudaEventRecord", checks::context(*this));
+  }
+  {
+    std::lock_guard<std::mutex> lock(pendingMutex_);
+    pending_.push_back(op);
+  }
+  wake_.notify_one();
+  return std::make_shared<NcclWork>(shared_from_this(), op);
+}
+
+WorkPtr NcclCommunicator::allReduce(at::Tensor tensor, ReduceOptions options) {
+  checks::tensor(*this, kRules, tensor, "all-reduce");
+  if (options.op == ReduceOp::Avg && c10::isIntegralType(tensor.scalar_type(), true))
+    throw ConfigError("avg is defined for floating-point tensors; all-reduce integers with sum and divide",
+                      checks::context(*this, "a floating-point dtype for avg"));
+  auto op = prepare(OpType::AllReduce, tensor);
+  op->fingerprint.reduce = options.op;
+  return enqueue(op, options.deadline, options.stream, "ncclAllReduce", [&](cudaStream_t stream) {
+    return ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), datatype(tensor.scalar_type()),
+                         reduceOp(options.op), comm_, stream);
+  });
+}
+
+WorkPtr NcclCommunicator::allGather(at::Tensor input, at::Tensor output, CallOptions options) {
+  checks::tensor(*this, kRules, input, "all-gather input");
+  checks::tensor(*this, kRules, output, "all-gather output");
+  checks::sameDtype(*this, input, output);
+  checks::numel(*this, output, input.numel() * size_, "all-gather output", "it must hold size() inputs");
+  auto op = prepare(OpType::AllGather, input, output);
+  return enqueue(op, options.deadline, options.stream, "ncclAllGather", [&](cudaStream_t stream) {
+    return ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(), datatype(input.scalar_type()), comm_,
+                         stream);
+  });
+}
+
+WorkPtr NcclCommunicator::reduceScatter(at::Tensor input, at::Tensor output, ReduceOptions options) {
+  checks::tensor(*this, kRules, input, "reduce-scatter input");
+  checks::tensor(*this, kRules, output, "reduce-scatter output");
+  checks::sameDtype(*this, input, output);
+  checks::numel(*this, input, output.numel() * size_, "reduce-scatter input", "it must hold size() outputs");
+  if (options.op == ReduceOp::Avg && c10::isIntegralType(input.scalar_type(), true))
+    throw ConfigError("avg is defined for floating-point tensors", checks::context(*this, "a floating-point dtype"));
+  auto op = prepare(OpType::ReduceScatter, input, output);
+  op->fingerprint.reduce = options.op;
+  return enqueue(op, options.deadline, options.stream, "ncclReduceScatter", [&](cudaStream_t stream) {
+    return ncclReduceScatter(input.data_ptr(), output.data_ptr(), output.numel(), datatype(input.scalar_type()),
+                             reduceOp(options.op), comm_, stream);
+  });
+}
+
+WorkPtr NcclCommunicator::allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits,
+                                   std::vector<int64_t> recvSplits, CallOptions options) {
+  checks::tensor(*this, kRules, send, "all-to-all send");
+  checks::tensor(*this, kRules, recv, "all-to-all recv");
+  checks::sameDtype(*this, send, recv);
+  checks::sameRowShape(*this, send, recv);
+  sendSplits = checks::splits(*this, send, std::move(sendSplits), "all-to-all send");
+  recvSplits = checks::splits(*this, recv, std::move(recvSplits), "all-to-all recv");
+  checks::selfSplit(*this, sendSplits, recvSplits);
+  auto op = prepare(OpType::AllToAll, send, recv);
+  op->fingerprint.sendSplits = sendSplits;
+  op->fingerprint.recvSplits = recvSplits;
+  size_t rowBytes = static_cast<size_t>(checks::rowElements(send)) * send.element_size();
+  int64_t rowElements = checks::rowElements(send);
+  return enqueue(op, options.deadline, options.stream, "ncclGroupEnd (all-to-all)", [&](cudaStream_t stream) {
+    ncclDataType_t type = datatype(send.scalar_type());
+    auto* sendBytes = static_cast<char*>(send.data_ptr());
+    auto* recvBytes = static_cast<char*>(recv.data_ptr());
+    check(ncclGroupStart(), "ncclGroupStart", checks::context(*this));
+    size_t sendOffset = 0, recvOffset = 0;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (sendSplits[peer] > 0)
+        check(ncclSend(sendBytes + sendOffset, sendSplits[peer] * rowElements, type, peer, comm_, stream),
+              "ncclSend", checks::context(*this));
+      if (recvSplits[peer] > 0)
+        check(ncclRecv(recvBytes + recvOffset, recvSplits[peer] * rowElements, type, peer, comm_, stream),
+              "ncclRecv", checks::context(*this));
+      sendOffset += sendSplits[peer] * rowBytes;
+      recvOffset += recvSplits[peer] * rowBytes;
+    }
+    return ncclGroupEnd();
+  });
+}
+
+WorkPtr NcclCommunicator::broadcast(at::Tensor tensor, int root, CallOptions options) {
+  checks::tensor(*this, kRules, tensor, "broadcast");
+  checks::peer(*this, root, "root");
+  auto op = prepare(OpType::Broadcast, tensor);
+  op->fingerprint.root = root;
+  return enqueue(op, options.deadline, options.stream, "ncclBroadcast", [&](cudaStream_t stream) {
+    return ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), datatype(tensor.scalar_type()), root,
+                         comm_, stream);
+  });
+}
+
+WorkPtr NcclCommunicator::barrier(CallOptions options) {
+  auto op = prepare(OpType::Barrier, at::Tensor());
+  return enqueue(op, options.deadline, options.stream, "ncclAllReduce (barrier)", [&](cudaStream_t stream) {
+    return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream);
+  });
+}
+
+WorkPtr NcclCommunicator::send(at::Tensor tensor, int peer, CallOptions options) {
+  checks::tensor(*this, kRules, tensor, "send");
+  checks::peer(*this, peer, "peer");
+  auto op = prepare(OpType::Send, tensor);
+  op->fingerprint.root = peer;
+  return enqueue(op, options.deadline, options.stream, "ncclSend", [&](cudaStream_t stream) {
+    return ncclSend(tensor.data_ptr(), tensor.numel(), datatype(tensor.scalar_type()), peer, comm_, stream);
+  });
+}
+
+WorkPtr NcclCommunicator::recv(at::Tensor tensor, int peer, CallOptions options) {
+  checks::tensor(*this, kRules, tensor, "recv");
+  checks::peer(*this, peer, "peer");
+  auto op = prepare(OpType::Recv, tensor);
+  op->fingerprint.root = peer;
+  return enqueue(op, options.deadline, options.stream, "ncclRecv", [&](cudaStream_t stream) {
+    return ncclRecv(tensor.data_ptr(), tensor.numel(), datatype(tensor.scalar_type()), peer, comm_, stream);
+  });
+}
+
+}  // namespace bulkhead::nccl

@@ -1,0 +1,114 @@
+#pragma once
+// Backend-internal: the NCCL communicator and its work handle (see nccl_backend.h).
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "runtime/nccl/nccl_backend.h"
+#include "runtime/nccl/nccl_check.h"
+
+namespace bulkhead::nccl {
+
+enum class OpStatus { Pending, Completed, Failed };
+
+// One operation in flight: NCCL reads and writes its buffers until `done`
+// (an event recorded after it on its stream) has fired, so they live here.
+struct NcclOp {
+  Fingerprint fingerprint;
+  uint64_t seq = 0;
+  Deadline deadline = Deadline::never();
+  Deadline::Clock::time_point issuedAt;
+  cudaEvent_t done = nullptr;
+  std::vector<at::Tensor> buffers;
+  std::atomic<OpStatus> status{OpStatus::Pending};
+  std::exception_ptr error;  // set before status becomes Failed
+};
+
+// Sets the current CUDA device for a scope and restores the caller's.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+
+ private:
+  int previous_ = -1;
+  bool changed_ = false;
+};
+
+// Polls a non-blocking communicator until its init, split or enqueue has
+// finished. False on expiry; CommError if NCCL reports an error.
+bool waitReady(ncclComm_t comm, Deadline deadline, const ErrorContext& context);
+
+// ncclCommAbort on a helper thread, abandoned after BULKHEAD_ABORT_GRACE.
+// True if it returned in time (the communicator's resources are then freed).
+bool abortBounded(ncclComm_t comm);
+
+class NcclCommunicator : public Communicator, public std::enable_shared_from_this<NcclCommunicator> {
+ public:
+  NcclCommunicator(ncclComm_t comm, int device, std::string name, std::vector<int> members);
+  ~NcclCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  const std::vector<int>& members() const override { return members_; }
+  const char* backend() const override { return "nccl"; }
+  const Ledger& ledger() const override { return ledger_; }
+  bool isAborted() const override { return aborted_; }
+  c10::Device device() const override { return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_)); }
+
+  WorkPtr allReduce(at::Tensor tensor, ReduceOptions options) override;
+  WorkPtr allGather(at::Tensor input, at::Tensor output, CallOptions options) override;
+  WorkPtr reduceScatter(at::Tensor input, at::Tensor output, ReduceOptions options) override;
+  WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits,
+                   std::vector<int64_t> recvSplits, CallOptions options) override;
+  WorkPtr broadcast(at::Tensor tensor, int root, CallOptions options) override;
+  WorkPtr barrier(CallOptions options) override;
+  WorkPtr send(at::Tensor tensor, int peer, CallOptions options) override;
+  WorkPtr recv(at::Tensor tensor, int peer, CallOptions options) override;
+  CommunicatorPtr split(int color, int key, const std::string& name, SplitOptions options) override;
+  void abort(const std::string& reason) override;
+
+  // Settles operations whose events fired. Called by waiters and the watchdog.
+  void progress();
+  // Aborts the communicator because `op` ran out of time; every pending
+  // operation (this one included) then fails with the TimeoutError.
+  [[noreturn]] void timeout(NcclOp& op);
+
+ private:
+  using Issue = std::function<ncclResult_t(cudaStream_t)>;
+  std::shared_ptr<NcclOp> prepare(OpType type, const at::Tensor& input, const at::Tensor& output = {});
+  WorkPtr enqueue(const std::shared_ptr<NcclOp>& op, std::optional<Deadline> deadline, StreamHandle stream,
+                  const char* call, const Issue& issue);
+  cudaStream_t streamFor(StreamHandle handle) const;
+  void ensureUsable() const;
+  void abortWith(std::exception_ptr error, const std::string& reason);
+  void watch();
+  void shutdown();
+  cudaEvent_t takeEvent();
+
+  ncclComm_t comm_;
+  int device_;
+  std::string name_;
+  std::vector<int> members_;
+  int rank_ = 0, size_ = 1;
+  Ledger ledger_;
+  double defaultTimeout_;
+  int* scratch_ = nullptr;  // one device int for barriers
+
+  std::mutex enqueueMutex_;  // NCCL calls on comm_ come one at a time
+  mutable std::mutex pendingMutex_;
+  std::condition_variable wake_;
+  std::deque<std::shared_ptr<NcclOp>> pending_;
+  std::vector<cudaEvent_t> freeEvents_;
+  std::atomic<bool> aborted_{false};
+  std::string abortReason_;
+  std::atomic<bool> stopping_{false};
+  std::thread watchdog_;
+};
+
+}  // namespace bulkhead::nccl

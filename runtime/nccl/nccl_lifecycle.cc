@@ -1,0 +1,358 @@
+// The NCCL backend's bootstrap, splits, watchdog, abort and teardown.
+#include <ATen/ops/empty.h>
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "runtime/backoff.h"
+#include "runtime/diagnosis.h"
+#include "runtime/env.h"
+#include "runtime/log.h"
+#include "runtime/nccl/nccl_communicator.h"
+#include "runtime/op_checks.h"
+
+namespace bulkhead::nccl {
+namespace {
+
+constexpr auto kWatchdogPoll = std::chrono::milliseconds(1);
+constexpr auto kWatchdogIdle = std::chrono::milliseconds(100);
+
+ncclConfig_t nonBlockingConfig() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// Operations and communicators abandoned by an abort that did not return:
+// NCCL may still touch their memory, so they are never freed.
+std::mutex abandonedLock;
+std::vector<std::shared_ptr<NcclOp>> abandoned;
+
+}  // namespace
+
+DeviceGuard::DeviceGuard(int device) {
+  if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) changed_ = cudaSetDevice(device) == cudaSuccess;
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (changed_) cudaSetDevice(previous_);
+}
+
+int deviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return count;
+}
+
+bool available() {
+#if BULKHEAD_TORCH_CUDA
+  return deviceCount() > 0;
+#else
+  return false;
+#endif
+}
+
+bool waitReady(ncclComm_t comm, Deadline deadline, const ErrorContext& context) {
+  Backoff backoff(std::chrono::microseconds(500));
+  for (;;) {
+    ncclResult_t state = ncclInProgress;
+    check(ncclCommGetAsyncError(comm, &state), "ncclCommGetAsyncError", context);
+    if (state == ncclSuccess) return true;
+    check(state, "NCCL (asynchronous)", context);
+    if (deadline.expired()) return false;
+    backoff.pause(deadline);
+  }
+}
+
+bool abortBounded(ncclComm_t comm) {
+  struct State {
+    std::mutex mutex;
+    std::condition_variable done;
+    bool returned = false;
+  };
+  auto state = std::make_shared<State>();
+  std::thread([comm, state] {
+    ncclCommAbort(comm);
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->returned = true;
+    state->done.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  auto grace = std::chrono::duration<double>(env::kAbortGrace.seconds());
+  return state->done.wait_for(lock, grace, [&] { return state->returned; });
+}
+
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device, std::string name, std::vector<int> members)
+    : comm_(comm),
+      device_(device),
+      name_(std::move(name)),
+      members_(std::move(members)),
+      ledger_(static_cast<size_t>(std::max<int64_t>(1, env::kLedgerCapacity.integer()))),
+      defaultTimeout_(env::kCollectiveTimeout.seconds()) {
+  DeviceGuard guard(device_);
+  check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank", {.group = name_});
+  check(ncclCommCount(comm_, &size_), "ncclCommCount", {.group = name_});
+  check(cudaMalloc(reinterpret_cast<void**>(&scratch_), sizeof(int)), "cudaMalloc", {.group = name_});
+  watchdog_ = std::thread([this] { watch(); });
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  try {
+    shutdown();
+  } catch (const std::exception& e) {
+    log::error("comm", "shutting down {} failed: {}", name_, e.what());
+  }
+}
+
+void NcclCommunicator::shutdown() {
+  stopping_ = true;
+  wake_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  DeviceGuard guard(device_);
+  Deadline deadline = Deadline::afterSeconds(env::kShutdownTimeout.seconds());
+  Backoff backoff;
+  for (;;) {  // operations nobody waited for get the shutdown timeout to finish
+    progress();
+    std::lock_guard<std::mutex> lock(pendingMutex_);
+    if (pending_.empty() || aborted_ || deadline.expired()) break;
+    backoff.pause(deadline);
+  }
+  if (!aborted_) {
+    bool drained;
+    {
+      std::lock_guard<std::mutex> lock(pendingMutex_);
+      drained = pending_.empty();
+    }
+    if (drained) {
+      check(ncclCommFinalize(comm_), "ncclCommFinalize", checks::context(*this));
+      if (waitReady(comm_, deadline, checks::context(*this))) {
+        ncclCommDestroy(comm_);
+      } else {
+        abortWith(std::make_exception_ptr(CommError("finalize timed out", checks::context(*this))),
+                  "ncclCommFinalize did not finish within the shutdown timeout");
+      }
+    } else {
+      log::error("comm", "{} is being destroyed with operations that did not finish in {} s; aborting it",
+                 checks::describeGroup(*this), env::kShutdownTimeout.seconds());
+      abortWith(std::make_exception_ptr(CommError("destroyed with operations in flight", checks::context(*this))),
+                "destroyed with operations in flight");
+    }
+  }
+  for (cudaEvent_t event : freeEvents_) cudaEventDestroy(event);
+  cudaFree(scratch_);
+}
+
+cudaEvent_t NcclCommunicator::takeEvent() {
+  {
+    std::lock_guard<std::mutex> lock(pendingMutex_);
+    if (!freeEvents_.empty()) {
+      cudaEvent_t event = freeEvents_.back();
+      freeEvents_.pop_back();
+      return event;
+    }
+  }
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags", checks::context(*this));
+  return event;
+}
+
+void NcclCommunicator::progress() {
+  std::lock_guard<std::mutex> lock(pendingMutex_);
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    NcclOp& op = **it;
+    cudaError_t state = cudaEventQuery(op.done);
+    if (state == cudaErrorNotReady) {
+      ++it;
+      continue;
+    }
+    if (state == cudaSuccess) {
+      ledger_.complete(op.fingerprint.op, op.seq);
+      op.status = OpStatus::Completed;
+    } else {
+      cudaGetLastError();
+      op.error = std::make_exception_ptr(
+          CommError(fmt::format("{} seq {} failed on the GPU: {}", toString(op.fingerprint.op), op.seq,
+                                cudaGetErrorString(state)),
+                    checks::context(*this)));
+      ledger_.fail(op.fingerprint.op, op.seq);
+      op.status = OpStatus::Failed;
+    }
+    op.buffers.clear();
+    freeEvents_.push_back(op.done);
+    it = pending_.erase(it);
+  }
+}
+
+void NcclCommunicator::timeout(NcclOp& op) {
+  double waited = std::chrono::duration<double>(op.deadline.when() - op.issuedAt).count();
+  std::string message =
+      describeTimeout(*this, op.fingerprint, op.seq, waited,
+                      "The communicator is aborted (ncclCommAbort) and refuses further operations.");
+  auto error = std::make_exception_ptr(TimeoutError(message, checks::context(*this), op.seq));
+  if (!aborted_) log::error("comm", "{}", message);
+  abortWith(error, fmt::format("{} seq {} timed out", toString(op.fingerprint.op), op.seq));
+  if (op.status == OpStatus::Pending) {  // timed out while still being enqueued
+    ledger_.fail(op.fingerprint.op, op.seq);
+    op.error = error;
+    op.status = OpStatus::Failed;
+  }
+  std::rethrow_exception(op.status == OpStatus::Failed ? op.error : error);
+}
+
+void NcclCommunicator::abort(const std::string& reason) {
+  log::warn("comm", "aborting {}: {}", checks::describeGroup(*this), reason);
+  abortWith(std::make_exception_ptr(CommError(fmt::format("{} was aborted: {}", name_, reason),
+                                              checks::context(*this))),
+            reason);
+}
+
+void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& reason) {
+  std::vector<std::shared_ptr<NcclOp>> failed;
+  {
+    std::lock_guard<std::mutex> lock(pendingMutex_);
+    if (aborted_.exchange(true)) return;
+    abortReason_ = reason;
+    for (auto& op : pending_) {
+      op->error = error;
+      ledger_.fail(op->fingerprint.op, op->seq);
+      op->status = OpStatus::Failed;
+      failed.push_back(op);
+    }
+    pending_.clear();
+  }
+  if (!abortBounded(comm_)) {
+    log::error("comm", "ncclCommAbort of {} did not return within {} s; abandoning it", name_,
+               env::kAbortGrace.seconds());
+    std::lock_guard<std::mutex> lock(abandonedLock);
+    abandoned.insert(abandoned.end(), failed.begin(), failed.end());
+  }
+}
+
+void NcclCommunicator::watch() {
+  cudaSetDevice(device_);
+  while (!stopping_ && !aborted_) {
+    {
+      std::unique_lock<std::mutex> lock(pendingMutex_);
+      wake_.wait_for(lock, pending_.empty() ? kWatchdogIdle : kWatchdogPoll,
+                     [this] { return stopping_.load(); });
+    }
+    if (stopping_ || aborted_) break;
+    try {
+      progress();
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &state);
+      if (state != ncclSuccess && state != ncclInProgress) {
+        std::string message = fmt::format("NCCL reported an asynchronous error on {}: {}",
+                                          checks::describeGroup(*this), ncclGetErrorString(state));
+        log::error("comm", "{}", message);
+        abortWith(std::make_exception_ptr(CommError(message, checks::context(*this))), message);
+        break;
+      }
+      std::shared_ptr<NcclOp> late;
+      {
+        std::lock_guard<std::mutex> lock(pendingMutex_);
+        for (auto& op : pending_)
+          if (op->deadline.expired()) {
+            late = op;
+            break;
+          }
+      }
+      if (late) timeout(*late);
+    } catch (const Error&) {
+      // Already logged and delivered to the operation's waiters.
+    } catch (const std::exception& e) {
+      log::error("comm", "watchdog of {}: {}", name_, e.what());
+    }
+  }
+}
+
+CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& name, SplitOptions options) {
+  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
+  // Every rank's (color, key), gathered over this communicator under the
+  // deadline: it names the members of each new group and proves every rank
+  // reached the split before NCCL bootstraps the children.
+  DeviceGuard guard(device_);
+  int mine[2] = {color, key};
+  std::vector<int> all(2 * size_);
+  int* deviceBuffer = nullptr;
+  check(cudaMalloc(reinterpret_cast<void**>(&deviceBuffer), sizeof(int) * 2 * (size_ + 1)), "cudaMalloc",
+        checks::context(*this));
+  std::unique_ptr<int, void (*)(int*)> release(deviceBuffer, [](int* p) { cudaFree(p); });
+  check(cudaMemcpy(deviceBuffer, mine, sizeof(mine), cudaMemcpyHostToDevice), "cudaMemcpy", checks::context(*this));
+  auto op = prepare(OpType::Split, at::Tensor());
+  op->fingerprint.numel = 2;
+  enqueue(op, deadline, nullptr, "ncclAllGather (split)", [&](cudaStream_t stream) {
+    return ncclAllGather(deviceBuffer, deviceBuffer + 2, 2, ncclInt32, comm_, stream);
+  })->wait();
+  check(cudaMemcpy(all.data(), deviceBuffer + 2, sizeof(int) * 2 * size_, cudaMemcpyDeviceToHost), "cudaMemcpy",
+        checks::context(*this));
+
+  ncclComm_t child = nullptr;
+  ncclConfig_t config = nonBlockingConfig();
+  {
+    std::lock_guard<std::mutex> lock(enqueueMutex_);
+    check(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config), "ncclCommSplit",
+          checks::context(*this));
+    bool ready = waitReady(comm_, deadline, checks::context(*this)) &&
+                 (child == nullptr || waitReady(child, deadline, checks::context(*this)));
+    if (!ready) {
+      if (child) abortBounded(child);
+      throw TimeoutError(fmt::format("ncclCommSplit of {} into '{}' did not finish in the init deadline; a rank of "
+                                     "the new group stalled in bootstrap (out of GPU memory, or stuck). Raise {} "
+                                     "if bootstrap is only slow.",
+                                     checks::describeGroup(*this), name, env::kInitTimeout.name()),
+                         checks::context(*this));
+    }
+  }
+  if (color < 0) return nullptr;
+  std::vector<int> ranks;
+  for (int r = 0; r < size_; ++r)
+    if (all[2 * r] == color) ranks.push_back(r);
+  std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+  std::vector<int> worldRanks;
+  for (int r : ranks) worldRanks.push_back(members_[r]);
+  return std::make_shared<NcclCommunicator>(child, device_, fmt::format("{}[{}]", name, color),
+                                            std::move(worldRanks));
+}
+
+CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
+  ErrorContext context{.rank = bootstrap.members().at(bootstrap.rank()), .group = "world"};
+  if (!available())
+    throw ConfigError("the nccl backend needs a GPU and a libtorch built with CUDA; use the mpi backend "
+                      "(BULKHEAD_BACKEND=mpi) on CPUs",
+                      context);
+  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
+  int device = options.device >= 0 ? options.device : options.localRank % deviceCount();
+  check(cudaSetDevice(device), "cudaSetDevice", context);
+
+  ncclUniqueId id;
+  at::Tensor idBytes = at::empty({static_cast<int64_t>(sizeof(id))}, at::kByte);
+  if (bootstrap.rank() == 0) {
+    check(ncclGetUniqueId(&id), "ncclGetUniqueId", context);
+    std::memcpy(idBytes.data_ptr(), &id, sizeof(id));
+  }
+  bootstrap.broadcast(idBytes, 0, {.deadline = deadline})->wait();
+  std::memcpy(&id, idBytes.data_ptr(), sizeof(id));
+
+  auto started = Deadline::Clock::now();
+  ncclComm_t comm = nullptr;
+  ncclConfig_t config = nonBlockingConfig();
+  check(ncclCommInitRankConfig(&comm, bootstrap.size(), id, bootstrap.rank(), &config), "ncclCommInitRankConfig",
+        context);
+  if (!waitReady(comm, deadline, context)) {
+    abortBounded(comm);
+    throw TimeoutError(fmt::format("NCCL bootstrap of the world ({} ranks) did not finish in {:.1f} s: some rank "
+                                   "did not join init (crashed, stalled, or out of GPU memory). Check every rank's "
+                                   "log, or raise {} if bootstrap is only slow.",
+                                   bootstrap.size(),
+                                   std::chrono::duration<double>(deadline.when() - started).count(),
+                                   env::kInitTimeout.name()),
+                       context);
+  }
+  return std::make_shared<NcclCommunicator>(comm, device, "world", bootstrap.members());
+}
+
+}  // namespace bulkhead::nccl

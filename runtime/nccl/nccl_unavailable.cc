@@ -1,0 +1,15 @@
+// The NCCL backend's entry points in a build without CUDA or NCCL.
+#include "runtime/errors.h"
+#include "runtime/nccl/nccl_backend.h"
+
+namespace bulkhead::nccl {
+
+bool available() { return false; }
+int deviceCount() { return 0; }
+
+CommunicatorPtr initWorld(Communicator&, WorldOptions) {
+  throw ConfigError("this build of Bulkhead has no NCCL backend (CMake found no CUDA Toolkit or NCCL); use the mpi "
+                    "backend (BULKHEAD_BACKEND=mpi) or rebuild where CUDA and NCCL are installed");
+}
+
+}  // namespace bulkhead::nccl

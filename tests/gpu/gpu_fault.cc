@@ -1,0 +1,104 @@
+// GPU fault program: with the nccl backend on 2 ranks, rank 1 misbehaves and
+// rank 0 must raise TimeoutError within the deadline plus 2 s, without hanging
+// in abort; the job must then exit non-zero.
+//
+//   gpu_fault <init|collective|unwaited> <deadline-ms> <out-dir>
+//   init:       rank 1 takes NCCL's unique id but never joins ncclCommInitRankConfig
+//   collective: rank 1 skips an all-reduce that rank 0 waits on
+//   unwaited:   as collective, but rank 0 never waits: the watchdog must fail it
+// Rank 0 writes <out-dir>/rank_0.txt: seconds waited, the error's type and message.
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include "launch/init.h"
+#include "runtime/errors.h"
+#include "runtime/nccl/nccl_backend.h"
+
+using namespace bulkhead;
+
+namespace {
+
+void report(const std::string& dir, double waited, const std::string& outcome) {
+  std::FILE* file = std::fopen(fmt::format("{}/rank_0.txt", dir).c_str(), "w");
+  std::fprintf(file, "%.3f %s\n", waited, outcome.c_str());
+  std::fclose(file);
+}
+
+std::string describe(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    return fmt::format("{} {}", e.kind(), e.what());
+  } catch (const std::exception& e) {
+    return fmt::format("std::exception {}", e.what());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s <init|collective|unwaited> <deadline-ms> <out-dir>\n", argv[0]);
+    return 2;
+  }
+  std::string mode = argv[1], outDir = argv[3];
+  auto deadlineAfter = std::chrono::milliseconds(std::stoi(argv[2]));
+  auto runtime = init({.backend = Backend::Mpi});
+  Communicator& cpu = runtime->cpuWorld();
+  int me = cpu.rank();
+  auto start = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+
+  if (mode == "init") {
+    if (me == 1) {
+      at::Tensor id = at::empty({128}, at::kByte);  // NCCL_UNIQUE_ID_BYTES: what initWorld broadcasts
+      cpu.broadcast(id, 0)->wait();
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+      return 0;
+    }
+    start = std::chrono::steady_clock::now();
+    try {
+      nccl::initWorld(cpu, {.deadline = Deadline::after(deadlineAfter), .localRank = me});
+      report(outDir, elapsed(), "no error");
+    } catch (...) {
+      report(outDir, elapsed(), describe(std::current_exception()));
+    }
+    return 0;
+  }
+
+  CommunicatorPtr gpu = nccl::initWorld(cpu, {.localRank = me});
+  at::Tensor t = at::randn({1 << 20}, at::TensorOptions().device(gpu->device()));
+  for (int i = 0; i < 5; ++i) gpu->allReduce(t)->wait();
+  if (me == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
+  start = std::chrono::steady_clock::now();
+  auto work = gpu->allReduce(t, {.deadline = Deadline::after(deadlineAfter)});
+  std::string outcome = "no error";
+  if (mode == "collective") {
+    try {
+      work->wait();
+    } catch (...) {
+      outcome = describe(std::current_exception());
+    }
+  } else {
+    while (!work->isCompleted()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (work->exception()) outcome = describe(work->exception());
+  }
+  double waited = elapsed();
+  // The communicator refuses further use once aborted.
+  try {
+    gpu->allReduce(t)->wait();
+    outcome += " | a later operation ran";
+  } catch (const CommError&) {
+    outcome += " | later operations refused";
+  }
+  report(outDir, waited, outcome);
+  return 0;
+}
