@@ -26,18 +26,26 @@ class NcclWork : public Work {
       : comm_(std::move(comm)), op_(std::move(op)) {}
 
   bool isCompleted() override {
-    if (op_->status == OpStatus::Pending) comm_->progress();
+    if (op_->status == OpStatus::Pending) {
+      cudaError_t state = cudaEventQuery(op_->done);
+      if (state != cudaErrorNotReady) comm_->settle(*op_, state);
+    }
     return op_->status != OpStatus::Pending;
   }
 
+  // Polls this operation's own event: no lock, one query per poll.
   void wait(std::optional<Deadline> deadline) override {
     Deadline until = deadline ? op_->deadline.earliest(*deadline) : op_->deadline;
     Backoff backoff(std::chrono::microseconds(50));
     for (;;) {
-      comm_->progress();
       OpStatus status = op_->status;
       if (status == OpStatus::Completed) return;
       if (status == OpStatus::Failed) std::rethrow_exception(op_->error);
+      cudaError_t state = cudaEventQuery(op_->done);
+      if (state != cudaErrorNotReady) {
+        comm_->settle(*op_, state);
+        continue;
+      }
       if (until.expired()) comm_->timeout(*op_);
       backoff.pause(until);
     }
@@ -108,14 +116,17 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
     // A non-blocking communicator may still be connecting peers: the
     // operation is enqueued once it reports success, within its deadline.
     if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
-    op->done = takeEvent();
+    op->events = events_;
+    op->done = events_->take(checks::context(*this));
     check(cudaEventRecord(op->done, cudaStream), "cudaEventRecord", checks::context(*this));
   }
+  bool wasIdle;
   {
     std::lock_guard<std::mutex> lock(pendingMutex_);
+    wasIdle = pending_.empty();
     pending_.push_back(op);
   }
-  wake_.notify_one();
+  if (wasIdle) wake_.notify_one();  // the watchdog sleeps long only while nothing is pending
   return std::make_shared<NcclWork>(shared_from_this(), op);
 }
 

@@ -15,14 +15,29 @@ namespace bulkhead::nccl {
 
 enum class OpStatus { Pending, Completed, Failed };
 
+// Recycled CUDA events. An operation gives its event back when it is
+// destroyed, so a waiter that holds the operation never sees the event reused.
+class EventPool {
+ public:
+  ~EventPool();
+  cudaEvent_t take(const ErrorContext& context);
+  void give(cudaEvent_t event);
+
+ private:
+  std::mutex mutex_;
+  std::vector<cudaEvent_t> free_;
+};
+
 // One operation in flight: NCCL reads and writes its buffers until `done`
 // (an event recorded after it on its stream) has fired, so they live here.
 struct NcclOp {
+  ~NcclOp();
   Fingerprint fingerprint;
   uint64_t seq = 0;
   Deadline deadline = Deadline::never();
   Deadline::Clock::time_point issuedAt;
   cudaEvent_t done = nullptr;
+  std::shared_ptr<EventPool> events;
   std::vector<at::Tensor> buffers;
   std::atomic<OpStatus> status{OpStatus::Pending};
   std::exception_ptr error;  // set before status becomes Failed
@@ -73,8 +88,11 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   CommunicatorPtr split(int color, int key, const std::string& name, SplitOptions options) override;
   void abort(const std::string& reason) override;
 
-  // Settles operations whose events fired. Called by waiters and the watchdog.
+  // Settles, in issue order, the operations whose events fired; stops at the
+  // first still running, so a call costs one event query in the steady state.
   void progress();
+  // Settles one operation whose event reported `state` (idempotent).
+  void settle(NcclOp& op, cudaError_t state);
   // Aborts the communicator because `op` ran out of time; every pending
   // operation (this one included) then fails with the TimeoutError.
   [[noreturn]] void timeout(NcclOp& op);
@@ -89,7 +107,6 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   void abortWith(std::exception_ptr error, const std::string& reason);
   void watch();
   void shutdown();
-  cudaEvent_t takeEvent();
 
   ncclComm_t comm_;
   int device_;
@@ -104,7 +121,7 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   mutable std::mutex pendingMutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<NcclOp>> pending_;
-  std::vector<cudaEvent_t> freeEvents_;
+  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   std::atomic<bool> aborted_{false};
   std::string abortReason_;
   std::atomic<bool> stopping_{false};

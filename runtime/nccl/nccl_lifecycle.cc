@@ -14,7 +14,7 @@
 namespace bulkhead::nccl {
 namespace {
 
-constexpr auto kWatchdogPoll = std::chrono::milliseconds(1);
+constexpr auto kWatchdogPoll = std::chrono::milliseconds(2);
 constexpr auto kWatchdogIdle = std::chrono::milliseconds(100);
 
 ncclConfig_t nonBlockingConfig() {
@@ -29,6 +29,35 @@ std::mutex abandonedLock;
 std::vector<std::shared_ptr<NcclOp>> abandoned;
 
 }  // namespace
+
+EventPool::~EventPool() {
+  for (cudaEvent_t event : free_) cudaEventDestroy(event);
+}
+
+cudaEvent_t EventPool::take(const ErrorContext& context) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!free_.empty()) {
+      cudaEvent_t event = free_.back();
+      free_.pop_back();
+      return event;
+    }
+  }
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags", context);
+  return event;
+}
+
+void EventPool::give(cudaEvent_t event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.push_back(event);
+}
+
+// A failed operation's event may still be recorded on a stream NCCL never
+// finished (an abandoned abort): it is not reused.
+NcclOp::~NcclOp() {
+  if (done && events && status == OpStatus::Completed) events->give(done);
+}
 
 DeviceGuard::DeviceGuard(int device) {
   if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) changed_ = cudaSetDevice(device) == cudaSuccess;
@@ -141,49 +170,41 @@ void NcclCommunicator::shutdown() {
                 "destroyed with operations in flight");
     }
   }
-  for (cudaEvent_t event : freeEvents_) cudaEventDestroy(event);
   cudaFree(scratch_);
 }
 
-cudaEvent_t NcclCommunicator::takeEvent() {
-  {
-    std::lock_guard<std::mutex> lock(pendingMutex_);
-    if (!freeEvents_.empty()) {
-      cudaEvent_t event = freeEvents_.back();
-      freeEvents_.pop_back();
-      return event;
+void NcclCommunicator::progress() {
+  for (;;) {
+    std::shared_ptr<NcclOp> front;
+    {
+      std::lock_guard<std::mutex> lock(pendingMutex_);
+      if (pending_.empty()) return;
+      front = pending_.front();
     }
+    cudaError_t state = cudaEventQuery(front->done);
+    if (state == cudaErrorNotReady) return;
+    settle(*front, state);
   }
-  cudaEvent_t event = nullptr;
-  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags", checks::context(*this));
-  return event;
 }
 
-void NcclCommunicator::progress() {
+void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
   std::lock_guard<std::mutex> lock(pendingMutex_);
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    NcclOp& op = **it;
-    cudaError_t state = cudaEventQuery(op.done);
-    if (state == cudaErrorNotReady) {
-      ++it;
-      continue;
-    }
-    if (state == cudaSuccess) {
-      ledger_.complete(op.fingerprint.op, op.seq);
-      op.status = OpStatus::Completed;
-    } else {
-      cudaGetLastError();
-      op.error = std::make_exception_ptr(
-          CommError(fmt::format("{} seq {} failed on the GPU: {}", toString(op.fingerprint.op), op.seq,
-                                cudaGetErrorString(state)),
-                    checks::context(*this)));
-      ledger_.fail(op.fingerprint.op, op.seq);
-      op.status = OpStatus::Failed;
-    }
-    op.buffers.clear();
-    freeEvents_.push_back(op.done);
-    it = pending_.erase(it);
+  auto it = std::find_if(pending_.begin(), pending_.end(), [&](const auto& p) { return p.get() == &op; });
+  if (it == pending_.end()) return;  // settled already, or failed by an abort
+  if (state == cudaSuccess) {
+    ledger_.complete(op.fingerprint.op, op.seq);
+    op.status = OpStatus::Completed;
+  } else {
+    cudaGetLastError();
+    op.error = std::make_exception_ptr(CommError(fmt::format("{} seq {} failed on the GPU: {}",
+                                                             toString(op.fingerprint.op), op.seq,
+                                                             cudaGetErrorString(state)),
+                                                 checks::context(*this)));
+    ledger_.fail(op.fingerprint.op, op.seq);
+    op.status = OpStatus::Failed;
   }
+  op.buffers.clear();
+  pending_.erase(it);
 }
 
 void NcclCommunicator::timeout(NcclOp& op) {
@@ -260,7 +281,12 @@ void NcclCommunicator::watch() {
             break;
           }
       }
-      if (late) timeout(*late);
+      if (late) {
+        // It may have finished behind an earlier operation on another stream.
+        cudaError_t state = cudaEventQuery(late->done);
+        if (state == cudaErrorNotReady) timeout(*late);
+        settle(*late, state);
+      }
     } catch (const Error&) {
       // Already logged and delivered to the operation's waiters.
     } catch (const std::exception& e) {
