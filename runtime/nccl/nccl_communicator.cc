@@ -108,13 +108,20 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
     std::lock_guard<std::mutex> lock(enqueueMutex_);
     ensureUsable();
     op->seq = ledger_.issue(op->fingerprint);
+    {
+      std::lock_guard<std::mutex> watched(pendingMutex_);
+      enqueuing_ = op;
+    }
     ncclResult_t rc = issue(cudaStream);
+    {
+      std::lock_guard<std::mutex> watched(pendingMutex_);
+      enqueuing_.reset();
+    }
+    if (op->status == OpStatus::Failed) std::rethrow_exception(op->error);  // the watchdog gave up on the call
     if (rc != ncclSuccess && rc != ncclInProgress) {
       ledger_.fail(op->fingerprint.op, op->seq);
       check(rc, call, checks::context(*this));
     }
-    // A non-blocking communicator may still be connecting peers: the
-    // operation is enqueued once it reports success, within its deadline.
     if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
     op->events = events_;
     op->done = events_->take(checks::context(*this));

@@ -62,6 +62,18 @@ bool waitReady(ncclComm_t comm, Deadline deadline, const ErrorContext& context);
 // True if it returned in time (the communicator's resources are then freed).
 bool abortBounded(ncclComm_t comm);
 
+// Runs a blocking NCCL call on a helper thread and waits for it until the
+// deadline. Nullopt if it has not returned by then: it is abandoned to the
+// abort that the caller issues next, which makes NCCL give it up.
+std::optional<ncclResult_t> runBounded(std::function<ncclResult_t()> call, Deadline deadline);
+
+// A blocking child of `parent` (color < 0: none) created under the deadline:
+// data-path communicators are blocking, because NCCL launches every operation
+// of a non-blocking one on a thread of its own (tens of microseconds each).
+// On expiry the parent is aborted and TimeoutError names `what`.
+ncclComm_t splitBounded(ncclComm_t parent, int color, int key, Deadline deadline, const ErrorContext& context,
+                        const std::string& what);
+
 class NcclCommunicator : public Communicator, public std::enable_shared_from_this<NcclCommunicator> {
  public:
   NcclCommunicator(ncclComm_t comm, int device, std::string name, std::vector<int> members);
@@ -121,6 +133,9 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   mutable std::mutex pendingMutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<NcclOp>> pending_;
+  // The operation whose NCCL call is running now: a first send to a peer
+  // connects inside that call, so the watchdog bounds it too.
+  std::shared_ptr<NcclOp> enqueuing_;
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   std::atomic<bool> aborted_{false};
   std::string abortReason_;

@@ -17,9 +17,9 @@ namespace {
 constexpr auto kWatchdogPoll = std::chrono::milliseconds(2);
 constexpr auto kWatchdogIdle = std::chrono::milliseconds(100);
 
-ncclConfig_t nonBlockingConfig() {
+ncclConfig_t configWithBlocking(int blocking) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  config.blocking = blocking;
   return config;
 }
 
@@ -114,6 +114,52 @@ bool abortBounded(ncclComm_t comm) {
   return state->done.wait_for(lock, grace, [&] { return state->returned; });
 }
 
+std::optional<ncclResult_t> runBounded(std::function<ncclResult_t()> call, Deadline deadline) {
+  struct State {
+    std::mutex mutex;
+    std::condition_variable done;
+    std::optional<ncclResult_t> result;
+  };
+  auto state = std::make_shared<State>();
+  std::thread([state, call = std::move(call)] {
+    ncclResult_t rc = call();
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->result = rc;
+    state->done.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->done.wait_until(lock, deadline.when(), [&] { return state->result.has_value(); });
+  return state->result;
+}
+
+ncclComm_t splitBounded(ncclComm_t parent, int color, int key, Deadline deadline, const ErrorContext& context,
+                        const std::string& what) {
+  auto child = std::make_shared<ncclComm_t>(nullptr);
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice", context);
+  auto rc = runBounded(
+      [parent, color, key, child, device] {
+        cudaSetDevice(device);
+        ncclConfig_t config = configWithBlocking(1);
+        return ncclCommSplit(parent, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, child.get(), &config);
+      },
+      deadline);
+  bool ready = rc.has_value();
+  if (ready) {
+    check(*rc, "ncclCommSplit", context);
+    // A non-blocking parent hands back the split in progress.
+    ready = waitReady(parent, deadline, context) && (*child == nullptr || waitReady(*child, deadline, context));
+  }
+  if (!ready) {
+    abortBounded(parent);  // also stops a child still bootstrapping
+    throw TimeoutError(fmt::format("creating {} did not finish in the init deadline: a rank of the new group did not "
+                                   "join (crashed, stalled, or out of GPU memory). Raise {} if bootstrap is only slow.",
+                                   what, env::kInitTimeout.name()),
+                       context);
+  }
+  return *child;
+}
+
 NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device, std::string name, std::vector<int> members)
     : comm_(comm),
       device_(device),
@@ -156,8 +202,9 @@ void NcclCommunicator::shutdown() {
       drained = pending_.empty();
     }
     if (drained) {
-      check(ncclCommFinalize(comm_), "ncclCommFinalize", checks::context(*this));
-      if (waitReady(comm_, deadline, checks::context(*this))) {
+      ncclComm_t comm = comm_;
+      auto rc = runBounded([comm] { return ncclCommFinalize(comm); }, deadline);
+      if (rc && (*rc == ncclSuccess || *rc == ncclInProgress) && waitReady(comm_, deadline, checks::context(*this))) {
         ncclCommDestroy(comm_);
       } else {
         abortWith(std::make_exception_ptr(CommError("finalize timed out", checks::context(*this))),
@@ -257,7 +304,7 @@ void NcclCommunicator::watch() {
   while (!stopping_ && !aborted_) {
     {
       std::unique_lock<std::mutex> lock(pendingMutex_);
-      wake_.wait_for(lock, pending_.empty() ? kWatchdogIdle : kWatchdogPoll,
+      wake_.wait_for(lock, pending_.empty() && !enqueuing_ ? kWatchdogIdle : kWatchdogPoll,
                      [this] { return stopping_.load(); });
     }
     if (stopping_ || aborted_) break;
@@ -273,14 +320,15 @@ void NcclCommunicator::watch() {
         break;
       }
       std::shared_ptr<NcclOp> late;
+      bool insideCall = false;
       {
         std::lock_guard<std::mutex> lock(pendingMutex_);
-        for (auto& op : pending_)
-          if (op->deadline.expired()) {
-            late = op;
-            break;
-          }
+        if (enqueuing_ && enqueuing_->deadline.expired()) late = enqueuing_;
+        insideCall = late != nullptr;
+        for (auto it = pending_.begin(); !late && it != pending_.end(); ++it)
+          if ((*it)->deadline.expired()) late = *it;
       }
+      if (insideCall) timeout(*late);  // stuck inside its NCCL call (connecting to a peer that never came)
       if (late) {
         // It may have finished behind an earlier operation on another stream.
         cudaError_t state = cudaEventQuery(late->done);
@@ -317,20 +365,14 @@ CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& n
         checks::context(*this));
 
   ncclComm_t child = nullptr;
-  ncclConfig_t config = nonBlockingConfig();
   {
     std::lock_guard<std::mutex> lock(enqueueMutex_);
-    check(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config), "ncclCommSplit",
-          checks::context(*this));
-    bool ready = waitReady(comm_, deadline, checks::context(*this)) &&
-                 (child == nullptr || waitReady(child, deadline, checks::context(*this)));
-    if (!ready) {
-      if (child) abortBounded(child);
-      throw TimeoutError(fmt::format("ncclCommSplit of {} into '{}' did not finish in the init deadline; a rank of "
-                                     "the new group stalled in bootstrap (out of GPU memory, or stuck). Raise {} "
-                                     "if bootstrap is only slow.",
-                                     checks::describeGroup(*this), name, env::kInitTimeout.name()),
-                         checks::context(*this));
+    try {
+      child = splitBounded(comm_, color, key, deadline, checks::context(*this),
+                           fmt::format("group '{}' from {}", name, checks::describeGroup(*this)));
+    } catch (const TimeoutError& e) {
+      abortWith(std::current_exception(), "a split timed out");  // splitBounded aborted the NCCL communicator
+      throw;
     }
   }
   if (color < 0) return nullptr;
@@ -363,13 +405,16 @@ CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
   bootstrap.broadcast(idBytes, 0, {.deadline = deadline})->wait();
   std::memcpy(&id, idBytes.data_ptr(), sizeof(id));
 
+  // Connect every collective algorithm while communicators are created, under
+  // the init deadline, rather than inside the first operation.
+  setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
   auto started = Deadline::Clock::now();
-  ncclComm_t comm = nullptr;
-  ncclConfig_t config = nonBlockingConfig();
-  check(ncclCommInitRankConfig(&comm, bootstrap.size(), id, bootstrap.rank(), &config), "ncclCommInitRankConfig",
+  ncclComm_t boot = nullptr;
+  ncclConfig_t config = configWithBlocking(0);
+  check(ncclCommInitRankConfig(&boot, bootstrap.size(), id, bootstrap.rank(), &config), "ncclCommInitRankConfig",
         context);
-  if (!waitReady(comm, deadline, context)) {
-    abortBounded(comm);
+  if (!waitReady(boot, deadline, context)) {
+    abortBounded(boot);
     throw TimeoutError(fmt::format("NCCL bootstrap of the world ({} ranks) did not finish in {:.1f} s: some rank "
                                    "did not join init (crashed, stalled, or out of GPU memory). Check every rank's "
                                    "log, or raise {} if bootstrap is only slow.",
@@ -377,6 +422,15 @@ CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
                                    std::chrono::duration<double>(deadline.when() - started).count(),
                                    env::kInitTimeout.name()),
                        context);
+  }
+  // Bootstrap is non-blocking so that it can be bounded; the world's own
+  // communicator is a blocking child of it (see splitBounded).
+  ncclComm_t comm = splitBounded(boot, 0, bootstrap.rank(), deadline, context, "the world communicator");
+  auto finalized = runBounded([boot] { return ncclCommFinalize(boot); }, deadline);
+  if (finalized && waitReady(boot, deadline, context)) {
+    ncclCommDestroy(boot);
+  } else {
+    abortBounded(boot);
   }
   return std::make_shared<NcclCommunicator>(comm, device, "world", bootstrap.members());
 }
