@@ -6,6 +6,8 @@
 //   init:       rank 1 takes NCCL's unique id but never joins ncclCommInitRankConfig
 //   collective: rank 1 skips an all-reduce that rank 0 waits on
 //   unwaited:   as collective, but rank 0 never waits: the watchdog must fail it
+//   connect:    rank 1 skips the very first all-to-all, whose NCCL call on rank 0
+//               blocks connecting to it: the watchdog must bound the call itself
 // Rank 0 writes <out-dir>/rank_0.txt: seconds waited, the error's type and message.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -43,7 +45,7 @@ std::string describe(const std::exception_ptr& error) {
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::fprintf(stderr, "usage: %s <init|collective|unwaited> <deadline-ms> <out-dir>\n", argv[0]);
+    std::fprintf(stderr, "usage: %s <init|collective|unwaited|connect> <deadline-ms> <out-dir>\n", argv[0]);
     return 2;
   }
   std::string mode = argv[1], outDir = argv[3];
@@ -73,6 +75,29 @@ int main(int argc, char** argv) {
 
   CommunicatorPtr gpu = nccl::initWorld(cpu, {.localRank = me});
   at::Tensor t = at::randn({1 << 20}, at::TensorOptions().device(gpu->device()));
+  if (mode == "connect") {
+    if (me == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+      return 0;
+    }
+    at::Tensor recv = at::empty_like(t);
+    start = std::chrono::steady_clock::now();
+    std::string outcome = "no error";
+    try {
+      gpu->allToAll(t, recv, {}, {}, {.deadline = Deadline::after(deadlineAfter)})->wait();
+    } catch (...) {
+      outcome = describe(std::current_exception());
+    }
+    double waited = elapsed();
+    try {
+      gpu->allReduce(t)->wait();
+      outcome += " | a later operation ran";
+    } catch (const CommError&) {
+      outcome += " | later operations refused";
+    }
+    report(outDir, waited, outcome);
+    return 0;
+  }
   for (int i = 0; i < 5; ++i) gpu->allReduce(t)->wait();
   if (me == 1) {
     std::this_thread::sleep_for(std::chrono::seconds(60));

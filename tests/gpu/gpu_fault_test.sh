@@ -2,7 +2,7 @@
 # Fault tests on GPUs (2 ranks, one per GPU): rank 0 must raise TimeoutError
 # within the deadline (2 s) plus 2 s and the job must exit non-zero, without
 # hanging in abort. Skipped (exit 77) with fewer than 2 GPUs.
-# usage: gpu_fault_test.sh <init|collective|unwaited> <program> <mpirun>
+# usage: gpu_fault_test.sh <init|collective|unwaited|connect> <program> <mpirun>
 set -u
 mode=$1 program=$2 mpirun=$3
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
@@ -27,6 +27,10 @@ echo "job exited with code $code after $elapsed_ms ms; rank 0 waited $waited s: 
 awk -v w="$waited" 'BEGIN { exit !(w >= 1.9 && w <= 4.0) }' || fail "rank 0 waited $waited s, not 2-4 s"
 case $mode in
   init) echo "$rest" | grep -q "did not join init" || fail "the message does not say a rank did not join init" ;;
+  connect)
+    echo "$rest" | grep -q "all_to_all seq 1 did not complete" || fail "the message does not name all_to_all seq 1"
+    echo "$rest" | grep -q "later operations refused" || fail "the aborted communicator accepted more work"
+    ;;
   *)
     echo "$rest" | grep -q "all_reduce seq 6 did not complete" || fail "the message does not name all_reduce seq 6"
     echo "$rest" | grep -q "later operations refused" || fail "the aborted communicator accepted more work"
