@@ -261,13 +261,15 @@ void NcclCommunicator::timeout(NcclOp& op) {
                       "The communicator is aborted (ncclCommAbort) and refuses further operations.");
   auto error = std::make_exception_ptr(TimeoutError(message, checks::context(*this), op.seq));
   if (!aborted_) log::error("comm", "{}", message);
-  abortWith(error, fmt::format("{} seq {} timed out", toString(op.fingerprint.op), op.seq));
-  if (op.status == OpStatus::Pending) {  // timed out while still being enqueued
+  // The operation fails before the abort starts: a caller blocked inside its
+  // NCCL call returns when the abort lands and must find this error, not NCCL's.
+  if (op.status == OpStatus::Pending) {
     ledger_.fail(op.fingerprint.op, op.seq);
     op.error = error;
     op.status = OpStatus::Failed;
   }
-  std::rethrow_exception(op.status == OpStatus::Failed ? op.error : error);
+  abortWith(error, fmt::format("{} seq {} timed out", toString(op.fingerprint.op), op.seq));
+  std::rethrow_exception(op.error);
 }
 
 void NcclCommunicator::abort(const std::string& reason) {
