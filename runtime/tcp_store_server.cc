@@ -126,9 +126,9 @@ class TcpStoreServer::Loop {
       expireParkedRequests();
       closeDeadConnections();
     }
+    listener_.reset();  // first, so no client reconnects in between
     for (auto& [id, connection] : connections_) unpark(*connection);
     connections_.clear();
-    listener_.reset();
     log::info("store", "store server {} stopped", endpoint_);
   }
 
