@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -123,7 +122,8 @@ std::string FileStore::fileNameOf(const std::string& key) {
   static const char* hex = "0123456789ABCDEF";
   std::string name = "k.";
   for (unsigned char c : key) {
-    if (std::isalnum(c) || c == '_' || c == '-') {
+    bool safe = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+    if (safe) {
       name += static_cast<char>(c);
     } else {
       name += '%';

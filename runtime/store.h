@@ -68,7 +68,8 @@ class Store {
   virtual std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired,
                                  Deadline deadline) = 0;
 
-  // Waits until every key exists. TimeoutError names the keys still missing.
+  // Waits until every key exists (a key that appeared and was erased again
+  // during the wait counts as seen). TimeoutError names the keys still missing.
   virtual void wait(const std::vector<std::string>& keys, Deadline deadline) = 0;
 
   // Removes `key`; returns whether it existed.
