@@ -28,11 +28,17 @@ const Knob kAbortGrace{"BULKHEAD_ABORT_GRACE", "1",
                        "and that a process whose MPI collective timed out waits before exiting, so peers report too"};
 const Knob kLedgerCapacity{"BULKHEAD_LEDGER_CAPACITY", "1024",
                            "collectives each communicator remembers in its ledger (ring buffer)"};
+const Knob kStoreToken{"BULKHEAD_STORE_TOKEN", "",
+                       "the rendezvous store's per-job token; empty: the launcher generates one and shares it "
+                       "through MPI. Set the same value on every rank when ranks start without MPI"};
+const Knob kStoreMaxMessage{"BULKHEAD_STORE_MAX_MESSAGE", "16777216",
+                            "bytes one rendezvous store message (a request or a reply) may hold"};
 
 const std::vector<const Knob*>& all() {
   static const std::vector<const Knob*> knobs = {&kLogLevel,         &kBackend,          &kInitTimeout,
                                                  &kCollectiveTimeout, &kCheckpointTimeout, &kShutdownTimeout,
-                                                 &kAbortGrace,       &kLedgerCapacity};
+                                                 &kAbortGrace,       &kLedgerCapacity,   &kStoreToken,
+                                                 &kStoreMaxMessage};
   return knobs;
 }
 

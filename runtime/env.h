@@ -40,6 +40,8 @@ extern const Knob kCheckpointTimeout;
 extern const Knob kShutdownTimeout;
 extern const Knob kAbortGrace;
 extern const Knob kLedgerCapacity;
+extern const Knob kStoreToken;
+extern const Knob kStoreMaxMessage;
 
 // Every knob, in the order the README lists them.
 const std::vector<const Knob*>& all();

@@ -1,0 +1,488 @@
+// The TCP store server: one thread, one poll() loop, non-blocking sockets.
+// Only the loop thread touches the data and the connections; other threads
+// reach it through the self-pipe (stop) and nothing else.
+#include <fmt/format.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/env.h"
+#include "runtime/errors.h"
+#include "runtime/log.h"
+#include "runtime/store_protocol.h"
+#include "runtime/tcp_store.h"
+
+namespace bulkhead {
+
+using namespace store_protocol;
+
+namespace {
+
+constexpr size_t kReadChunk = 64 * 1024;
+
+// A Get or Wait waiting on the server for its keys. It is listed under the
+// first key still missing (keys[next]); when that key appears it moves on to
+// the next missing one, or is answered.
+struct ParkedRequest {
+  Op op = Op::Wait;
+  std::vector<std::string> keys;
+  size_t next = 0;
+  Deadline expires = Deadline::never();
+};
+
+struct Connection {
+  uint64_t id = 0;
+  net::FileDescriptor fd;
+  std::string peer;
+  std::string input;   // bytes received and not yet handled
+  std::string output;  // reply bytes not yet sent
+  bool authenticated = false;
+  bool dead = false;  // closed at the end of this loop iteration
+  std::optional<ParkedRequest> parked;
+};
+
+std::string peerName(int fd) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  char host[128] = "?";
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
+    char service[16] = "";
+    if (getnameinfo(reinterpret_cast<sockaddr*>(&address), length, host, sizeof(host), service, sizeof(service),
+                    NI_NUMERICHOST | NI_NUMERICSERV) == 0)
+      return fmt::format("{}:{}", host, service);
+  }
+  return host;
+}
+
+}  // namespace
+
+class TcpStoreServer::Loop {
+ public:
+  Loop(TcpStoreOptions options, std::string endpoint, net::FileDescriptor listener)
+      : options_(std::move(options)),
+        endpoint_(std::move(endpoint)),
+        token_(options_.token.value_or(env::kStoreToken.text())),
+        maxMessageBytes_(static_cast<size_t>(resolveMaxMessageBytes(options_.maxMessageBytes))),
+        listener_(std::move(listener)) {
+    int ends[2];
+    if (::pipe(ends) != 0) net::raiseSocketError("pipe for the store server's wake-up", errno);
+    wakeRead_ = net::FileDescriptor(ends[0]);
+    wakeWrite_ = net::FileDescriptor(ends[1]);
+    net::makeNonBlocking(wakeRead_.get());
+    net::makeNonBlocking(wakeWrite_.get());
+  }
+
+  // Safe from any thread: one byte on the self-pipe wakes poll().
+  void requestStop() {
+    stopping_ = true;
+    char byte = 1;
+    [[maybe_unused]] ssize_t written = ::write(wakeWrite_.get(), &byte, 1);  // a full pipe already wakes it
+  }
+
+  void run() {
+    log::info("store", "store server listening on {}", endpoint_);
+    std::vector<pollfd> entries;
+    std::vector<uint64_t> ids;
+    while (!stopping_) {
+      entries.assign({pollfd{wakeRead_.get(), POLLIN, 0}, pollfd{listener_.get(), POLLIN, 0}});
+      ids.clear();
+      for (auto& [id, connection] : connections_) {
+        short events = 0;
+        // A client that does not read its replies is not read from either:
+        // its output stays bounded.
+        if (connection->output.size() < maxMessageBytes_) events |= POLLIN;
+        if (!connection->output.empty()) events |= POLLOUT;
+        entries.push_back(pollfd{connection->fd.get(), events, 0});
+        ids.push_back(id);
+      }
+      int ready = ::poll(entries.data(), entries.size(), pollTimeoutMs());
+      if (ready < 0 && errno != EINTR) {
+        log::error("store", "store server {}: poll failed: {}; it stops serving", endpoint_, net::errorText(errno));
+        break;
+      }
+      if (stopping_) break;
+      if (ready > 0) {
+        if (entries[0].revents) drainWakePipe();
+        if (entries[1].revents) acceptAll();
+        for (size_t i = 0; i < ids.size(); ++i) {
+          short revents = entries[i + 2].revents;
+          auto it = connections_.find(ids[i]);
+          if (!revents || it == connections_.end() || it->second->dead) continue;
+          Connection& connection = *it->second;
+          if (revents & POLLOUT) flush(connection);
+          if (!connection.dead && (revents & (POLLIN | POLLHUP | POLLERR))) receive(connection);
+        }
+      }
+      expireParkedRequests();
+      closeDeadConnections();
+    }
+    listener_.reset();  // first, so no client reconnects in between
+    for (auto& [id, connection] : connections_) unpark(*connection);
+    connections_.clear();
+    log::info("store", "store server {} stopped", endpoint_);
+  }
+
+ private:
+  int pollTimeoutMs() const {
+    std::optional<Deadline> earliest;
+    for (const auto& [id, connection] : connections_)
+      if (connection->parked && !connection->parked->expires.isNever())
+        earliest = earliest ? earliest->earliest(connection->parked->expires) : connection->parked->expires;
+    if (!earliest) return -1;
+    auto ms = std::chrono::ceil<std::chrono::milliseconds>(earliest->remaining()).count();
+    return static_cast<int>(std::min<int64_t>(ms, 60'000));
+  }
+
+  void drainWakePipe() {
+    char bytes[64];
+    while (::read(wakeRead_.get(), bytes, sizeof(bytes)) > 0) {
+    }
+  }
+
+  void acceptAll() {
+    while (true) {
+      int fd = ::accept(listener_.get(), nullptr, nullptr);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+          log::warn("store", "store server {}: accept failed: {}", endpoint_, net::errorText(errno));
+        return;
+      }
+      net::FileDescriptor socket(fd);
+      if (connections_.size() >= static_cast<size_t>(options_.maxConnections)) {
+        log::warn("store", "store server {}: refusing {}: already {} connections (maxConnections)", endpoint_,
+                  peerName(fd), connections_.size());
+        continue;
+      }
+      try {
+        net::makeNonBlocking(fd);
+      } catch (const Error& error) {
+        log::warn("store", "store server {}: dropping a new connection: {}", endpoint_, error.what());
+        continue;
+      }
+      auto connection = std::make_unique<Connection>();
+      connection->id = nextId_++;
+      connection->peer = peerName(fd);
+      connection->fd = std::move(socket);
+      connections_.emplace(connection->id, std::move(connection));
+    }
+  }
+
+  void receive(Connection& connection) {
+    char chunk[kReadChunk];
+    int error = 0;
+    long received = net::receiveSome(connection.fd.get(), chunk, sizeof(chunk), error);
+    if (received < 0) {
+      if (error != 0)
+        log::debug("store", "store server {}: connection from {} failed: {}", endpoint_, connection.peer,
+                   net::errorText(error));
+      connection.dead = true;
+      return;
+    }
+    connection.input.append(chunk, static_cast<size_t>(received));
+    handleBufferedFrames(connection);
+  }
+
+  // Handles every complete frame in the input, in order, until one parks.
+  void handleBufferedFrames(Connection& connection) {
+    size_t consumed = 0;
+    while (!connection.dead && !connection.parked && connection.input.size() - consumed >= kHeaderBytes) {
+      std::string_view rest = std::string_view(connection.input).substr(consumed);
+      std::optional<uint32_t> length = bodyLength(rest);
+      if (!length) {
+        refuse(connection, Refusal::Malformed, "the bytes received are not a Bulkhead store frame (bad magic)", true);
+        break;
+      }
+      if (*length > maxMessageBytes_) {
+        refuse(connection, Refusal::TooLarge,
+               fmt::format("a message of {} bytes exceeds this server's limit of {} bytes "
+                           "(BULKHEAD_STORE_MAX_MESSAGE); keep store values small or raise the limit on every rank",
+                           *length, maxMessageBytes_),
+               true);
+        break;
+      }
+      if (rest.size() - kHeaderBytes < *length) break;  // the rest of the body is still on its way
+      consumed += kHeaderBytes + *length;
+      handleRequest(connection, rest.substr(kHeaderBytes, *length));
+    }
+    connection.input.erase(0, consumed);
+  }
+
+  void handleRequest(Connection& connection, std::string_view body) {
+    try {
+      FrameReader reader(body);
+      auto op = static_cast<Op>(reader.u8());
+      if (!connection.authenticated && op != Op::Hello) {
+        refuse(connection, Refusal::Unauthorized, "the first message of a connection must be a hello", true);
+        return;
+      }
+      dispatch(connection, op, reader);
+    } catch (const Error& error) {
+      refuse(connection, Refusal::Malformed, error.message(), true);
+    } catch (const std::exception& error) {  // e.g. bad_alloc: this connection goes, the server stays
+      refuse(connection, Refusal::BadRequest, error.what(), true);
+    }
+  }
+
+  void dispatch(Connection& connection, Op op, FrameReader& reader) {
+    switch (op) {
+      case Op::Hello: {
+        uint32_t version = reader.u32();
+        std::string token = reader.str();
+        reader.expectEnd();
+        if (version != kVersion)
+          return refuse(connection, Refusal::BadRequest,
+                        fmt::format("protocol version {} is not this server's {}; use one Bulkhead build on every rank",
+                                    version, kVersion),
+                        true);
+        if (!sameToken(token, token_))
+          return refuse(connection, Refusal::Unauthorized,
+                        "wrong store token: every rank must use the job's token (BULKHEAD_STORE_TOKEN, or the one "
+                        "the launcher shares through MPI)",
+                        true);
+        connection.authenticated = true;
+        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
+      }
+      case Op::Set: {
+        std::string key = reader.str(), value = reader.str();
+        reader.expectEnd();
+        store(key, std::move(value));
+        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
+      }
+      case Op::Get:
+      case Op::Wait: {
+        ParkedRequest request{.op = op};
+        uint32_t keys = op == Op::Get ? 1 : reader.count(4);
+        for (uint32_t i = 0; i < keys; ++i) request.keys.push_back(reader.str());
+        uint32_t timeoutMs = reader.u32();
+        reader.expectEnd();
+        if (timeoutMs != kNoTimeout) request.expires = Deadline::after(std::chrono::milliseconds(timeoutMs));
+        connection.parked = std::move(request);
+        return advanceParked(connection);
+      }
+      case Op::TryGet: {
+        std::string key = reader.str();
+        reader.expectEnd();
+        auto it = data_.find(key);
+        FrameWriter writer;
+        writer.u8(uint8_t(Status::Ok)).u8(it != data_.end()).str(it != data_.end() ? it->second : "");
+        return reply(connection, writer.finish());
+      }
+      case Op::MultiGet: {
+        uint32_t keys = reader.count(4);
+        FrameWriter writer;
+        writer.u8(uint8_t(Status::Ok)).u32(keys);
+        for (uint32_t i = 0; i < keys; ++i) {
+          auto it = data_.find(reader.str());
+          writer.u8(it != data_.end()).str(it != data_.end() ? it->second : "");
+          if (writer.bodySize() > maxMessageBytes_)
+            return refuse(connection, Refusal::TooLarge,
+                          fmt::format("the values of these {} keys exceed the store's message limit of {} bytes; ask "
+                                      "for fewer keys at once",
+                                      keys, maxMessageBytes_),
+                          false);
+        }
+        reader.expectEnd();
+        return reply(connection, writer.finish());
+      }
+      case Op::Add: {
+        std::string key = reader.str();
+        int64_t delta = reader.i64();
+        reader.expectEnd();
+        int64_t current = 0;
+        if (auto it = data_.find(key); it != data_.end()) {
+          std::optional<int64_t> parsed = parseStoreInteger(it->second);
+          if (!parsed)
+            return refuse(connection, Refusal::NotAnInteger,
+                          fmt::format("add on key '{}', which holds a value that is not a decimal integer", key),
+                          false);
+          current = *parsed;
+        }
+        int64_t updated = 0;
+        if (__builtin_add_overflow(current, delta, &updated))
+          return refuse(connection, Refusal::BadRequest,
+                        fmt::format("add of {} to key '{}' ({}) overflows int64", delta, key, current), false);
+        store(key, std::to_string(updated));
+        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).i64(updated).finish());
+      }
+      case Op::CompareSet: {
+        std::string key = reader.str(), expected = reader.str(), desired = reader.str();
+        reader.expectEnd();
+        auto it = data_.find(key);
+        bool matches = it == data_.end() ? expected.empty() : (!expected.empty() && it->second == expected);
+        if (matches) store(key, desired);
+        it = data_.find(key);
+        FrameWriter writer;
+        writer.u8(uint8_t(Status::Ok)).str(it != data_.end() ? it->second : "");
+        return reply(connection, writer.finish());
+      }
+      case Op::Erase: {
+        std::string key = reader.str();
+        reader.expectEnd();
+        bool existed = data_.erase(key) > 0;
+        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).u8(existed).finish());
+      }
+    }
+    refuse(connection, Refusal::Malformed, fmt::format("unknown operation {}", static_cast<int>(op)), true);
+  }
+
+  void store(const std::string& key, std::string value) {
+    data_[key] = std::move(value);
+    auto waiting = waiters_.find(key);
+    if (waiting == waiters_.end()) return;
+    std::vector<uint64_t> ids = std::move(waiting->second);
+    waiters_.erase(waiting);
+    for (uint64_t id : ids) {
+      auto it = connections_.find(id);
+      if (it == connections_.end() || it->second->dead || !it->second->parked) continue;
+      Connection& connection = *it->second;
+      advanceParked(connection);
+      if (!connection.parked) handleBufferedFrames(connection);
+    }
+  }
+
+  // Answers a parked request whose keys all exist, or lists it under the
+  // first key still missing.
+  void advanceParked(Connection& connection) {
+    ParkedRequest& request = *connection.parked;
+    while (request.next < request.keys.size() && data_.count(request.keys[request.next])) ++request.next;
+    if (request.next < request.keys.size()) {
+      waiters_[request.keys[request.next]].push_back(connection.id);
+      return;
+    }
+    FrameWriter writer;
+    writer.u8(uint8_t(Status::Ok));
+    if (request.op == Op::Get) writer.str(data_.at(request.keys.front()));
+    connection.parked.reset();
+    reply(connection, writer.finish());
+  }
+
+  void expireParkedRequests() {
+    for (auto& [id, connection] : connections_) {
+      if (connection->dead || !connection->parked || !connection->parked->expires.expired()) continue;
+      std::vector<std::string> missing;
+      for (const std::string& key : connection->parked->keys)
+        if (!data_.count(key)) missing.push_back(key);
+      unpark(*connection);
+      FrameWriter writer;
+      writer.u8(uint8_t(Status::TimedOut)).u32(static_cast<uint32_t>(missing.size()));
+      for (const std::string& key : missing) writer.str(key);
+      reply(*connection, writer.finish());
+      handleBufferedFrames(*connection);
+    }
+  }
+
+  // Takes a parked request off the waiting list of its key.
+  void unpark(Connection& connection) {
+    if (!connection.parked) return;
+    const ParkedRequest& request = *connection.parked;
+    if (request.next < request.keys.size()) {
+      auto waiting = waiters_.find(request.keys[request.next]);
+      if (waiting != waiters_.end()) {
+        std::erase(waiting->second, connection.id);
+        if (waiting->second.empty()) waiters_.erase(waiting);
+      }
+    }
+    connection.parked.reset();
+  }
+
+  void reply(Connection& connection, std::string frame) {
+    connection.output += frame;
+    flush(connection);
+  }
+
+  void flush(Connection& connection) {
+    int error = 0;
+    long sent = net::sendSome(connection.fd.get(), connection.output, error);
+    if (sent < 0) {
+      log::debug("store", "store server {}: sending to {} failed: {}", endpoint_, connection.peer,
+                 net::errorText(error));
+      connection.dead = true;
+      return;
+    }
+    connection.output.erase(0, static_cast<size_t>(sent));
+  }
+
+  // Tells the client why (best effort, one non-blocking send) and, for
+  // protocol violations, closes the connection.
+  void refuse(Connection& connection, Refusal reason, const std::string& text, bool closeConnection) {
+    if (closeConnection)
+      log::warn("store", "store server {}: closing the connection from {}: {}", endpoint_, connection.peer, text);
+    reply(connection, refusalFrame(reason, text));
+    if (closeConnection) connection.dead = true;
+  }
+
+  void closeDeadConnections() {
+    for (auto it = connections_.begin(); it != connections_.end();) {
+      if (it->second->dead) {
+        unpark(*it->second);
+        it = connections_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  TcpStoreOptions options_;
+  std::string endpoint_;
+  std::string token_;
+  size_t maxMessageBytes_;
+  net::FileDescriptor listener_, wakeRead_, wakeWrite_;
+  std::atomic<bool> stopping_{false};
+  uint64_t nextId_ = 1;
+  std::map<uint64_t, std::unique_ptr<Connection>> connections_;
+  std::unordered_map<std::string, std::string> data_;
+  std::unordered_map<std::string, std::vector<uint64_t>> waiters_;  // key -> connections parked on it
+};
+
+TcpStoreServer::TcpStoreServer(TcpStoreOptions options) : host_(options.host) {
+  if (options.maxConnections < 1)
+    throw ConfigError(fmt::format("TcpStoreOptions.maxConnections is {}; it must be at least 1",
+                                  options.maxConnections),
+                      {.rank = options.rank});
+  net::FileDescriptor listener = net::listenOn(options.host, options.port, /*backlog=*/1024);
+  port_ = net::localPort(listener.get());
+  loop_ = std::make_shared<Loop>(std::move(options), endpoint(), std::move(listener));
+  std::promise<void> finished;
+  finished_ = finished.get_future();
+  // The thread shares the loop, so a thread left running past stop()'s
+  // deadline never outlives what it uses.
+  thread_ = std::thread([loop = loop_, finished = std::move(finished)]() mutable {
+    try {
+      loop->run();
+    } catch (const std::exception& error) {
+      log::error("store", "store server stopped serving: {}", error.what());
+    }
+    finished.set_value();
+  });
+}
+
+TcpStoreServer::~TcpStoreServer() { stop(Deadline::after(std::chrono::seconds(2))); }
+
+std::string TcpStoreServer::endpoint() const { return net::formatEndpoint(host_, port_); }
+
+void TcpStoreServer::stop(Deadline deadline) {
+  if (!thread_.joinable()) return;
+  loop_->requestStop();
+  bool ended = deadline.isNever() ? (finished_.wait(), true)
+                                  : finished_.wait_for(deadline.remaining()) == std::future_status::ready;
+  if (ended) {
+    thread_.join();
+  } else {
+    log::error("store", "store server {} did not stop within its deadline; leaving its thread to end alone",
+               endpoint());
+    thread_.detach();
+  }
+}
+
+}  // namespace bulkhead
