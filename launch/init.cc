@@ -29,8 +29,19 @@ Backend parseBackend(std::string_view text) {
 
 namespace {
 
-Backend resolve(Backend wanted) {
-  if (wanted == Backend::Auto) return nccl::available() ? Backend::Nccl : Backend::Mpi;
+// NCCL needs a GPU of its own for every rank of a node.
+bool enoughGpus(const std::optional<launch::WorldInfo>& found) {
+  int localRanks = found && found->localSize > 0 ? found->localSize : 1;
+  return nccl::available() && localRanks <= nccl::deviceCount();
+}
+
+Backend resolve(Backend wanted, const std::optional<launch::WorldInfo>& found) {
+  if (wanted == Backend::Auto) return enoughGpus(found) ? Backend::Nccl : Backend::Mpi;
+  if (wanted == Backend::Nccl && nccl::available() && !enoughGpus(found))
+    throw ConfigError(fmt::format("{} ranks share this node's {} GPUs, but the nccl backend needs one GPU per rank; "
+                                  "start at most {} ranks per node, or use BULKHEAD_BACKEND=mpi",
+                                  found->localSize, nccl::deviceCount(), nccl::deviceCount()),
+                      {.rank = found->rank, .expected = "one GPU per rank"});
   return wanted;  // nccl without a GPU fails in nccl::initWorld with a ConfigError that says why
 }
 
@@ -58,8 +69,8 @@ void Runtime::shutdown(std::optional<Deadline> deadline) {
 
 std::unique_ptr<Runtime> init(InitOptions options) {
   Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
-  Backend backend = resolve(options.backend.value_or(parseBackend(env::kBackend.text())));
   std::optional<launch::WorldInfo> found = launch::findWorld();
+  Backend backend = resolve(options.backend.value_or(parseBackend(env::kBackend.text())), found);
 
   CommunicatorPtr world = mpi::initWorld({.deadline = deadline});
   launch::WorldInfo info = found.value_or(launch::WorldInfo{.source = launch::WorldSource::Generic});

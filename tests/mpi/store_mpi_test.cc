@@ -151,7 +151,7 @@ TEST_CASE("every rank runs 1,000 mixed operations on rank 0's store, and all ran
 
 int main(int argc, char** argv) {
   return guardedMain([&] {
-    runtime = init();
+    runtime = init({.backend = Backend::Mpi});
     int failed = Catch::Session().run(argc, argv);
     // Every rank's verdict: the job fails if any rank failed.
     at::Tensor verdict = at::tensor({failed}, at::kInt);
