@@ -7,7 +7,6 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -16,6 +15,7 @@
 #include "runtime/file_store.h"
 #include "runtime/tcp_store.h"
 #include "tests/catch_compat.h"
+#include "tests/support/temp_dir.h"
 
 namespace bulkhead::testing {
 
@@ -65,18 +65,9 @@ struct TcpHarness {
 
 struct FileHarness {
   static constexpr const char* kind = "file";
-  std::filesystem::path directory;
+  TempDir directory{"bulkhead-store"};
 
-  FileHarness() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "bulkhead-store-XXXXXX").string();
-    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-    directory = pattern;
-  }
-  ~FileHarness() {
-    std::error_code ignored;
-    std::filesystem::remove_all(directory, ignored);
-  }
-  std::shared_ptr<Store> client() { return std::make_shared<FileStore>(directory.string()); }
+  std::shared_ptr<Store> client() { return std::make_shared<FileStore>(directory.path()); }
 };
 
 }  // namespace bulkhead::testing
