@@ -47,8 +47,14 @@ Backend resolve(Backend wanted, const std::optional<launch::WorldInfo>& found) {
 
 }  // namespace
 
-Runtime::Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world, CommunicatorPtr cpuWorld)
-    : info_(std::move(info)), backend_(backend), world_(std::move(world)), cpuWorld_(std::move(cpuWorld)) {}
+Runtime::Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world, CommunicatorPtr cpuWorld,
+                 launch::Rendezvous rendezvous, std::shared_ptr<Monitor> monitor)
+    : info_(std::move(info)),
+      backend_(backend),
+      world_(std::move(world)),
+      cpuWorld_(std::move(cpuWorld)),
+      rendezvous_(std::move(rendezvous)),
+      monitor_(std::move(monitor)) {}
 
 Runtime::~Runtime() {
   try {
@@ -62,9 +68,11 @@ void Runtime::shutdown(std::optional<Deadline> deadline) {
   if (down_) return;
   down_ = true;
   Deadline until = deadline.value_or(Deadline::afterSeconds(env::kShutdownTimeout.seconds()));
+  monitor_->stop();  // heartbeats end (and dumps are written) while the store still serves
   world_.reset();
   cpuWorld_.reset();
-  mpi::finalize(until);
+  mpi::finalize(until);  // a final barrier: every rank is done with the store after it
+  if (rendezvous_.server) rendezvous_.server->stop(Deadline::afterSeconds(2));
 }
 
 std::unique_ptr<Runtime> init(InitOptions options) {
@@ -87,10 +95,16 @@ std::unique_ptr<Runtime> init(InitOptions options) {
   if (!found) log::info("launch", "no launcher variables found: running as a single process");
   log::debug("launch", "world of {} ranks from {}, backend {}", info.size, launch::toString(info.source),
              toString(backend));
+  launch::Rendezvous rendezvous = launch::startRendezvous(*world, info, deadline);
+  auto monitor = std::make_shared<Monitor>(rendezvous.store, info.rank);
+  monitor->watch(world);
   CommunicatorPtr backendWorld = world;
-  if (backend == Backend::Nccl)
+  if (backend == Backend::Nccl) {
     backendWorld = nccl::initWorld(*world, {.deadline = deadline, .localRank = info.localRank});
-  return std::make_unique<Runtime>(std::move(info), backend, std::move(backendWorld), std::move(world));
+    monitor->watch(backendWorld);
+  }
+  return std::make_unique<Runtime>(std::move(info), backend, std::move(backendWorld), std::move(world),
+                                   std::move(rendezvous), std::move(monitor));
 }
 
 int guardedMain(const std::function<int()>& body) {

@@ -15,8 +15,10 @@
 #include <memory>
 #include <optional>
 
+#include "launch/rendezvous.h"
 #include "launch/world.h"
 #include "runtime/communicator.h"
+#include "runtime/monitor.h"
 
 namespace bulkhead {
 
@@ -35,7 +37,8 @@ class Runtime {
  public:
   // `world` runs the backend's operations; `cpuWorld` is the MPI world that
   // bootstrapped it (the same communicator when the backend is mpi).
-  Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world, CommunicatorPtr cpuWorld);
+  Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world, CommunicatorPtr cpuWorld,
+          launch::Rendezvous rendezvous, std::shared_ptr<Monitor> monitor);
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
   // Shuts down with BULKHEAD_SHUTDOWN_TIMEOUT if shutdown() was not called.
@@ -47,6 +50,11 @@ class Runtime {
   const CommunicatorPtr& worldPtr() const { return world_; }
   // CPU tensors, whatever the backend: bootstrap and out-of-band coordination.
   Communicator& cpuWorld() { return *cpuWorld_; }
+  const CommunicatorPtr& cpuWorldPtr() const { return cpuWorld_; }
+  // The job's rendezvous store (hosted by rank 0) and the monitor that
+  // publishes every communicator's ledger through it.
+  const std::shared_ptr<Store>& store() const { return rendezvous_.store; }
+  const std::shared_ptr<Monitor>& monitor() const { return monitor_; }
   // The device of the backend's tensors: cuda:<n> for nccl, cpu for mpi.
   c10::Device device() const { return world_->device(); }
 
@@ -60,6 +68,8 @@ class Runtime {
   Backend backend_;
   CommunicatorPtr world_;
   CommunicatorPtr cpuWorld_;
+  launch::Rendezvous rendezvous_;
+  std::shared_ptr<Monitor> monitor_;
   bool down_ = false;
 };
 

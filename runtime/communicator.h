@@ -75,9 +75,16 @@ class Work {
 
 using WorkPtr = std::shared_ptr<Work>;
 
+class Monitor;  // runtime/monitor.h
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
+
+  // The monitor that publishes this group's ledger and explains its timeouts
+  // (null until the runtime attaches one; children of split inherit it).
+  const std::shared_ptr<Monitor>& monitor() const { return monitor_; }
+  void setMonitor(std::shared_ptr<Monitor> monitor) { monitor_ = std::move(monitor); }
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
@@ -115,6 +122,9 @@ class Communicator {
   // Marks the communicator unusable and fails its pending work; bounded.
   virtual void abort(const std::string& reason) = 0;
   virtual bool isAborted() const = 0;
+
+ private:
+  std::shared_ptr<Monitor> monitor_;
 };
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;

@@ -33,12 +33,24 @@ const Knob kStoreToken{"BULKHEAD_STORE_TOKEN", "",
                        "through MPI. Set the same value on every rank when ranks start without MPI"};
 const Knob kStoreMaxMessage{"BULKHEAD_STORE_MAX_MESSAGE", "16777216",
                             "bytes one rendezvous store message (a request or a reply) may hold"};
+const Knob kStoreHost{"BULKHEAD_STORE_HOST", "",
+                      "address of rank 0's rendezvous store; empty: 127.0.0.1 when every rank shares one node, else "
+                      "MASTER_ADDR, else rank 0's host name"};
+const Knob kHeartbeat{"BULKHEAD_HEARTBEAT", "0.5",
+                      "seconds between publications of each rank's ledger heads and heartbeat through the store"};
+const Knob kStrict{"BULKHEAD_STRICT", "0",
+                   "check every collective's fingerprint across its group through the store before issuing it"};
+const Knob kLedgerDump{"BULKHEAD_LEDGER_DUMP", "",
+                       "directory for per-rank ledger JSON and Chrome traces, written on a timeout and at shutdown"};
+const Knob kFault{"BULKHEAD_FAULT", "",
+                  "tests only: rank=R,group=G,seq=N,action=skip|mismatch-op|mismatch-size|delay:S|exit"};
 
 const std::vector<const Knob*>& all() {
   static const std::vector<const Knob*> knobs = {&kLogLevel,         &kBackend,          &kInitTimeout,
                                                  &kCollectiveTimeout, &kCheckpointTimeout, &kShutdownTimeout,
                                                  &kAbortGrace,       &kLedgerCapacity,   &kStoreToken,
-                                                 &kStoreMaxMessage};
+                                                 &kStoreMaxMessage,  &kStoreHost,        &kHeartbeat,
+                                                 &kStrict,           &kLedgerDump,       &kFault};
   return knobs;
 }
 

@@ -41,6 +41,11 @@ extern const Knob kShutdownTimeout;
 extern const Knob kAbortGrace;
 extern const Knob kLedgerCapacity;
 extern const Knob kStoreToken;
+extern const Knob kStoreHost;
+extern const Knob kHeartbeat;
+extern const Knob kStrict;
+extern const Knob kLedgerDump;
+extern const Knob kFault;
 extern const Knob kStoreMaxMessage;
 
 // Every knob, in the order the README lists them.

@@ -15,6 +15,8 @@
 
 #include "runtime/backoff.h"
 #include "runtime/diagnosis.h"
+#include "runtime/fault.h"
+#include "runtime/monitor.h"
 #include "runtime/env.h"
 #include "runtime/log.h"
 #include "runtime/mpi/mpi_backend.h"
@@ -46,6 +48,7 @@ struct PendingOp {
   std::vector<at::Tensor> buffers;
   std::vector<int> sendCounts, sendDispls, recvCounts, recvDispls;
   std::function<void()> finish;  // runs once on completion (e.g. avg's division)
+  bool stalled = false;           // an injected mismatch: issued to no backend, never completes
   std::atomic<bool> done{false};
   std::exception_ptr error;
 };
@@ -266,7 +269,9 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) { return pairs[2 * a + 1] < pairs[2 * b + 1]; });
     std::vector<int> worldRanks;
     for (int r : ranks) worldRanks.push_back(members_[r]);
-    return std::make_shared<MpiCommunicator>(child, fmt::format("{}[{}]", name, color), std::move(worldRanks));
+    auto group = std::make_shared<MpiCommunicator>(child, fmt::format("{}[{}]", name, color), std::move(worldRanks));
+    if (monitor()) monitor()->watch(group);
+    return group;
   }
 
   void abort(const std::string& reason) override {
@@ -280,6 +285,10 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     std::lock_guard<std::mutex> mpiLock(callLock());
     for (auto it = pending_.begin(); it != pending_.end();) {
       PendingOp& op = **it;
+      if (op.stalled) {
+        ++it;
+        continue;
+      }
       int flag = 0;
       int rc = MPI_Testall(static_cast<int>(op.requests.size()), op.requests.data(), &flag, MPI_STATUSES_IGNORE);
       if (rc == MPI_SUCCESS && !flag) {
@@ -307,12 +316,15 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
 
   [[noreturn]] void timeout(const PendingOp& op) {
     double waited = std::chrono::duration<double>(op.deadline.when() - op.issuedAt).count();
-    std::string message = describeTimeout(*this, op.fingerprint, op.seq, waited,
-                                          "MPI cannot cancel it: the communicator is aborted and this process "
-                                          "exits with code 3 at shutdown.");
+    Diagnosis diagnosis = monitor() ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
+                                    : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited, ""), false};
+    std::string message = diagnosis.message +
+                          " MPI cannot cancel it: the communicator is aborted and this process exits with code 3 at "
+                          "shutdown.";
     log::error("comm", "{}", message);
     markAborted(fmt::format("{} seq {} timed out", toString(op.fingerprint.op), op.seq));
-    throw TimeoutError(message, checks::context(*this), op.seq);
+    if (diagnosis.desync) throw DesyncError(message, checks::context(*this));
+    throw TimeoutError(message, checks::context(*this), op.seq, diagnosis.message);
   }
 
  private:
@@ -342,16 +354,34 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
                  const std::function<int(MPI_Request*)>& issue) {
     op->issuedAt = Deadline::Clock::now();
     op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
-    op->seq = ledger_.issue(op->fingerprint);
-    std::lock_guard<std::mutex> pendingLock(mutex_);
-    std::lock_guard<std::mutex> mpiLock(callLock());
-    MPI_Request request = MPI_REQUEST_NULL;
-    int rc = issue(&request);
-    if (rc != MPI_SUCCESS) {
-      ledger_.fail(op->fingerprint.op, op->seq);
-      check(rc, call, checks::context(*this));
+    bool collective = !isPointToPoint(op->fingerprint.op);
+    if (collective) {
+      if (auto fault = fault::inject(*this, ledger_.heads().lastIssued + 1)) {
+        if (*fault == fault::Action::Skip) return fault::skippedWork();
+        op->fingerprint = fault::mismatch(op->fingerprint, *fault);
+        op->stalled = true;
+      }
     }
-    op->requests.push_back(request);
+    op->seq = ledger_.issue(op->fingerprint);
+    if (collective && !op->stalled && monitor() && monitor()->strict()) {
+      try {
+        monitor()->checkBeforeCollective(*this, op->seq, op->fingerprint, op->deadline);
+      } catch (...) {
+        ledger_.fail(op->fingerprint.op, op->seq);
+        throw;
+      }
+    }
+    std::lock_guard<std::mutex> pendingLock(mutex_);
+    if (!op->stalled) {
+      std::lock_guard<std::mutex> mpiLock(callLock());
+      MPI_Request request = MPI_REQUEST_NULL;
+      int rc = issue(&request);
+      if (rc != MPI_SUCCESS) {
+        ledger_.fail(op->fingerprint.op, op->seq);
+        check(rc, call, checks::context(*this));
+      }
+      op->requests.push_back(request);
+    }
     pending_.push_back(op);
     return std::make_shared<MpiWork>(shared_from_this(), op);
   }

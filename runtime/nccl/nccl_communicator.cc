@@ -5,6 +5,8 @@
 
 #include "runtime/backoff.h"
 #include "runtime/env.h"
+#include "runtime/fault.h"
+#include "runtime/monitor.h"
 #include "runtime/op_checks.h"
 
 #if BULKHEAD_TORCH_CUDA
@@ -26,7 +28,7 @@ class NcclWork : public Work {
       : comm_(std::move(comm)), op_(std::move(op)) {}
 
   bool isCompleted() override {
-    if (op_->status == OpStatus::Pending) {
+    if (op_->status == OpStatus::Pending && !op_->stalled) {
       cudaError_t state = cudaEventQuery(op_->done);
       if (state != cudaErrorNotReady) comm_->settle(*op_, state);
     }
@@ -41,7 +43,7 @@ class NcclWork : public Work {
       OpStatus status = op_->status;
       if (status == OpStatus::Completed) return;
       if (status == OpStatus::Failed) std::rethrow_exception(op_->error);
-      cudaError_t state = cudaEventQuery(op_->done);
+      cudaError_t state = op_->stalled ? cudaErrorNotReady : cudaEventQuery(op_->done);
       if (state != cudaErrorNotReady) {
         comm_->settle(*op_, state);
         continue;
@@ -103,11 +105,29 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   op->issuedAt = Deadline::Clock::now();
   op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
   cudaStream_t cudaStream = streamFor(stream);
+  bool collective = !isPointToPoint(op->fingerprint.op);
+  if (collective) {
+    if (auto fault = fault::inject(*this, ledger_.heads().lastIssued + 1)) {
+      if (*fault == fault::Action::Skip) return fault::skippedWork();
+      op->fingerprint = fault::mismatch(op->fingerprint, *fault);
+      op->stalled = true;
+    }
+  }
   DeviceGuard guard(device_);
-  {
+  if (op->stalled) {
+    op->seq = ledger_.issue(op->fingerprint);
+  } else {
     std::lock_guard<std::mutex> lock(enqueueMutex_);
     ensureUsable();
     op->seq = ledger_.issue(op->fingerprint);
+    if (collective && monitor() && monitor()->strict()) {
+      try {
+        monitor()->checkBeforeCollective(*this, op->seq, op->fingerprint, op->deadline);
+      } catch (...) {
+        ledger_.fail(op->fingerprint.op, op->seq);
+        throw;
+      }
+    }
     {
       std::lock_guard<std::mutex> watched(pendingMutex_);
       enqueuing_ = op;

@@ -41,6 +41,7 @@ struct NcclOp {
   std::vector<at::Tensor> buffers;
   std::atomic<OpStatus> status{OpStatus::Pending};
   std::exception_ptr error;  // set before status becomes Failed
+  bool stalled = false;      // an injected mismatch: issued to no backend, never completes
 };
 
 // Sets the current CUDA device for a scope and restores the caller's.

@@ -8,6 +8,7 @@
 #include "runtime/diagnosis.h"
 #include "runtime/env.h"
 #include "runtime/log.h"
+#include "runtime/monitor.h"
 #include "runtime/nccl/nccl_communicator.h"
 #include "runtime/op_checks.h"
 
@@ -225,7 +226,7 @@ void NcclCommunicator::progress() {
     std::shared_ptr<NcclOp> front;
     {
       std::lock_guard<std::mutex> lock(pendingMutex_);
-      if (pending_.empty()) return;
+      if (pending_.empty() || pending_.front()->stalled) return;
       front = pending_.front();
     }
     cudaError_t state = cudaEventQuery(front->done);
@@ -256,10 +257,14 @@ void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
 
 void NcclCommunicator::timeout(NcclOp& op) {
   double waited = std::chrono::duration<double>(op.deadline.when() - op.issuedAt).count();
+  Diagnosis diagnosis = monitor() && !aborted_ ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
+                                               : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited, ""),
+                                                           false};
   std::string message =
-      describeTimeout(*this, op.fingerprint, op.seq, waited,
-                      "The communicator is aborted (ncclCommAbort) and refuses further operations.");
-  auto error = std::make_exception_ptr(TimeoutError(message, checks::context(*this), op.seq));
+      diagnosis.message + " The communicator is aborted (ncclCommAbort) and refuses further operations.";
+  auto error = diagnosis.desync
+                   ? std::make_exception_ptr(DesyncError(message, checks::context(*this)))
+                   : std::make_exception_ptr(TimeoutError(message, checks::context(*this), op.seq, diagnosis.message));
   if (!aborted_) log::error("comm", "{}", message);
   // The operation fails before the abort starts: a caller blocked inside its
   // NCCL call returns when the abort lands and must find this error, not NCCL's.
@@ -330,7 +335,7 @@ void NcclCommunicator::watch() {
         for (auto it = pending_.begin(); !late && it != pending_.end(); ++it)
           if ((*it)->deadline.expired()) late = *it;
       }
-      if (insideCall) timeout(*late);  // stuck inside its NCCL call (connecting to a peer that never came)
+      if (insideCall || (late && late->stalled)) timeout(*late);  // stuck inside its NCCL call, or an injected stall
       if (late) {
         // It may have finished behind an earlier operation on another stream.
         cudaError_t state = cudaEventQuery(late->done);
@@ -384,8 +389,10 @@ CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& n
   std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
   std::vector<int> worldRanks;
   for (int r : ranks) worldRanks.push_back(members_[r]);
-  return std::make_shared<NcclCommunicator>(child, device_, fmt::format("{}[{}]", name, color),
-                                            std::move(worldRanks));
+  auto group = std::make_shared<NcclCommunicator>(child, device_, fmt::format("{}[{}]", name, color),
+                                                 std::move(worldRanks));
+  if (monitor()) monitor()->watch(group);
+  return group;
 }
 
 CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {

@@ -4,8 +4,9 @@
 //
 //   skip_collective <skip-rank> <world|split> <all_reduce|all_to_all|barrier> <deadline-ms> <out-dir>
 //
-// Each rank that raised writes <out-dir>/rank_<r>.txt with the error's type,
-// the seconds it waited and its message; the driver script checks them.
+// Each rank that raised writes <out-dir>/rank_<r>.txt with the seconds it
+// waited, the sequence number the skipped collective had, the error's type and
+// its message; the driver script checks them.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -59,6 +60,7 @@ int main(int argc, char** argv) {
     issue(Deadline::after(std::chrono::seconds(30)));
     return 0;
   }
+  uint64_t expectedSeq = group->ledger().heads().lastIssued + 1;
   auto start = std::chrono::steady_clock::now();
   std::string outcome = "no error";
   try {
@@ -70,7 +72,7 @@ int main(int argc, char** argv) {
   }
   double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::FILE* file = std::fopen(fmt::format("{}/rank_{}.txt", outDir, me).c_str(), "w");
-  std::fprintf(file, "%.3f %s\n", waited, outcome.c_str());
+  std::fprintf(file, "%.3f %llu %s\n", waited, static_cast<unsigned long long>(expectedSeq), outcome.c_str());
   std::fclose(file);
   // The Runtime's shutdown sees the abandoned MPI operation and exits with 3.
   (void)n;

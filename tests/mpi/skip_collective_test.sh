@@ -26,11 +26,13 @@ for ((r = 0; r < ranks; r++)); do
   if [ "$group" = split ] && [ $((r % 2)) -ne $((skip % 2)) ]; then continue; fi
   file="$out/rank_$r.txt"
   [ -f "$file" ] || fail "rank $r wrote no outcome"
-  read -r waited kind rest <"$file"
+  read -r waited seq kind rest <"$file"
   echo "rank $r: waited ${waited} s: $kind $rest"
   [ "${kind%% *}" = "TimeoutError" ] || fail "rank $r got '$kind', not TimeoutError"
-  echo "$rest" | grep -q "seq=6" || fail "rank $r: the error does not carry seq 6"
-  echo "$rest" | grep -q "$name seq 6 did not complete" || fail "rank $r: the message does not name $name seq 6"
+  echo "$rest" | grep -q "seq=$seq" || fail "rank $r: the error does not carry seq $seq"
+  echo "$rest" | grep -q "$name seq $seq did not complete" || fail "rank $r: the message does not name $name seq $seq"
+  echo "$rest" | grep -q "rank $skip last completed seq $((seq - 1)) and never issued seq $seq" ||
+    fail "rank $r: the message does not name rank $skip as the one that never issued seq $seq"
   if [ "$group" = split ]; then want="group half\[$((skip % 2))\]"; else want="group world"; fi
   echo "$rest" | grep -q "$want" || fail "rank $r: the message does not name $want"
   awk -v w="$waited" 'BEGIN { exit !(w >= 1.9 && w <= 3.0) }' || fail "rank $r waited $waited s, not 2-3 s"

@@ -1,0 +1,47 @@
+#pragma once
+// Fault injection for tests, off by default. BULKHEAD_FAULT names one
+// operation and what goes wrong there:
+//   BULKHEAD_FAULT=rank=2,group=world,seq=6,action=skip
+// rank is the world rank, group the communicator's name ("world", "ep[1]"),
+// seq the collective's sequence number in that group. Actions:
+//   skip           the rank does not issue it (no communication, no ledger entry)
+//   mismatch-op    the rank issues a different collective there and is stuck in it
+//   mismatch-size  the rank issues the same collective with another size, stuck in it
+//   delay:S        the rank issues it S seconds late
+//   exit           the process ends abruptly (exit code 17) instead of issuing it
+// The mismatches are recorded in the ledger as issued but sent to no backend:
+// what peers observe (through the store) is a desync, without the undefined
+// behaviour of really mismatched MPI or NCCL calls.
+
+#include <optional>
+#include <string>
+
+#include "runtime/communicator.h"
+
+namespace bulkhead::fault {
+
+enum class Action { Skip, MismatchOp, MismatchSize, Delay, Exit };
+
+struct Fault {
+  int rank = -1;
+  std::string group;
+  uint64_t seq = 0;
+  Action action = Action::Skip;
+  double delaySeconds = 0;
+};
+
+// Parses a BULKHEAD_FAULT value; ConfigError that shows the expected form.
+Fault parse(const std::string& text);
+
+// The fault configured for collective `seq` of `comm` on this rank, if any.
+// Delay and exit are carried out here; skip and the mismatches are returned
+// for the backend to apply.
+std::optional<Action> inject(const Communicator& comm, uint64_t seq);
+
+// The fingerprint a mismatching rank issues instead of `fingerprint`.
+Fingerprint mismatch(const Fingerprint& fingerprint, Action action);
+
+// The handle a skipped operation returns: completed, no error.
+WorkPtr skippedWork();
+
+}  // namespace bulkhead::fault

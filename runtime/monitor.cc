@@ -1,0 +1,268 @@
+#include "runtime/monitor.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "runtime/diagnosis.h"
+#include "runtime/env.h"
+#include "runtime/log.h"
+#include "runtime/op_checks.h"
+
+namespace bulkhead {
+namespace {
+
+constexpr size_t kPublishedEntries = 8;  // the newest collectives each record carries
+
+int64_t nowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string encode(const Fingerprint& fp) {
+  std::string text = fmt::format("{} {} {} {} {} {}", static_cast<int>(fp.op), static_cast<int>(fp.dtype),
+                                 static_cast<int>(fp.reduce), fp.root, fp.numel, fp.shape.size());
+  for (int64_t d : fp.shape) text += fmt::format(" {}", d);
+  return text;
+}
+
+Fingerprint decodeFingerprint(std::istringstream& in) {
+  Fingerprint fp;
+  int op = 0, dtype = 0, reduce = 0;
+  size_t dims = 0;
+  in >> op >> dtype >> reduce >> fp.root >> fp.numel >> dims;
+  fp.op = static_cast<OpType>(op);
+  fp.dtype = static_cast<c10::ScalarType>(dtype);
+  fp.reduce = static_cast<ReduceOp>(reduce);
+  for (size_t i = 0; i < dims && in; ++i) {
+    int64_t d = 0;
+    in >> d;
+    fp.shape.push_back(d);
+  }
+  return fp;
+}
+
+// What one member published about one group.
+struct Record {
+  LedgerHeads heads;
+  std::map<uint64_t, Fingerprint> entries;  // seq -> what it issued there
+};
+
+std::string encode(const Ledger& ledger) {
+  LedgerHeads h = ledger.heads();
+  std::string text = fmt::format("heads {} {} {} {}\n", h.lastIssued, h.lastCompleted, h.lastIssuedP2P,
+                                 h.lastCompletedP2P);
+  auto entries = ledger.entries();
+  size_t written = 0;
+  for (auto it = entries.rbegin(); it != entries.rend() && written < kPublishedEntries; ++it) {
+    if (isPointToPoint(it->fingerprint.op)) continue;
+    text += fmt::format("e {} {}\n", it->seq, encode(it->fingerprint));
+    ++written;
+  }
+  return text;
+}
+
+std::optional<Record> decodeRecord(const std::optional<std::string>& value) {
+  if (!value) return std::nullopt;
+  Record record;
+  std::istringstream lines(*value);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream in(line);
+    std::string tag;
+    in >> tag;
+    if (tag == "heads") {
+      in >> record.heads.lastIssued >> record.heads.lastCompleted >> record.heads.lastIssuedP2P >>
+          record.heads.lastCompletedP2P;
+    } else if (tag == "e") {
+      uint64_t seq = 0;
+      in >> seq;
+      record.entries[seq] = decodeFingerprint(in);
+    }
+  }
+  return record;
+}
+
+std::string rankList(const std::vector<int>& ranks) {
+  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","));
+}
+
+}  // namespace
+
+MonitorOptions MonitorOptions::fromEnvironment() {
+  MonitorOptions options;
+  options.heartbeatSeconds = env::kHeartbeat.seconds();
+  options.strict = env::kStrict.flag();
+  options.dumpDirectory = env::kLedgerDump.text();
+  options.deadAfterSeconds = std::max(3.0, 4 * options.heartbeatSeconds);
+  return options;
+}
+
+std::string groupKey(const Communicator& comm) {
+  size_t hash = std::hash<std::string>{}(fmt::format("{}", fmt::join(comm.members(), ",")));
+  return fmt::format("{}#{:x}", comm.name(), hash & 0xffffffff);
+}
+
+Monitor::Monitor(std::shared_ptr<Store> store, int worldRank, MonitorOptions options)
+    : store_(std::move(store)), worldRank_(worldRank), options_(std::move(options)) {
+  thread_ = std::thread([this] { heartbeat(); });
+}
+
+Monitor::~Monitor() { stop(); }
+
+void Monitor::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (!options_.dumpDirectory.empty()) {
+    try {
+      dump();
+    } catch (const std::exception& e) {
+      log::warn("monitor", "could not dump the ledger: {}", e.what());
+    }
+  }
+}
+
+void Monitor::watch(const std::shared_ptr<Communicator>& comm) {
+  comm->setMonitor(shared_from_this());
+  std::lock_guard<std::mutex> lock(mutex_);
+  comms_.push_back(comm);
+}
+
+std::vector<std::shared_ptr<Communicator>> Monitor::watched() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::shared_ptr<Communicator>> alive;
+  for (const auto& weak : comms_)
+    if (auto comm = weak.lock()) alive.push_back(std::move(comm));
+  return alive;
+}
+
+void Monitor::publish(const Communicator& comm, Deadline deadline) {
+  store_->set(fmt::format("ledger/{}/{}", groupKey(comm), worldRank_), encode(comm.ledger()), deadline);
+}
+
+void Monitor::heartbeat() {
+  auto interval = std::chrono::duration<double>(options_.heartbeatSeconds);
+  bool warned = false;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (stopping_) return;
+    }
+    try {
+      Deadline deadline = Deadline::afterSeconds(options_.heartbeatSeconds);
+      store_->set(fmt::format("alive/{}", worldRank_), std::to_string(nowMs()), deadline);
+      for (const auto& comm : watched()) publish(*comm, deadline);
+      warned = false;
+    } catch (const std::exception& e) {
+      if (!warned) log::warn("monitor", "cannot publish the ledger through the store: {}", e.what());
+      warned = true;
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_.wait_for(lock, interval, [this] { return stopping_; });
+  }
+}
+
+void Monitor::checkBeforeCollective(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
+                                    Deadline deadline) {
+  std::string prefix = fmt::format("strict/{}/{}/", groupKey(comm), seq);
+  store_->set(prefix + std::to_string(worldRank_), encode(fingerprint), deadline);
+  std::vector<std::string> keys;
+  for (int member : comm.members()) keys.push_back(prefix + std::to_string(member));
+  store_->wait(keys, deadline);
+  auto values = store_->multiGet(keys, deadline);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::istringstream in(values[i].value_or(""));
+    Fingerprint theirs = decodeFingerprint(in);
+    if (!theirs.matches(fingerprint))
+      throw DesyncError(fmt::format("group {} seq {}: this rank ({}) issues {} but rank {} issues {}; every rank of a "
+                                    "group must issue the same collectives in the same order",
+                                    checks::describeGroup(comm), seq, worldRank_, fingerprint.describe(),
+                                    comm.members()[i], theirs.describe()),
+                        checks::context(comm, fingerprint.describe()));
+  }
+  // Every member has read seq - 2 before it set seq - 1, which this rank has seen.
+  if (seq > 2) store_->erase(fmt::format("strict/{}/{}/{}", groupKey(comm), seq - 2, worldRank_), deadline);
+}
+
+Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
+                            double waitedSeconds) {
+  std::string local = describeTimeout(comm, fingerprint, seq, waitedSeconds, "");
+  if (isPointToPoint(fingerprint.op)) return {local, false};
+  Deadline deadline = Deadline::afterSeconds(options_.diagnosisSeconds);
+  std::string key = groupKey(comm);
+  try {
+    publish(comm, deadline);
+    std::vector<std::string> keys;
+    for (int member : comm.members()) {
+      keys.push_back(fmt::format("ledger/{}/{}", key, member));
+      keys.push_back(fmt::format("alive/{}", member));
+    }
+    auto values = store_->multiGet(keys, deadline);
+    int64_t now = nowMs();
+    std::vector<int> waiting, completed, silent;
+    std::map<uint64_t, std::vector<int>> lagging;  // last completed seq -> ranks that never issued `seq`
+    std::vector<std::string> dead, mismatched;
+    for (size_t i = 0; i < comm.members().size(); ++i) {
+      int member = comm.members()[i];
+      auto record = decodeRecord(values[2 * i]);
+      auto alive = values[2 * i + 1] ? parseStoreInteger(*values[2 * i + 1]) : std::nullopt;
+      double silentFor = alive ? (now - *alive) / 1000.0 : 0;
+      if (!record || !alive) {
+        silent.push_back(member);
+      } else if (member != worldRank_ && silentFor > options_.deadAfterSeconds) {
+        dead.push_back(fmt::format("rank {} is dead (no heartbeat for {:.1f} s; it last completed seq {})", member,
+                                   silentFor, record->heads.lastCompleted));
+      } else if (record->heads.lastIssued < seq) {
+        lagging[record->heads.lastCompleted].push_back(member);
+      } else if (record->heads.lastCompleted >= seq) {
+        completed.push_back(member);
+      } else if (auto it = record->entries.find(seq); it != record->entries.end() && !it->second.matches(fingerprint)) {
+        mismatched.push_back(fmt::format("rank {} issued {}", member, it->second.describe()));
+      } else {
+        waiting.push_back(member);
+      }
+    }
+    std::vector<std::string> parts;
+    for (const auto& [last, ranks] : lagging)
+      parts.push_back(fmt::format("{} last completed seq {} and never issued seq {}", rankList(ranks), last, seq));
+    parts.insert(parts.end(), dead.begin(), dead.end());
+    if (!silent.empty())
+      parts.push_back(fmt::format("{} published no state (not started, or cut off from the store)",
+                                  rankList(silent)));
+    if (!completed.empty()) parts.push_back(fmt::format("{} completed seq {}", rankList(completed), seq));
+    if (!waiting.empty())
+      parts.push_back(fmt::format("{} wait in seq {} ({})", rankList(waiting), seq, fingerprint.describe()));
+    Diagnosis diagnosis;
+    if (!mismatched.empty()) {
+      diagnosis.desync = true;
+      diagnosis.message = fmt::format("group {} seq {}: {} issued {} but {}. Every rank of a group must issue the same "
+                                      "collectives in the same order; set BULKHEAD_STRICT=1 to stop at the first "
+                                      "mismatching call.",
+                                      checks::describeGroup(comm), seq, rankList(waiting), fingerprint.describe(),
+                                      fmt::join(mismatched, "; "));
+    } else {
+      diagnosis.message = fmt::format("group {} {} seq {} did not complete in {:.1f} s: {}.",
+                                      checks::describeGroup(comm), toString(fingerprint.op), seq, waitedSeconds,
+                                      fmt::join(parts, "; "));
+    }
+    // The first rank to explain this timeout stores its report; all use it.
+    std::string stored = store_->compareSet(fmt::format("report/{}/{}", key, seq), "",
+                                            (diagnosis.desync ? "D" : "T") + diagnosis.message, deadline);
+    if (!stored.empty()) diagnosis = {stored.substr(1), stored[0] == 'D'};
+    if (!options_.dumpDirectory.empty()) dump();
+    return diagnosis;
+  } catch (const Error& e) {
+    return {fmt::format("{} (the cross-rank diagnosis failed: {})", local, e.what()), false};
+  }
+}
+
+}  // namespace bulkhead

@@ -1,0 +1,94 @@
+#pragma once
+// The Monitor watches this process's communicators (design section 4). It
+// publishes each one's ledger heads and a heartbeat through the rendezvous
+// store, never through a communicator that may be stuck; explains a timeout
+// from what every member of the group published; checks fingerprints across
+// the group before each collective in strict mode; and dumps the ledger as
+// JSON and as a Chrome trace.
+//
+// Keys, under the store given: "alive/<rank>" (wall-clock ms of the last
+// heartbeat), "ledger/<group key>/<rank>" (heads and newest entries),
+// "strict/<group key>/<seq>/<rank>", "report/<group key>/<seq>".
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/communicator.h"
+#include "runtime/store.h"
+
+namespace bulkhead {
+
+struct MonitorOptions {
+  double heartbeatSeconds = 0.5;  // BULKHEAD_HEARTBEAT
+  bool strict = false;            // BULKHEAD_STRICT
+  std::string dumpDirectory;      // BULKHEAD_LEDGER_DUMP; empty: no dumps
+  // A member silent for this long is reported dead.
+  double deadAfterSeconds = 3.0;
+  // What the diagnosis of one timeout may take on top of the deadline.
+  double diagnosisSeconds = 1.5;
+  static MonitorOptions fromEnvironment();
+};
+
+// What the members of a group said about one stuck operation.
+struct Diagnosis {
+  std::string message;  // the report of design section 4
+  bool desync = false;  // members issued different collectives at that seq
+};
+
+class Monitor : public std::enable_shared_from_this<Monitor> {
+ public:
+  Monitor(std::shared_ptr<Store> store, int worldRank, MonitorOptions options = MonitorOptions::fromEnvironment());
+  Monitor(const Monitor&) = delete;
+  Monitor& operator=(const Monitor&) = delete;
+  // Calls stop().
+  ~Monitor();
+  // Stops the heartbeat thread (bounded by one store round trip) and writes
+  // the dumps if a directory is set. Idempotent.
+  void stop();
+
+  // Attaches this monitor to `comm` and publishes its ledger from now on.
+  void watch(const std::shared_ptr<Communicator>& comm);
+  bool strict() const { return options_.strict; }
+  int worldRank() const { return worldRank_; }
+  const std::shared_ptr<Store>& store() const { return store_; }
+
+  // Strict mode: publishes this rank's fingerprint for `seq` and compares it
+  // with every member's before the collective is issued. DesyncError names
+  // both sides; TimeoutError if a member does not arrive by the deadline.
+  void checkBeforeCollective(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
+                             Deadline deadline);
+
+  // Builds the report for operation `seq` of `comm` that timed out on this
+  // rank after `waitedSeconds`, from every member's published state; the first
+  // rank to finish stores it, and every rank reports that same text.
+  Diagnosis diagnose(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint, double waitedSeconds);
+
+  // Writes <dir>/ledger_rank<r>.json and <dir>/trace_rank<r>.json (Chrome
+  // trace: one track per group) for every watched communicator.
+  void dump() const;
+
+ private:
+  void heartbeat();
+  void publish(const Communicator& comm, Deadline deadline);
+  std::vector<std::shared_ptr<Communicator>> watched() const;
+
+  std::shared_ptr<Store> store_;
+  int worldRank_;
+  MonitorOptions options_;
+  mutable std::mutex mutex_;
+  std::vector<std::weak_ptr<Communicator>> comms_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// The key that names a group in the store: its name and its members, so two
+// groups with one name (splits of different parents) never share keys.
+std::string groupKey(const Communicator& comm);
+
+}  // namespace bulkhead
