@@ -95,7 +95,10 @@ class Communicator {
   virtual const char* backend() const = 0;
   // Where this communicator's tensors must live: cpu for mpi, cuda:<n> for nccl.
   virtual c10::Device device() const = 0;
-  virtual const Ledger& ledger() const = 0;
+  // The numbered record of this group's operations. The monitor keeps a
+  // share of it, so dumps still show a group after its communicator is gone.
+  const Ledger& ledger() const { return *ledger_; }
+  std::shared_ptr<const Ledger> sharedLedger() const { return ledger_; }
 
   // In place: every rank ends with the reduction of all ranks' tensors.
   virtual WorkPtr allReduce(at::Tensor tensor, ReduceOptions options = {}) = 0;
@@ -122,6 +125,11 @@ class Communicator {
   // Marks the communicator unusable and fails its pending work; bounded.
   virtual void abort(const std::string& reason) = 0;
   virtual bool isAborted() const = 0;
+
+ protected:
+  // Capacity: BULKHEAD_LEDGER_CAPACITY.
+  Communicator();
+  std::shared_ptr<Ledger> ledger_;
 
  private:
   std::shared_ptr<Monitor> monitor_;

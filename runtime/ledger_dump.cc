@@ -44,17 +44,17 @@ void Monitor::dump() const {
       "\"rank {0}\"}}}}",
       worldRank_);
   int track = 0;
-  for (const auto& comm : watched()) {
-    LedgerHeads heads = comm->ledger().heads();
+  for (const Group& group : groups()) {
+    LedgerHeads heads = group.ledger->heads();
     ledger += fmt::format("{}\n {{\"name\": {}, \"members\": [{}], \"last_issued\": {}, \"last_completed\": {}, "
                           "\"entries\": [",
-                          track == 0 ? "" : ",", quoted(comm->name()), fmt::join(comm->members(), ", "),
+                          track == 0 ? "" : ",", quoted(group.name), fmt::join(group.members, ", "),
                           heads.lastIssued, heads.lastCompleted);
     trace += fmt::format(",\n{{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": {}, \"tid\": {}, \"args\": "
                          "{{\"name\": {}}}}}",
-                         worldRank_, track, quoted(comm->name()));
+                         worldRank_, track, quoted(group.name));
     bool first = true;
-    for (const LedgerEntry& entry : comm->ledger().entries()) {
+    for (const LedgerEntry& entry : group.ledger->entries()) {
       int64_t start = micros(entry.issuedAt);
       bool ended = entry.state != OpState::Issued;
       int64_t duration = ended ? std::max<int64_t>(0, micros(entry.endedAt) - start) : 0;

@@ -98,7 +98,7 @@ MonitorOptions MonitorOptions::fromEnvironment() {
   options.heartbeatSeconds = env::kHeartbeat.seconds();
   options.strict = env::kStrict.flag();
   options.dumpDirectory = env::kLedgerDump.text();
-  options.deadAfterSeconds = std::max(3.0, 4 * options.heartbeatSeconds);
+  options.deadAfterSeconds = std::max(1.0, 3 * options.heartbeatSeconds);
   return options;
 }
 
@@ -134,19 +134,16 @@ void Monitor::stop() {
 void Monitor::watch(const std::shared_ptr<Communicator>& comm) {
   comm->setMonitor(shared_from_this());
   std::lock_guard<std::mutex> lock(mutex_);
-  comms_.push_back(comm);
+  groups_.push_back({comm, comm->name(), groupKey(*comm), comm->members(), comm->sharedLedger()});
 }
 
-std::vector<std::shared_ptr<Communicator>> Monitor::watched() const {
+std::vector<Monitor::Group> Monitor::groups() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<std::shared_ptr<Communicator>> alive;
-  for (const auto& weak : comms_)
-    if (auto comm = weak.lock()) alive.push_back(std::move(comm));
-  return alive;
+  return groups_;
 }
 
-void Monitor::publish(const Communicator& comm, Deadline deadline) {
-  store_->set(fmt::format("ledger/{}/{}", groupKey(comm), worldRank_), encode(comm.ledger()), deadline);
+void Monitor::publish(const std::string& key, const Ledger& ledger, Deadline deadline) {
+  store_->set(fmt::format("ledger/{}/{}", key, worldRank_), encode(ledger), deadline);
 }
 
 void Monitor::heartbeat() {
@@ -160,7 +157,8 @@ void Monitor::heartbeat() {
     try {
       Deadline deadline = Deadline::afterSeconds(options_.heartbeatSeconds);
       store_->set(fmt::format("alive/{}", worldRank_), std::to_string(nowMs()), deadline);
-      for (const auto& comm : watched()) publish(*comm, deadline);
+      for (const Group& group : groups())
+        if (!group.comm.expired()) publish(group.key, *group.ledger, deadline);
       warned = false;
     } catch (const std::exception& e) {
       if (!warned) log::warn("monitor", "cannot publish the ledger through the store: {}", e.what());
@@ -200,7 +198,7 @@ Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Finger
   Deadline deadline = Deadline::afterSeconds(options_.diagnosisSeconds);
   std::string key = groupKey(comm);
   try {
-    publish(comm, deadline);
+    publish(key, comm.ledger(), deadline);
     std::vector<std::string> keys;
     for (int member : comm.members()) {
       keys.push_back(fmt::format("ledger/{}/{}", key, member));
@@ -216,11 +214,12 @@ Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Finger
       auto record = decodeRecord(values[2 * i]);
       auto alive = values[2 * i + 1] ? parseStoreInteger(*values[2 * i + 1]) : std::nullopt;
       double silentFor = alive ? (now - *alive) / 1000.0 : 0;
-      if (!record || !alive) {
+      if (member != worldRank_ && alive && silentFor > options_.deadAfterSeconds) {
+        dead.push_back(record ? fmt::format("rank {} is dead (no heartbeat for {:.1f} s; it last completed seq {})",
+                                            member, silentFor, record->heads.lastCompleted)
+                              : fmt::format("rank {} is dead (no heartbeat for {:.1f} s)", member, silentFor));
+      } else if (!record || !alive) {
         silent.push_back(member);
-      } else if (member != worldRank_ && silentFor > options_.deadAfterSeconds) {
-        dead.push_back(fmt::format("rank {} is dead (no heartbeat for {:.1f} s; it last completed seq {})", member,
-                                   silentFor, record->heads.lastCompleted));
       } else if (record->heads.lastIssued < seq) {
         lagging[record->heads.lastCompleted].push_back(member);
       } else if (record->heads.lastCompleted >= seq) {

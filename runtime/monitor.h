@@ -27,8 +27,8 @@ struct MonitorOptions {
   double heartbeatSeconds = 0.5;  // BULKHEAD_HEARTBEAT
   bool strict = false;            // BULKHEAD_STRICT
   std::string dumpDirectory;      // BULKHEAD_LEDGER_DUMP; empty: no dumps
-  // A member silent for this long is reported dead.
-  double deadAfterSeconds = 3.0;
+  // A member silent for this long is reported dead (3 heartbeats, >= 1 s).
+  double deadAfterSeconds = 1.5;
   // What the diagnosis of one timeout may take on top of the deadline.
   double diagnosisSeconds = 1.5;
   static MonitorOptions fromEnvironment();
@@ -73,15 +73,23 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   void dump() const;
 
  private:
+  // What the monitor keeps of a group: enough to publish and dump its ledger
+  // after the communicator itself is gone.
+  struct Group {
+    std::weak_ptr<Communicator> comm;
+    std::string name, key;
+    std::vector<int> members;
+    std::shared_ptr<const Ledger> ledger;
+  };
   void heartbeat();
-  void publish(const Communicator& comm, Deadline deadline);
-  std::vector<std::shared_ptr<Communicator>> watched() const;
+  void publish(const std::string& key, const Ledger& ledger, Deadline deadline);
+  std::vector<Group> groups() const;
 
   std::shared_ptr<Store> store_;
   int worldRank_;
   MonitorOptions options_;
   mutable std::mutex mutex_;
-  std::vector<std::weak_ptr<Communicator>> comms_;
+  std::vector<Group> groups_;
   std::condition_variable wake_;
   bool stopping_ = false;
   std::thread thread_;

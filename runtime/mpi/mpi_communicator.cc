@@ -100,7 +100,6 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
       : comm_(comm),
         name_(std::move(name)),
         members_(std::move(members)),
-        ledger_(static_cast<size_t>(std::max<int64_t>(1, env::kLedgerCapacity.integer()))),
         defaultTimeout_(env::kCollectiveTimeout.seconds()) {
     std::lock_guard<std::mutex> lock(callLock());
     check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank", {.group = name_});
@@ -119,7 +118,6 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   const std::vector<int>& members() const override { return members_; }
   const char* backend() const override { return "mpi"; }
   c10::Device device() const override { return c10::Device(c10::kCPU); }
-  const Ledger& ledger() const override { return ledger_; }
   bool isAborted() const override { return aborted_; }
 
   WorkPtr allReduce(at::Tensor tensor, ReduceOptions options) override {
@@ -298,10 +296,10 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
       try {
         check(rc, "MPI_Testall", checks::context(*this));
         if (op.finish) op.finish();
-        ledger_.complete(op.fingerprint.op, op.seq);
+        ledger_->complete(op.fingerprint.op, op.seq);
       } catch (...) {
         op.error = std::current_exception();
-        ledger_.fail(op.fingerprint.op, op.seq);
+        ledger_->fail(op.fingerprint.op, op.seq);
       }
       op.done = true;
       it = pending_.erase(it);
@@ -356,18 +354,18 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
     bool collective = !isPointToPoint(op->fingerprint.op);
     if (collective) {
-      if (auto fault = fault::inject(*this, ledger_.heads().lastIssued + 1)) {
+      if (auto fault = fault::inject(*this, ledger_->heads().lastIssued + 1)) {
         if (*fault == fault::Action::Skip) return fault::skippedWork();
         op->fingerprint = fault::mismatch(op->fingerprint, *fault);
         op->stalled = true;
       }
     }
-    op->seq = ledger_.issue(op->fingerprint);
-    if (collective && !op->stalled && monitor() && monitor()->strict()) {
+    op->seq = ledger_->issue(op->fingerprint);
+    if (collective && monitor() && monitor()->strict()) {
       try {
         monitor()->checkBeforeCollective(*this, op->seq, op->fingerprint, op->deadline);
       } catch (...) {
-        ledger_.fail(op->fingerprint.op, op->seq);
+        ledger_->fail(op->fingerprint.op, op->seq);
         throw;
       }
     }
@@ -377,7 +375,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
       MPI_Request request = MPI_REQUEST_NULL;
       int rc = issue(&request);
       if (rc != MPI_SUCCESS) {
-        ledger_.fail(op->fingerprint.op, op->seq);
+        ledger_->fail(op->fingerprint.op, op->seq);
         check(rc, call, checks::context(*this));
       }
       op->requests.push_back(request);
@@ -394,7 +392,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     poisonedFlag = true;
     std::lock_guard<std::mutex> keep(abandonedLock);
     for (auto& op : pending_) {
-      ledger_.fail(op->fingerprint.op, op->seq);
+      ledger_->fail(op->fingerprint.op, op->seq);
       abandoned.push_back(op);
     }
     pending_.clear();
@@ -424,7 +422,6 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   std::string name_;
   std::vector<int> members_;
   int rank_ = 0, size_ = 1;
-  Ledger ledger_;
   double defaultTimeout_;
   mutable std::mutex mutex_;  // guards pending_ and abortReason_; taken before callLock()
   std::deque<std::shared_ptr<PendingOp>> pending_;

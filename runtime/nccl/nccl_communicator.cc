@@ -107,27 +107,25 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   cudaStream_t cudaStream = streamFor(stream);
   bool collective = !isPointToPoint(op->fingerprint.op);
   if (collective) {
-    if (auto fault = fault::inject(*this, ledger_.heads().lastIssued + 1)) {
+    if (auto fault = fault::inject(*this, ledger_->heads().lastIssued + 1)) {
       if (*fault == fault::Action::Skip) return fault::skippedWork();
       op->fingerprint = fault::mismatch(op->fingerprint, *fault);
       op->stalled = true;
     }
   }
   DeviceGuard guard(device_);
-  if (op->stalled) {
-    op->seq = ledger_.issue(op->fingerprint);
-  } else {
-    std::lock_guard<std::mutex> lock(enqueueMutex_);
-    ensureUsable();
-    op->seq = ledger_.issue(op->fingerprint);
-    if (collective && monitor() && monitor()->strict()) {
-      try {
-        monitor()->checkBeforeCollective(*this, op->seq, op->fingerprint, op->deadline);
-      } catch (...) {
-        ledger_.fail(op->fingerprint.op, op->seq);
-        throw;
-      }
+  std::unique_lock<std::mutex> lock(enqueueMutex_);
+  ensureUsable();
+  op->seq = ledger_->issue(op->fingerprint);
+  if (collective && monitor() && monitor()->strict()) {
+    try {
+      monitor()->checkBeforeCollective(*this, op->seq, op->fingerprint, op->deadline);
+    } catch (...) {
+      ledger_->fail(op->fingerprint.op, op->seq);
+      throw;
     }
+  }
+  if (!op->stalled) {
     {
       std::lock_guard<std::mutex> watched(pendingMutex_);
       enqueuing_ = op;
@@ -139,7 +137,7 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
     }
     if (op->status == OpStatus::Failed) std::rethrow_exception(op->error);  // the watchdog gave up on the call
     if (rc != ncclSuccess && rc != ncclInProgress) {
-      ledger_.fail(op->fingerprint.op, op->seq);
+      ledger_->fail(op->fingerprint.op, op->seq);
       check(rc, call, checks::context(*this));
     }
     if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
@@ -147,9 +145,10 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
     op->done = events_->take(checks::context(*this));
     check(cudaEventRecord(op->done, cudaStream), "cudaEventRecord", checks::context(*this));
   }
+  lock.unlock();
   bool wasIdle;
   {
-    std::lock_guard<std::mutex> lock(pendingMutex_);
+    std::lock_guard<std::mutex> pendingLock(pendingMutex_);
     wasIdle = pending_.empty();
     pending_.push_back(op);
   }

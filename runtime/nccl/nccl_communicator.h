@@ -85,7 +85,6 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   const std::string& name() const override { return name_; }
   const std::vector<int>& members() const override { return members_; }
   const char* backend() const override { return "nccl"; }
-  const Ledger& ledger() const override { return ledger_; }
   bool isAborted() const override { return aborted_; }
   c10::Device device() const override { return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_)); }
 
@@ -126,7 +125,6 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   std::string name_;
   std::vector<int> members_;
   int rank_ = 0, size_ = 1;
-  Ledger ledger_;
   double defaultTimeout_;
   int* scratch_ = nullptr;  // one device int for barriers
 

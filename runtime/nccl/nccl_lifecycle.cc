@@ -166,7 +166,6 @@ NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device, std::string name
       device_(device),
       name_(std::move(name)),
       members_(std::move(members)),
-      ledger_(static_cast<size_t>(std::max<int64_t>(1, env::kLedgerCapacity.integer()))),
       defaultTimeout_(env::kCollectiveTimeout.seconds()) {
   DeviceGuard guard(device_);
   check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank", {.group = name_});
@@ -240,7 +239,7 @@ void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
   auto it = std::find_if(pending_.begin(), pending_.end(), [&](const auto& p) { return p.get() == &op; });
   if (it == pending_.end()) return;  // settled already, or failed by an abort
   if (state == cudaSuccess) {
-    ledger_.complete(op.fingerprint.op, op.seq);
+    ledger_->complete(op.fingerprint.op, op.seq);
     op.status = OpStatus::Completed;
   } else {
     cudaGetLastError();
@@ -248,7 +247,7 @@ void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
                                                              toString(op.fingerprint.op), op.seq,
                                                              cudaGetErrorString(state)),
                                                  checks::context(*this)));
-    ledger_.fail(op.fingerprint.op, op.seq);
+    ledger_->fail(op.fingerprint.op, op.seq);
     op.status = OpStatus::Failed;
   }
   op.buffers.clear();
@@ -269,7 +268,7 @@ void NcclCommunicator::timeout(NcclOp& op) {
   // The operation fails before the abort starts: a caller blocked inside its
   // NCCL call returns when the abort lands and must find this error, not NCCL's.
   if (op.status == OpStatus::Pending) {
-    ledger_.fail(op.fingerprint.op, op.seq);
+    ledger_->fail(op.fingerprint.op, op.seq);
     op.error = error;
     op.status = OpStatus::Failed;
   }
@@ -292,7 +291,7 @@ void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& re
     abortReason_ = reason;
     for (auto& op : pending_) {
       op->error = error;
-      ledger_.fail(op->fingerprint.op, op->seq);
+      ledger_->fail(op->fingerprint.op, op->seq);
       op->status = OpStatus::Failed;
       failed.push_back(op);
     }
