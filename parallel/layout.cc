@@ -62,8 +62,9 @@ detail::Grid makeGrid(const std::array<std::string_view, 5>& tokens, const std::
   return grid;
 }
 
-// "tp 3 x cp 1 x pp 2 = 6". The product is computed only while it does not
-// pass the world (so it cannot overflow); past the world it reads "> world".
+// "tp 3 x cp 1 x pp 2 = 6". A factor is multiplied in only while the product
+// has not passed the world (so it cannot overflow); when one was left out the
+// text reads "> world" and `exceeds` is set.
 struct Product {
   long long value = 1;
   bool exceeds = false;
@@ -78,7 +79,6 @@ Product product(std::initializer_list<std::pair<const char*, int>> factors, int 
     else
       result.value *= size;
   }
-  if (result.value > world) result.exceeds = true;
   result.text += result.exceeds ? fmt::format(" > {}", world) : fmt::format(" = {}", result.value);
   return result;
 }
@@ -91,8 +91,9 @@ std::string beforePp(const detail::Grid& grid, const char* const names[4]) {
     for (int slot = 0; slot < 3; ++slot)
       if (grid.position[slot] == position)
         text += fmt::format("{}{} {}", text.empty() ? "" : " x ", names[slot], grid.size[slot]);
-  if (text.empty()) return "nothing (1 rank)";
-  return fmt::format("{} = {} ranks", text, grid.stride[kSlotPp]);
+  if (text.empty()) return "nothing (pp is fastest)";
+  int stride = grid.stride[kSlotPp];
+  return fmt::format("{} = {} rank{}", text, stride, stride == 1 ? "" : "s");
 }
 
 }  // namespace
