@@ -86,14 +86,20 @@ std::vector<int> membersThrough(const Grid& grid, unsigned mask, const std::arra
   int base = 0;
   for (int slot = 0; slot < 4; ++slot)
     if (!(mask & bit(slot))) base += coords[slot] * grid.stride[slot];
+  // The masked slots, fastest first: member j spells j in their mixed radix.
+  int count = 0;
+  std::array<int, 4> sizes{}, strides{};
+  for (int slot : slotsInOrder(grid))
+    if (mask & bit(slot)) sizes[count] = grid.size[slot], strides[count++] = grid.stride[slot];
   int size = groupSize(grid, mask);
   std::vector<int> members;
   members.reserve(size);
   for (int j = 0; j < size; ++j) {
-    auto inGroup = coordsFrom(grid, j, mask);
-    int rank = base;
-    for (int slot = 0; slot < 4; ++slot)
-      if (mask & bit(slot)) rank += inGroup[slot] * grid.stride[slot];
+    int rank = base, rest = j;
+    for (int i = 0; i < count; ++i) {
+      rank += (rest % sizes[i]) * strides[i];
+      rest /= sizes[i];
+    }
     members.push_back(rank);
   }
   return members;
