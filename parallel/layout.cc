@@ -14,6 +14,9 @@ namespace bulkhead::parallel {
 namespace {
 
 constexpr std::string_view kAxisNames[] = {"tp", "cp", "ep", "dp", "pp"};
+// The names of each grid's slots, for messages and describe().
+constexpr const char* kDenseNames[4] = {"tp", "cp", "dp", "pp"};
+constexpr const char* kExpertNames[4] = {"etp", "ep", "edp", "pp"};
 constexpr const char* kOrderHelp =
     "name each of tp, cp, ep, dp, pp exactly once, joined by '-', leftmost fastest (the default is tp-cp-ep-dp-pp)";
 
@@ -132,13 +135,15 @@ const std::vector<GroupKind>& allGroupKinds() {
 }
 
 Layout Layout::create(int worldSize, const LayoutOptions& options) {
-  if (worldSize < 1) throw ConfigError(fmt::format("a world of {} ranks cannot hold a layout; it needs at least 1 rank", worldSize));
+  if (worldSize < 1)
+    throw ConfigError(fmt::format("a world of {} ranks cannot hold a layout; it needs at least 1 rank", worldSize));
   std::string small;
   for (auto [name, size] : {std::pair{"tp", options.tp}, {"cp", options.cp}, {"pp", options.pp}, {"ep", options.ep},
                             {"etp", options.etp}, {"optimizerInstances", options.optimizerInstances}})
     if (size < 1) small += fmt::format("{}{} {}", small.empty() ? "" : ", ", name, size);
   if (!small.empty())
-    throw ConfigError(fmt::format("parallel sizes must be at least 1, got {}; use 1 for an axis that is not split", small));
+    throw ConfigError(
+        fmt::format("parallel sizes must be at least 1, got {}; use 1 for an axis that is not split", small));
 
   auto tokens = parseOrder(options.order);
 
@@ -165,17 +170,16 @@ Layout Layout::create(int worldSize, const LayoutOptions& options) {
   // both. pp groups are {r + k * stride(pp)}, so they agree exactly when pp
   // has the same stride on both grids; with pp last both strides are world/pp.
   if (options.pp > 1 && denseGrid.stride[kSlotPp] != expertGrid.stride[kSlotPp]) {
-    static const char* const denseNames[4] = {"tp", "cp", "dp", "pp"};
-    static const char* const expertNames[4] = {"etp", "ep", "edp", "pp"};
     throw ConfigError(fmt::format(
         "order '{}' gives the dense and expert grids different pp groups: before pp come {} on the dense grid "
         "but {} on the expert grid; put pp last in the order (e.g. tp-cp-ep-dp-pp), or choose sizes that make "
         "these two products equal",
-        options.order, beforePp(denseGrid, denseNames), beforePp(expertGrid, expertNames)));
+        options.order, beforePp(denseGrid, kDenseNames), beforePp(expertGrid, kExpertNames)));
   }
   if (edp % options.optimizerInstances != 0)
     throw ConfigError(fmt::format("optimizerInstances {} does not divide expert dp {} (world {} / ({})): each "
-                                  "instance takes an equal contiguous share of every expert-dp group; use a divisor of {}",
+                                  "instance takes an equal contiguous share of every expert-dp group; "
+                                  "use a divisor of {}",
                                   options.optimizerInstances, edp, worldSize,
                                   expert.text.substr(0, expert.text.find(" =")), edp));
   return Layout(worldSize, options, dp, edp, denseGrid, expertGrid);
@@ -204,13 +208,11 @@ std::string Layout::describe() const {
         if (grid.position[slot] == position) text += fmt::format("{}{}", text.empty() ? "" : "-", names[slot]);
     return text;
   };
-  static const char* const denseNames[4] = {"tp", "cp", "dp", "pp"};
-  static const char* const expertNames[4] = {"etp", "ep", "edp", "pp"};
   std::string text = fmt::format("layout of {} ranks, order {} (leftmost fastest)\n", worldSize_, options_.order);
-  text += fmt::format("  dense  {:<14} tp {} x cp {} x dp {} x pp {}\n", orderOf(dense_, denseNames) + ":", tp(), cp(),
+  text += fmt::format("  dense  {:<14} tp {} x cp {} x dp {} x pp {}\n", orderOf(dense_, kDenseNames) + ":", tp(), cp(),
                       dp(), pp());
   text += fmt::format("  expert {:<14} etp {} x ep {} x edp {} x pp {}, optimizer instances {}\n",
-                      orderOf(expert_, expertNames) + ":", etp(), ep(), edp(), pp(), options_.optimizerInstances);
+                      orderOf(expert_, kExpertNames) + ":", etp(), ep(), edp(), pp(), options_.optimizerInstances);
   if (worldSize_ > 64) return text + fmt::format("  (coordinates of each rank shown only for worlds up to 64 ranks)\n");
   text += "  rank   tp cp dp pp | etp ep edp\n";
   for (int rank = 0; rank < worldSize_; ++rank) {

@@ -187,8 +187,8 @@ void checkLayout(const Layout& layout, Problems& problems) {
     Coordinates c = coords[rank] = layout.coordinates(rank);
     int dense = rankFrom(order, [&](const std::string& t, Axis* a) { return denseAxis(t, o, layout.dp(), c, a); });
     int expert = rankFrom(order, [&](const std::string& t, Axis* a) { return expertAxis(t, o, layout.edp(), c, a); });
-    if (dense != rank) problems.add("dense coordinates of rank " + std::to_string(rank) + " give " + std::to_string(dense));
-    if (expert != rank) problems.add("expert coordinates of rank " + std::to_string(rank) + " give " + std::to_string(expert));
+    if (dense != rank) problems.add("dense coordinates of rank " + std::to_string(rank) + " map back elsewhere");
+    if (expert != rank) problems.add("expert coordinates of rank " + std::to_string(rank) + " map back elsewhere");
   }
 
   // groupOf copies a whole group per rank; on large worlds check it on the
