@@ -79,6 +79,11 @@ Fault parse(const std::string& text) {
   return fault;
 }
 
+bool armed() {
+  static const bool set = configured().has_value();
+  return set;
+}
+
 std::optional<Action> inject(const Communicator& comm, uint64_t seq) {
   const auto& fault = configured();
   if (!fault || fault->seq != seq || fault->group != comm.name()) return std::nullopt;

@@ -33,6 +33,9 @@ struct Fault {
 // Parses a BULKHEAD_FAULT value; ConfigError that shows the expected form.
 Fault parse(const std::string& text);
 
+// Whether BULKHEAD_FAULT is set at all: one load on the hot path otherwise.
+bool armed();
+
 // The fault configured for collective `seq` of `comm` on this rank, if any.
 // Delay and exit are carried out here; skip and the mismatches are returned
 // for the backend to apply.

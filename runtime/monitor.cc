@@ -108,7 +108,7 @@ std::string groupKey(const Communicator& comm) {
 }
 
 Monitor::Monitor(std::shared_ptr<Store> store, int worldRank, MonitorOptions options)
-    : store_(std::move(store)), worldRank_(worldRank), options_(std::move(options)) {
+    : store_(std::move(store)), worldRank_(worldRank), options_(std::move(options)), strict_(options_.strict) {
   thread_ = std::thread([this] { heartbeat(); });
 }
 

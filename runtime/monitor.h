@@ -53,7 +53,10 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
 
   // Attaches this monitor to `comm` and publishes its ledger from now on.
   void watch(const std::shared_ptr<Communicator>& comm);
-  bool strict() const { return options_.strict; }
+  bool strict() const { return strict_; }
+  // Turns strict mode on or off for this process (BULKHEAD_STRICT sets it at
+  // start); every rank must agree, as for the knob.
+  void setStrict(bool on) { strict_ = on; }
   int worldRank() const { return worldRank_; }
   const std::shared_ptr<Store>& store() const { return store_; }
 
@@ -88,6 +91,7 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   std::shared_ptr<Store> store_;
   int worldRank_;
   MonitorOptions options_;
+  std::atomic<bool> strict_;
   mutable std::mutex mutex_;
   std::vector<Group> groups_;
   std::condition_variable wake_;

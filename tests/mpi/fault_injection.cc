@@ -4,7 +4,7 @@
 // number. Each rank writes <out-dir>/rank_<r>.txt: the seconds its failing
 // call took, the error's type and message ("no error" when none).
 //
-//   fault_injection <out-dir>
+//   fault_injection <out-dir> [mpi|nccl]
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -19,12 +19,13 @@
 using namespace bulkhead;
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s <out-dir>\n", argv[0]);
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: %s <out-dir> [mpi|nccl]\n", argv[0]);
     return 2;
   }
   std::string outDir = argv[1];
-  auto runtime = init({.backend = Backend::Mpi});
+  auto runtime = init({.backend = argc == 3 ? parseBackend(argv[2]) : Backend::Mpi});
+  auto on = at::TensorOptions().device(runtime->device());
   int me = runtime->world().rank();
   auto group = runtime->world().split(0, me, "all");
   int n = group->size();
@@ -36,8 +37,8 @@ int main(int argc, char** argv) {
     auto start = std::chrono::steady_clock::now();
     try {
       WorkPtr work;
-      at::Tensor a = at::randn({4096}), b = at::empty({4096 * n});
-      at::Tensor send = at::randn({3 * n, 8}), recv = at::empty({3 * n, 8});
+      at::Tensor a = at::randn({4096}, on), b = at::empty({4096 * n}, on);
+      at::Tensor send = at::randn({3 * n, 8}, on), recv = at::empty({3 * n, 8}, on);
       switch (call % 4) {
         case 0: work = group->allReduce(a, {.deadline = deadline}); break;
         case 1: work = group->allGather(a, b, {.deadline = deadline}); break;

@@ -5,9 +5,17 @@
 # With strict=1, a mismatch is caught at the call itself, long before any
 # deadline. The job exits non-zero instead of hanging.
 # usage: fault_injection_test.sh <ranks> <skip|mismatch-op|mismatch-size|delay:5|exit> <strict 0|1> <program> <mpirun>
+#        [mpi|nccl]   (nccl: one rank per GPU; skipped with fewer GPUs than ranks)
 set -u
-ranks=$1 action=$2 strict=$3 program=$4 mpirun=$5
-guilty=2
+ranks=$1 action=$2 strict=$3 program=$4 mpirun=$5 backend=${6:-mpi}
+if [ "$backend" = nccl ]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [ "${gpus:-0}" -lt "$ranks" ]; then
+    echo "SKIPPED: $ranks ranks with NCCL need $ranks GPUs (found ${gpus:-0})"
+    exit 77
+  fi
+fi
+guilty=$((ranks > 2 ? 2 : 1))
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 # A rank that exits abruptly must not take the job down before its peers
@@ -16,7 +24,7 @@ keep=()
 [ "$action" = exit ] && keep=(--mca orte_abort_on_non_zero_status 0)
 start=$(date +%s%N)
 BULKHEAD_FAULT="rank=$guilty,group=all[0],seq=4,action=$action" BULKHEAD_STRICT=$strict BULKHEAD_SHUTDOWN_TIMEOUT=3 \
-  timeout 90 "$mpirun" --oversubscribe "${keep[@]}" -np "$ranks" "$program" "$out" >"$out/log" 2>&1
+  timeout 90 "$mpirun" --oversubscribe "${keep[@]}" -np "$ranks" "$program" "$out" "$backend" >"$out/log" 2>&1
 code=$?
 elapsed_ms=$((($(date +%s%N) - start) / 1000000))
 fail() { echo "FAIL: $*"; echo "--- job output:"; cat "$out/log"; exit 1; }
