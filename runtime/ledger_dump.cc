@@ -2,6 +2,7 @@
 // Perfetto or chrome://tracing) with one track per rank (process) and group
 // (thread). Times are wall-clock microseconds, so traces of all ranks line up.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdio>
 
