@@ -129,6 +129,17 @@ class Communicator {
  protected:
   // Capacity: BULKHEAD_LEDGER_CAPACITY.
   Communicator();
+
+  // Steps every backend takes before it issues an operation (communicator.cc).
+  // A fault injected for the next collective (BULKHEAD_FAULT): Skip means
+  // return fault::skippedWork() without issuing or numbering anything; Stall
+  // means `fingerprint` was altered and the operation must not be issued.
+  enum class Injected { None, Skip, Stall };
+  Injected injectFault(Fingerprint& fingerprint);
+  // Strict mode: compares the fingerprint of collective `seq` across the
+  // group; on a mismatch the ledger entry fails and DesyncError propagates.
+  void checkStrict(uint64_t seq, const Fingerprint& fingerprint, Deadline deadline);
+
   std::shared_ptr<Ledger> ledger_;
 
  private:

@@ -114,4 +114,48 @@ Fingerprint fingerprint(OpType op, const at::Tensor& t) {
   return fp;
 }
 
+namespace {
+void floatingForAvg(const Communicator& comm, const at::Tensor& t, ReduceOp op) {
+  if (op == ReduceOp::Avg && c10::isIntegralType(t.scalar_type(), /*includeBool=*/true))
+    throw ConfigError("avg is defined for floating-point tensors; reduce integers with sum and divide",
+                      context(comm, "a floating-point dtype for avg"));
+}
+}  // namespace
+
+void allReduceArgs(const Communicator& comm, const BackendRules& rules, const at::Tensor& tensor, ReduceOp op) {
+  checks::tensor(comm, rules, tensor, "all-reduce");
+  floatingForAvg(comm, tensor, op);
+}
+
+void allGatherArgs(const Communicator& comm, const BackendRules& rules, const at::Tensor& input,
+                   const at::Tensor& output) {
+  checks::tensor(comm, rules, input, "all-gather input");
+  checks::tensor(comm, rules, output, "all-gather output");
+  sameDtype(comm, input, output);
+  numel(comm, output, input.numel() * comm.size(), "all-gather output", "it must hold size() inputs");
+}
+
+void reduceScatterArgs(const Communicator& comm, const BackendRules& rules, const at::Tensor& input,
+                       const at::Tensor& output, ReduceOp op) {
+  checks::tensor(comm, rules, input, "reduce-scatter input");
+  checks::tensor(comm, rules, output, "reduce-scatter output");
+  sameDtype(comm, input, output);
+  numel(comm, input, output.numel() * comm.size(), "reduce-scatter input", "it must hold size() outputs");
+  floatingForAvg(comm, input, op);
+}
+
+std::pair<std::vector<int64_t>, std::vector<int64_t>> allToAllArgs(const Communicator& comm, const BackendRules& rules,
+                                                                   const at::Tensor& send, const at::Tensor& recv,
+                                                                   std::vector<int64_t> sendSplits,
+                                                                   std::vector<int64_t> recvSplits) {
+  checks::tensor(comm, rules, send, "all-to-all send");
+  checks::tensor(comm, rules, recv, "all-to-all recv");
+  sameDtype(comm, send, recv);
+  sameRowShape(comm, send, recv);
+  sendSplits = splits(comm, send, std::move(sendSplits), "all-to-all send");
+  recvSplits = splits(comm, recv, std::move(recvSplits), "all-to-all recv");
+  selfSplit(comm, sendSplits, recvSplits);
+  return {std::move(sendSplits), std::move(recvSplits)};
+}
+
 }  // namespace bulkhead::checks

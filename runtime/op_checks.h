@@ -41,4 +41,16 @@ int64_t rowElements(const at::Tensor& t);
 
 Fingerprint fingerprint(OpType op, const at::Tensor& t);
 
+// The checks every backend runs before an operation, by operation.
+void allReduceArgs(const Communicator& comm, const BackendRules& rules, const at::Tensor& tensor, ReduceOp op);
+void allGatherArgs(const Communicator& comm, const BackendRules& rules, const at::Tensor& input,
+                   const at::Tensor& output);
+void reduceScatterArgs(const Communicator& comm, const BackendRules& rules, const at::Tensor& input,
+                       const at::Tensor& output, ReduceOp op);
+// Returns the resolved send and recv splits (empty lists mean equal splits).
+std::pair<std::vector<int64_t>, std::vector<int64_t>> allToAllArgs(const Communicator& comm, const BackendRules& rules,
+                                                                   const at::Tensor& send, const at::Tensor& recv,
+                                                                   std::vector<int64_t> sendSplits,
+                                                                   std::vector<int64_t> recvSplits);
+
 }  // namespace bulkhead::checks

@@ -12,6 +12,7 @@
 #include <functional>
 #include <numeric>
 #include <thread>
+#include <tuple>
 
 #include "runtime/backoff.h"
 #include "runtime/diagnosis.h"
@@ -121,11 +122,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   bool isAborted() const override { return aborted_; }
 
   WorkPtr allReduce(at::Tensor tensor, ReduceOptions options) override {
-    checks::tensor(*this, kRules, tensor, "all-reduce");
-    bool integral = c10::isIntegralType(tensor.scalar_type(), /*includeBool=*/true);
-    if (options.op == ReduceOp::Avg && integral)
-      throw ConfigError("avg is defined for floating-point tensors; all-reduce integers with sum and divide",
-                        checks::context(*this, "a floating-point dtype for avg"));
+    checks::allReduceArgs(*this, kRules, tensor, options.op);
     auto op = prepare(OpType::AllReduce, tensor);
     op->fingerprint.reduce = options.op;
     int count = countOf(tensor.numel(), *this);
@@ -137,10 +134,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   }
 
   WorkPtr allGather(at::Tensor input, at::Tensor output, CallOptions options) override {
-    checks::tensor(*this, kRules, input, "all-gather input");
-    checks::tensor(*this, kRules, output, "all-gather output");
-    checks::sameDtype(*this, input, output);
-    checks::numel(*this, output, input.numel() * size_, "all-gather output", "it must hold size() inputs");
+    checks::allGatherArgs(*this, kRules, input, output);
     auto op = prepare(OpType::AllGather, input, output);
     int count = countOf(input.numel(), *this);
     countOf(output.numel(), *this);
@@ -151,12 +145,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   }
 
   WorkPtr reduceScatter(at::Tensor input, at::Tensor output, ReduceOptions options) override {
-    checks::tensor(*this, kRules, input, "reduce-scatter input");
-    checks::tensor(*this, kRules, output, "reduce-scatter output");
-    checks::sameDtype(*this, input, output);
-    checks::numel(*this, input, output.numel() * size_, "reduce-scatter input", "it must hold size() outputs");
-    if (options.op == ReduceOp::Avg && c10::isIntegralType(input.scalar_type(), true))
-      throw ConfigError("avg is defined for floating-point tensors", checks::context(*this, "a floating-point dtype"));
+    checks::reduceScatterArgs(*this, kRules, input, output, options.op);
     auto op = prepare(OpType::ReduceScatter, input, output);
     op->fingerprint.reduce = options.op;
     int count = countOf(output.numel(), *this);
@@ -170,13 +159,8 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
 
   WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits,
                    std::vector<int64_t> recvSplits, CallOptions options) override {
-    checks::tensor(*this, kRules, send, "all-to-all send");
-    checks::tensor(*this, kRules, recv, "all-to-all recv");
-    checks::sameDtype(*this, send, recv);
-    checks::sameRowShape(*this, send, recv);
-    sendSplits = checks::splits(*this, send, std::move(sendSplits), "all-to-all send");
-    recvSplits = checks::splits(*this, recv, std::move(recvSplits), "all-to-all recv");
-    checks::selfSplit(*this, sendSplits, recvSplits);
+    std::tie(sendSplits, recvSplits) =
+        checks::allToAllArgs(*this, kRules, send, recv, std::move(sendSplits), std::move(recvSplits));
     auto op = prepare(OpType::AllToAll, send, recv);
     op->fingerprint.sendSplits = sendSplits;
     op->fingerprint.recvSplits = recvSplits;
@@ -352,23 +336,11 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
                  const std::function<int(MPI_Request*)>& issue) {
     op->issuedAt = Deadline::Clock::now();
     op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
-    bool collective = !isPointToPoint(op->fingerprint.op);
-    if (collective && fault::armed()) {
-      if (auto fault = fault::inject(*this, ledger_->heads().lastIssued + 1)) {
-        if (*fault == fault::Action::Skip) return fault::skippedWork();
-        op->fingerprint = fault::mismatch(op->fingerprint, *fault);
-        op->stalled = true;
-      }
-    }
+    Injected injected = injectFault(op->fingerprint);
+    if (injected == Injected::Skip) return fault::skippedWork();
+    op->stalled = injected == Injected::Stall;
     op->seq = ledger_->issue(op->fingerprint);
-    if (collective && monitor() && monitor()->strict()) {
-      try {
-        monitor()->checkBeforeCollective(*this, op->seq, op->fingerprint, op->deadline);
-      } catch (...) {
-        ledger_->fail(op->fingerprint.op, op->seq);
-        throw;
-      }
-    }
+    checkStrict(op->seq, op->fingerprint, op->deadline);
     std::lock_guard<std::mutex> pendingLock(mutex_);
     if (!op->stalled) {
       std::lock_guard<std::mutex> mpiLock(callLock());

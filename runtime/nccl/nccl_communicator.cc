@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <tuple>
+
 #include "runtime/backoff.h"
 #include "runtime/env.h"
 #include "runtime/fault.h"
@@ -105,26 +107,14 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   op->issuedAt = Deadline::Clock::now();
   op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
   cudaStream_t cudaStream = streamFor(stream);
-  bool collective = !isPointToPoint(op->fingerprint.op);
-  if (collective && fault::armed()) {
-    if (auto fault = fault::inject(*this, ledger_->heads().lastIssued + 1)) {
-      if (*fault == fault::Action::Skip) return fault::skippedWork();
-      op->fingerprint = fault::mismatch(op->fingerprint, *fault);
-      op->stalled = true;
-    }
-  }
+  Injected injected = injectFault(op->fingerprint);
+  if (injected == Injected::Skip) return fault::skippedWork();
+  op->stalled = injected == Injected::Stall;
   DeviceGuard guard(device_);
   std::unique_lock<std::mutex> lock(enqueueMutex_);
   ensureUsable();
   op->seq = ledger_->issue(op->fingerprint);
-  if (collective && monitor() && monitor()->strict()) {
-    try {
-      monitor()->checkBeforeCollective(*this, op->seq, op->fingerprint, op->deadline);
-    } catch (...) {
-      ledger_->fail(op->fingerprint.op, op->seq);
-      throw;
-    }
-  }
+  checkStrict(op->seq, op->fingerprint, op->deadline);
   if (!op->stalled) {
     {
       std::lock_guard<std::mutex> watched(pendingMutex_);
@@ -157,10 +147,7 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
 }
 
 WorkPtr NcclCommunicator::allReduce(at::Tensor tensor, ReduceOptions options) {
-  checks::tensor(*this, kRules, tensor, "all-reduce");
-  if (options.op == ReduceOp::Avg && c10::isIntegralType(tensor.scalar_type(), true))
-    throw ConfigError("avg is defined for floating-point tensors; all-reduce integers with sum and divide",
-                      checks::context(*this, "a floating-point dtype for avg"));
+  checks::allReduceArgs(*this, kRules, tensor, options.op);
   auto op = prepare(OpType::AllReduce, tensor);
   op->fingerprint.reduce = options.op;
   return enqueue(op, options.deadline, options.stream, "ncclAllReduce", [&](cudaStream_t stream) {
@@ -170,10 +157,7 @@ WorkPtr NcclCommunicator::allReduce(at::Tensor tensor, ReduceOptions options) {
 }
 
 WorkPtr NcclCommunicator::allGather(at::Tensor input, at::Tensor output, CallOptions options) {
-  checks::tensor(*this, kRules, input, "all-gather input");
-  checks::tensor(*this, kRules, output, "all-gather output");
-  checks::sameDtype(*this, input, output);
-  checks::numel(*this, output, input.numel() * size_, "all-gather output", "it must hold size() inputs");
+  checks::allGatherArgs(*this, kRules, input, output);
   auto op = prepare(OpType::AllGather, input, output);
   return enqueue(op, options.deadline, options.stream, "ncclAllGather", [&](cudaStream_t stream) {
     return ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(), datatype(input.scalar_type()), comm_,
@@ -182,12 +166,7 @@ WorkPtr NcclCommunicator::allGather(at::Tensor input, at::Tensor output, CallOpt
 }
 
 WorkPtr NcclCommunicator::reduceScatter(at::Tensor input, at::Tensor output, ReduceOptions options) {
-  checks::tensor(*this, kRules, input, "reduce-scatter input");
-  checks::tensor(*this, kRules, output, "reduce-scatter output");
-  checks::sameDtype(*this, input, output);
-  checks::numel(*this, input, output.numel() * size_, "reduce-scatter input", "it must hold size() outputs");
-  if (options.op == ReduceOp::Avg && c10::isIntegralType(input.scalar_type(), true))
-    throw ConfigError("avg is defined for floating-point tensors", checks::context(*this, "a floating-point dtype"));
+  checks::reduceScatterArgs(*this, kRules, input, output, options.op);
   auto op = prepare(OpType::ReduceScatter, input, output);
   op->fingerprint.reduce = options.op;
   return enqueue(op, options.deadline, options.stream, "ncclReduceScatter", [&](cudaStream_t stream) {
@@ -198,13 +177,8 @@ WorkPtr NcclCommunicator::reduceScatter(at::Tensor input, at::Tensor output, Red
 
 WorkPtr NcclCommunicator::allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits,
                                    std::vector<int64_t> recvSplits, CallOptions options) {
-  checks::tensor(*this, kRules, send, "all-to-all send");
-  checks::tensor(*this, kRules, recv, "all-to-all recv");
-  checks::sameDtype(*this, send, recv);
-  checks::sameRowShape(*this, send, recv);
-  sendSplits = checks::splits(*this, send, std::move(sendSplits), "all-to-all send");
-  recvSplits = checks::splits(*this, recv, std::move(recvSplits), "all-to-all recv");
-  checks::selfSplit(*this, sendSplits, recvSplits);
+  std::tie(sendSplits, recvSplits) =
+      checks::allToAllArgs(*this, kRules, send, recv, std::move(sendSplits), std::move(recvSplits));
   auto op = prepare(OpType::AllToAll, send, recv);
   op->fingerprint.sendSplits = sendSplits;
   op->fingerprint.recvSplits = recvSplits;
