@@ -112,7 +112,8 @@ Measured measure(Communicator& comm, GroupKind kind, int64_t bytes, int iteratio
   const std::vector<int>& members = comm.members();
   at::Tensor sent = input(members[me], std::max<int64_t>(n, bytes / 4 / n * n), kind);
   int64_t numel = sent.numel(), chunk = numel / n;
-  at::Tensor work = sent.to(comm.device()), received = at::empty_like(work);
+  // A copy even on the CPU: the all-reduce works in place and `sent` restores it.
+  at::Tensor work = sent.clone().to(comm.device()), received = at::empty_like(work);
   auto run = [&] {
     if (kind == GroupKind::Ep)
       comm.allToAll(work.view({n, chunk}), received.view({n, chunk}), {}, {}, {.deadline = deadline})->wait(deadline);
@@ -285,8 +286,8 @@ int main(int argc, char** argv) {
                    !traffic ? "-" : row.ok ? "ok" : "WRONG", traffic ? fmt::format("{:.3f}", row.gbps()) : "-");
       }
       if (problems.empty()) {
-        fmt::print("all {} groups built and correct; none under {:.0f}% of the median bandwidth of its kind\n", rows.size(),
-                   kSlowFraction * 100);
+        fmt::print("all {} groups built and correct; none under {:.0f}% of the median bandwidth of its kind\n",
+                   rows.size(), kSlowFraction * 100);
       } else {
         fmt::print("bulkhead-doctor: DIAGNOSIS: {} problem{}:\n", problems.size(), problems.size() > 1 ? "s" : "");
         for (const std::string& problem : problems) fmt::print("  {}\n", problem);

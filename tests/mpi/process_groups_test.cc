@@ -136,7 +136,8 @@ TEST_CASE("a layout that does not fit the world is a ConfigError on every rank b
     return "no ConfigError";
   };
   // tp 3 does not divide 8.
-  std::string notDividing = messageOf([] { ProcessGroups::create(worldPtr(), LayoutOptions{.tp = 3}, testOptions(1)); });
+  std::string notDividing =
+      messageOf([] { ProcessGroups::create(worldPtr(), LayoutOptions{.tp = 3}, testOptions(1)); });
   CHECK(notDividing.find("ConfigError") != std::string::npos);
   CHECK(notDividing.find("3") != std::string::npos);
   // ep 16 needs more ranks than the world has.
