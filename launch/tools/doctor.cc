@@ -1,0 +1,300 @@
+// bulkhead-doctor: builds every process group of a layout with the manager
+// (parallel/process_groups.h), then checks each group: a timed all-reduce
+// (all-to-all on ep) on seeded data compared against a reference each rank
+// computes alone, and its algorithm bandwidth (slowest rank of the group).
+// Rank 0 prints one table. Exit 0 when every group works and none is far
+// slower than its peers; otherwise a diagnosis and a non-zero exit (the
+// error's code from guardedMain when a group fails, 1 for a wrong result or a
+// slow group).
+//
+//   mpirun -np 8 bulkhead-doctor --tp 2 --ep 2 [--pp 1 --cp 1 --etp 1 --order tp-cp-ep-dp-pp
+//                                 --backend auto|mpi|nccl --bytes 4M --iters 10 --deadline 30]
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "launch/init.h"
+#include "parallel/process_groups.h"
+#include "runtime/errors.h"
+
+using namespace bulkhead;
+using namespace bulkhead::parallel;
+
+namespace {
+
+// A group this far under the median bandwidth of its kind's groups is reported.
+constexpr double kSlowFraction = 0.25;
+// Groups listed per kind; the rest are summarised in one line.
+constexpr size_t kRowsPerKind = 16;
+
+constexpr const char* kUsage =
+    "usage: bulkhead-doctor [--tp N] [--cp N] [--pp N] [--ep N] [--etp N] [--instances N] [--order tp-cp-ep-dp-pp] "
+    "[--backend auto|mpi|nccl] [--bytes 4M] [--iters N] [--deadline SECONDS]";
+
+struct Options {
+  LayoutOptions layout;
+  Backend backend = Backend::Auto;
+  int64_t bytes = 4 << 20;
+  int iterations = 10;
+  double deadlineSeconds = 30;
+};
+
+int64_t parseSize(const std::string& text) {
+  char* end = nullptr;
+  double value = std::strtod(text.c_str(), &end);
+  std::string unit(end);
+  int64_t scale = unit.empty() ? 1 : unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : -1;
+  if (end == text.c_str() || scale < 0 || value <= 0)
+    throw ConfigError(fmt::format("--bytes: '{}' is not a size like 64K, 4M or 1G", text));
+  return static_cast<int64_t>(value * scale);
+}
+
+int parsePositive(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  long value = std::strtol(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != '\0' || value < 1 || value > 1 << 20)
+    throw ConfigError(fmt::format("{}: '{}' is not a positive integer; {}", flag, text, kUsage));
+  return static_cast<int>(value);
+}
+
+Options parse(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    if (i + 1 >= argc) throw ConfigError(fmt::format("'{}' needs a value; {}", flag, kUsage));
+    std::string value = argv[++i];
+    if (flag == "--tp") options.layout.tp = parsePositive(flag, value);
+    else if (flag == "--cp") options.layout.cp = parsePositive(flag, value);
+    else if (flag == "--pp") options.layout.pp = parsePositive(flag, value);
+    else if (flag == "--ep") options.layout.ep = parsePositive(flag, value);
+    else if (flag == "--etp") options.layout.etp = parsePositive(flag, value);
+    else if (flag == "--instances") options.layout.optimizerInstances = parsePositive(flag, value);
+    else if (flag == "--order") options.layout.order = value;
+    else if (flag == "--backend") options.backend = parseBackend(value);
+    else if (flag == "--bytes") options.bytes = parseSize(value);
+    else if (flag == "--iters") options.iterations = parsePositive(flag, value);
+    else if (flag == "--deadline") {
+      options.deadlineSeconds = std::strtod(value.c_str(), nullptr);
+      if (!(options.deadlineSeconds > 0))
+        throw ConfigError(fmt::format("--deadline: '{}' is not a positive number of seconds", value));
+    } else {
+      throw ConfigError(fmt::format("unknown argument '{}'; {}", flag, kUsage));
+    }
+  }
+  return options;
+}
+
+// World rank r's input for the check of one kind: small integers, so sums are
+// exact in fp32 and every rank can compute any member's input.
+at::Tensor input(int worldRank, int64_t numel, GroupKind kind) {
+  auto generator = at::detail::createCPUGenerator(1000003ULL * (worldRank + 1) + 7919ULL * static_cast<int>(kind));
+  return at::randint(-8, 8, {numel}, generator, at::kFloat);
+}
+
+// What one rank measured on its group of one kind.
+struct Measured {
+  double medianMs = 0;  // median time of one operation over the iterations
+  bool ok = true;       // the checked result equals the reference
+};
+
+// All-reduce (all-to-all on ep) of `bytes` per rank: one checked run, then
+// `iterations` timed ones, all under `deadline`.
+Measured measure(Communicator& comm, GroupKind kind, int64_t bytes, int iterations, Deadline deadline) {
+  int n = comm.size(), me = comm.rank();
+  const std::vector<int>& members = comm.members();
+  at::Tensor sent = input(members[me], std::max<int64_t>(n, bytes / 4 / n * n), kind);
+  int64_t numel = sent.numel(), chunk = numel / n;
+  // A copy even on the CPU: the all-reduce works in place and `sent` restores it.
+  at::Tensor work = sent.clone().to(comm.device()), received = at::empty_like(work);
+  auto run = [&] {
+    if (kind == GroupKind::Ep)
+      comm.allToAll(work.view({n, chunk}), received.view({n, chunk}), {}, {}, {.deadline = deadline})->wait(deadline);
+    else
+      comm.allReduce(work, {.deadline = deadline})->wait(deadline);
+  };
+  Measured result;
+  run();
+  at::Tensor reference;
+  if (kind == GroupKind::Ep) {  // chunk `me` of every member's input, in member order
+    std::vector<at::Tensor> parts;
+    for (int member : members) parts.push_back(input(member, numel, kind).slice(0, me * chunk, (me + 1) * chunk));
+    reference = at::cat(parts);
+    result.ok = at::equal(received.cpu(), reference);
+  } else {
+    reference = at::zeros({numel});
+    for (int member : members) reference += input(member, numel, kind);
+    result.ok = at::equal(work.cpu(), reference);
+  }
+  std::vector<double> times;
+  for (int i = 0; i < iterations; ++i) {
+    if (kind != GroupKind::Ep) work.copy_(sent);  // keep the values small: the sums stay exact and finite
+    auto start = std::chrono::steady_clock::now();
+    run();
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  result.medianMs = times[times.size() / 2];
+  return result;
+}
+
+// One group of one kind, as rank 0 prints it (the slowest member's numbers).
+struct Row {
+  std::string name;
+  int size = 0;
+  double createMs = 0, warmMs = 0, opMs = 0;
+  bool ok = true;
+  double gbps() const { return opMs > 0 ? bytes / (opMs * 1e6) : 0; }
+  int64_t bytes = 0;
+};
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  size_t n = values.size();
+  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return guardedMain([&] {
+    Options options = parse(argc, argv);
+    auto runtime = init({.backend = options.backend, .deadline = Deadline::afterSeconds(options.deadlineSeconds)});
+    Communicator& world = runtime->world();
+    Communicator& cpuWorld = runtime->cpuWorld();
+    int me = world.rank();
+    Layout layout = Layout::create(world.size(), options.layout);
+    uint64_t firstSplit = world.ledger().heads().lastIssued + 1;
+    if (me == 0) {
+      fmt::print("bulkhead-doctor: {} ranks, backend {}, {} bytes per rank, {} iterations\n{}\n", world.size(),
+                 world.backend(), options.bytes, options.iterations, layout.describe());
+      fmt::print("creating {} groups: splits of world at seq {}..{}\n", allGroupKinds().size(), firstSplit,
+                 firstSplit + allGroupKinds().size() - 1);
+      std::fflush(stdout);
+    }
+
+    std::optional<ProcessGroups> built;
+    try {
+      built = ProcessGroups::create(runtime->worldPtr(), layout,
+                                    {.deadline = Deadline::afterSeconds(options.deadlineSeconds),
+                                     .warmupBytes = std::min<int64_t>(options.bytes, 1 << 20),
+                                     .localSize = runtime->info().localSize});
+    } catch (const Error& e) {
+      fmt::print(stderr,
+                 "bulkhead-doctor: DIAGNOSIS (rank {}): building the process groups failed.\n  {}\n  {}\n", me,
+                 e.what(),
+                 "Fix the rank(s) named above (a stalled or crashed process, a slow or broken link), then run the "
+                 "doctor again; the same layout must be passed to every rank.");
+      std::fflush(stderr);
+      throw;
+    }
+    ProcessGroups& groups = *built;
+
+    std::vector<Row> rows;
+    std::vector<std::string> problems;
+    for (GroupKind kind : allGroupKinds()) {
+      const CommunicatorPtr& comm = groups.get(kind);
+      size_t count = layout.groups(kind).size();
+      // Per group of the kind: create ms, warm ms, op ms, wrong; the max over
+      // its members (the slowest rank), through one world all-reduce.
+      at::Tensor stats = at::zeros({static_cast<int64_t>(4 * count)}, at::kDouble);
+      int index = layout.groupIndex(kind, me);
+      if (index >= 0) {
+        const GroupReport& mine = groups.report()[static_cast<size_t>(kind)];
+        Measured measured;
+        if (comm->size() > 1) {
+          try {
+            measured = measure(*comm, kind, options.bytes, options.iterations,
+                               Deadline::afterSeconds(options.deadlineSeconds));
+          } catch (const Error& e) {
+            fmt::print(stderr, "bulkhead-doctor: DIAGNOSIS (rank {}): group {} failed its check.\n  {}\n", me,
+                       comm->name(), e.what());
+            std::fflush(stderr);
+            throw;
+          }
+        }
+        double* s = stats.data_ptr<double>() + 4 * index;
+        s[0] = mine.createMs;
+        s[1] = mine.warmMs;
+        s[2] = measured.medianMs;
+        s[3] = measured.ok ? 0 : 1;
+      }
+      cpuWorld.allReduce(stats, {.op = ReduceOp::Max, .deadline = Deadline::afterSeconds(options.deadlineSeconds)})
+          ->wait();
+
+      std::vector<Row> ofKind;
+      for (size_t g = 0; g < count; ++g) {
+        const double* s = stats.data_ptr<double>() + 4 * g;
+        Row row{.name = fmt::format("{}[{}]", toString(kind), g),
+                .size = static_cast<int>(layout.groups(kind)[g].size()),
+                .createMs = s[0], .warmMs = s[1], .opMs = s[2], .ok = s[3] == 0};
+        row.bytes = row.size > 1 ? std::max<int64_t>(row.size, options.bytes / 4 / row.size * row.size) * 4 : 0;
+        if (!row.ok)
+          problems.push_back(fmt::format("{} (ranks {}) returned a WRONG {} result: check its links and GPUs",
+                                         row.name, fmt::join(layout.groups(kind)[g], ","),
+                                         kind == GroupKind::Ep ? "all-to-all" : "all-reduce"));
+        ofKind.push_back(row);
+      }
+      // Same kind means same size and same traffic: compare within the kind.
+      std::vector<double> speeds;
+      for (const Row& row : ofKind)
+        if (row.size > 1) speeds.push_back(row.gbps());
+      if (speeds.size() >= 2) {
+        double typical = median(speeds);
+        for (const Row& row : ofKind)
+          if (row.size > 1 && row.gbps() < kSlowFraction * typical)
+            problems.push_back(fmt::format(
+                "{} (ranks {}) is SLOW: {:.3f} GB/s, under {:.0f}% of the median {:.3f} GB/s of the {} {} groups; "
+                "look for a degraded link, a busy or throttled GPU, or a rank placed on another node",
+                row.name, fmt::join(layout.groups(kind)[static_cast<size_t>(&row - ofKind.data())], ","),
+                row.gbps(), kSlowFraction * 100, typical, speeds.size(), toString(kind)));
+      }
+      for (size_t g = 0; g < ofKind.size(); ++g) {
+        if (g < kRowsPerKind) {
+          rows.push_back(ofKind[g]);
+        } else {
+          Row rest{.name = fmt::format("{}[{}..{}]", toString(kind), g, ofKind.size() - 1), .size = ofKind[g].size};
+          double slowest = 0;
+          for (size_t h = g; h < ofKind.size(); ++h) {
+            rest.createMs = std::max(rest.createMs, ofKind[h].createMs);
+            rest.warmMs = std::max(rest.warmMs, ofKind[h].warmMs);
+            slowest = std::max(slowest, ofKind[h].opMs);
+            rest.ok = rest.ok && ofKind[h].ok;
+          }
+          rest.opMs = slowest;
+          rest.bytes = ofKind[g].bytes;
+          rows.push_back(rest);
+          break;
+        }
+      }
+    }
+
+    if (me == 0) {
+      fmt::print("{:<22} {:>5} {:>10} {:>10} {:>11} {:>6} {:>10}\n", "group", "size", "create ms", "warm ms",
+                 "check", "ok", "GB/s");
+      for (const Row& row : rows) {
+        bool traffic = row.size > 1;
+        fmt::print("{:<22} {:>5} {:>10.2f} {:>10.2f} {:>11} {:>6} {:>10}\n", row.name, row.size, row.createMs,
+                   row.warmMs, !traffic ? "-" : row.name.rfind("ep[", 0) == 0 ? "all_to_all" : "all_reduce",
+                   !traffic ? "-" : row.ok ? "ok" : "WRONG", traffic ? fmt::format("{:.3f}", row.gbps()) : "-");
+      }
+      if (problems.empty()) {
+        fmt::print("all {} groups built and correct; none under {:.0f}% of the median bandwidth of its kind\n",
+                   rows.size(), kSlowFraction * 100);
+      } else {
+        fmt::print("bulkhead-doctor: DIAGNOSIS: {} problem{}:\n", problems.size(), problems.size() > 1 ? "s" : "");
+        for (const std::string& problem : problems) fmt::print("  {}\n", problem);
+      }
+      std::fflush(stdout);
+    }
+    runtime->shutdown();
+    return problems.empty() ? 0 : 1;
+  });
+}
