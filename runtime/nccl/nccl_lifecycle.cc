@@ -413,9 +413,6 @@ CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
   bootstrap.broadcast(idBytes, 0, {.deadline = deadline})->wait();
   std::memcpy(&id, idBytes.data_ptr(), sizeof(id));
 
-  // Connect every collective algorithm while communicators are created, under
-  // the init deadline, rather than inside the first operation.
-  setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
   auto started = Deadline::Clock::now();
   ncclComm_t boot = nullptr;
   ncclConfig_t config = configWithBlocking(0);
