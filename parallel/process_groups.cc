@@ -1,5 +1,7 @@
 #include "parallel/process_groups.h"
 
+#include "runtime/nccl/nccl_backend.h"
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -9,6 +11,7 @@
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
+#include "runtime/nccl/nccl_backend.h"
 
 namespace bulkhead::parallel {
 namespace {
@@ -138,10 +141,17 @@ ProcessGroups ProcessGroups::create(CommunicatorPtr world, const Layout& layout,
 
   if (rank == 0) {
     log::info("groups", "built the process groups of rank 0:\n{}", groups.formatReport());
-    if (world->device().is_cuda())
+    if (world->device().is_cuda()) {
+      NvlinkPredicate reachable = options.nvlink;
+      int gpus = nccl::deviceCount();
+      if (!reachable && options.localSize > 0 && gpus > 0)  // block placement, one GPU per local rank
+        reachable = [local = options.localSize, gpus](int a, int b) {
+          return nccl::peerAccess(a % local % gpus, b % local % gpus);
+        };
       for (const std::string& warning :
-           checkTopology(layout, {.ranksPerNode = options.localSize, .nvlink = options.nvlink}))
+           checkTopology(layout, {.ranksPerNode = options.localSize, .nvlink = reachable}))
         log::warn("groups", "{}", warning);
+    }
   }
   return groups;
 }

@@ -42,7 +42,9 @@ struct ProcessGroupOptions {
   // Ranks per node, for the topology checks on GPUs; <= 0 skips the node checks
   // (pass Runtime::info().localSize).
   int localSize = -1;
-  // Whether two world ranks on one node have an NVLink path; empty skips that check.
+  // Whether two world ranks on one node reach each other directly (NVLink or
+  // PCIe peer-to-peer). Empty: on GPUs, CUDA's peer access between the GPUs of
+  // block-placed local ranks (rank % localSize); elsewhere the check is skipped.
   NvlinkPredicate nvlink;
 };
 

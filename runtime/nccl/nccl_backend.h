@@ -19,6 +19,9 @@ namespace bulkhead::nccl {
 bool available();
 // GPUs visible to this process (0 without a driver).
 int deviceCount();
+// Whether GPU `a` can reach GPU `b` directly (cudaDeviceCanAccessPeer: NVLink,
+// or PCIe peer-to-peer); false without a driver.
+bool peerAccess(int a, int b);
 
 struct WorldOptions {
   // Unset: BULKHEAD_INIT_TIMEOUT from the call.

@@ -77,6 +77,16 @@ int deviceCount() {
   return count;
 }
 
+bool peerAccess(int a, int b) {
+  if (a == b) return true;
+  int can = 0;
+  if (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return can != 0;
+}
+
 bool available() {
 #if BULKHEAD_TORCH_CUDA
   return deviceCount() > 0;

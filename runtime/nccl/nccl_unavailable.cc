@@ -6,6 +6,7 @@ namespace bulkhead::nccl {
 
 bool available() { return false; }
 int deviceCount() { return 0; }
+bool peerAccess(int, int) { return false; }
 
 CommunicatorPtr initWorld(Communicator&, WorldOptions) {
   throw ConfigError("this build of Bulkhead has no NCCL backend (CMake found no CUDA Toolkit or NCCL); use the mpi "
