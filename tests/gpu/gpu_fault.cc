@@ -41,6 +41,16 @@ std::string describe(const std::exception_ptr& error) {
   }
 }
 
+// An aborted communicator must refuse further use.
+std::string laterOperation(Communicator& gpu, at::Tensor& t) {
+  try {
+    gpu.allReduce(t)->wait();
+    return " | a later operation ran";
+  } catch (const CommError&) {
+    return " | later operations refused";
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -89,12 +99,7 @@ int main(int argc, char** argv) {
       outcome = describe(std::current_exception());
     }
     double waited = elapsed();
-    try {
-      gpu->allReduce(t)->wait();
-      outcome += " | a later operation ran";
-    } catch (const CommError&) {
-      outcome += " | later operations refused";
-    }
+    outcome += laterOperation(*gpu, t);
     report(outDir, waited, outcome);
     return 0;
   }
@@ -117,13 +122,7 @@ int main(int argc, char** argv) {
     if (work->exception()) outcome = describe(work->exception());
   }
   double waited = elapsed();
-  // The communicator refuses further use once aborted.
-  try {
-    gpu->allReduce(t)->wait();
-    outcome += " | a later operation ran";
-  } catch (const CommError&) {
-    outcome += " | later operations refused";
-  }
+  outcome += laterOperation(*gpu, t);
   report(outDir, waited, outcome);
   return 0;
 }
