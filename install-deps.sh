@@ -13,6 +13,7 @@ need_command g++ g++
 need_command make make
 need_command cmake cmake
 need_command ninja ninja-build
+need_command python3 python3  # the ledger-trace test reads JSON with it
 need_package libopenmpi-dev
 need_package openmpi-bin
 need_package libhdf5-dev
