@@ -104,7 +104,7 @@ MonitorOptions MonitorOptions::fromEnvironment() {
 
 std::string groupKey(const Communicator& comm) {
   size_t hash = std::hash<std::string>{}(fmt::format("{}", fmt::join(comm.members(), ",")));
-  return fmt::format("{}#{:x}", comm.name(), hash & 0xffffffff);
+  return fmt::format("{}:{}#{:x}", comm.backend(), comm.name(), hash & 0xffffffff);
 }
 
 Monitor::Monitor(std::shared_ptr<Store> store, int worldRank, MonitorOptions options)

@@ -99,8 +99,9 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   std::thread thread_;
 };
 
-// The key that names a group in the store: its name and its members, so two
-// groups with one name (splits of different parents) never share keys.
+// The key that names a group in the store: its backend, name and members, so
+// two groups with one name (splits of different parents, or the MPI world that
+// bootstraps the NCCL world) never share keys.
 std::string groupKey(const Communicator& comm);
 
 }  // namespace bulkhead

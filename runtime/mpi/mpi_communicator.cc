@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <condition_variable>
 #include <cstdlib>
 #include <deque>
 #include <functional>
@@ -237,12 +238,43 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
       return MPI_Iallgather(mine.data_ptr(), 2, MPI_INT, all.data_ptr(), 2, MPI_INT, comm_, request);
     })->wait();
 
-    MPI_Comm child = MPI_COMM_NULL;
+    // MPI_Comm_split blocks; a rank that passed the gather and then died
+    // would hold the others in it, so it runs on a helper thread under the
+    // deadline (on expiry the process is poisoned and exits at shutdown).
+    struct Split {
+      std::mutex mutex;
+      std::condition_variable done;
+      bool finished = false;
+      int rc = MPI_SUCCESS;
+      MPI_Comm child = MPI_COMM_NULL;
+    };
+    auto job = std::make_shared<Split>();
+    std::thread([job, comm = comm_, color, key] {
+      MPI_Comm child = MPI_COMM_NULL;
+      int rc;
+      {
+        std::lock_guard<std::mutex> lock(callLock());
+        rc = MPI_Comm_split(comm, color < 0 ? MPI_UNDEFINED : color, key, &child);
+      }
+      std::lock_guard<std::mutex> lock(job->mutex);
+      job->rc = rc;
+      job->child = child;
+      job->finished = true;
+      job->done.notify_all();
+    }).detach();
     {
-      std::lock_guard<std::mutex> lock(callLock());
-      check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child), "MPI_Comm_split",
-            checks::context(*this));
+      std::unique_lock<std::mutex> lock(job->mutex);
+      if (!job->done.wait_until(lock, deadline.when(), [&] { return job->finished; })) {
+        poisonedFlag = true;
+        markAborted("MPI_Comm_split did not finish");
+        throw TimeoutError(fmt::format("MPI_Comm_split of {} into '{}' did not finish within the init deadline: a "
+                                       "rank left after agreeing to split; this process exits with code 3 at shutdown",
+                                       checks::describeGroup(*this), name),
+                           checks::context(*this));
+      }
     }
+    check(job->rc, "MPI_Comm_split", checks::context(*this));
+    MPI_Comm child = job->child;
     if (color < 0) return nullptr;
     const int* pairs = all.data_ptr<int>();
     std::vector<int> ranks;
@@ -297,7 +329,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   }
 
   [[noreturn]] void timeout(const PendingOp& op) {
-    double waited = std::chrono::duration<double>(op.deadline.when() - op.issuedAt).count();
+    double waited = std::chrono::duration<double>(Deadline::Clock::now() - op.issuedAt).count();
     Diagnosis diagnosis = monitor() ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
                                     : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited, ""), false};
     std::string message = diagnosis.message +
@@ -443,11 +475,13 @@ CommunicatorPtr initWorld(WorldOptions options) {
   ensureMpi();
   Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
   int size = worldSize();
-  MPI_Comm dup = MPI_COMM_NULL;
+  // MPI writes the new communicator when the duplication completes, perhaps
+  // after a timeout: it lives on the heap and is leaked in that case.
+  auto* dup = new MPI_Comm(MPI_COMM_NULL);
   MPI_Request request = MPI_REQUEST_NULL;
   {
     std::lock_guard<std::mutex> lock(callLock());
-    check(MPI_Comm_idup(MPI_COMM_WORLD, &dup, &request), "MPI_Comm_idup", {.group = "world"});
+    check(MPI_Comm_idup(MPI_COMM_WORLD, dup, &request), "MPI_Comm_idup", {.group = "world"});
   }
   if (!pollRequest(request, deadline, "MPI_Comm_idup")) {
     poisonedFlag = true;
@@ -458,7 +492,9 @@ CommunicatorPtr initWorld(WorldOptions options) {
   }
   std::vector<int> members(size);
   std::iota(members.begin(), members.end(), 0);
-  return std::make_shared<MpiCommunicator>(dup, "world", std::move(members));
+  MPI_Comm world = *dup;
+  delete dup;
+  return std::make_shared<MpiCommunicator>(world, "world", std::move(members));
 }
 
 int worldRank() {
@@ -480,9 +516,9 @@ int worldSize() {
 bool poisoned() { return poisonedFlag; }
 
 void finalize(Deadline deadline) {
-  {
-    std::lock_guard<std::mutex> lock(callLock());
+  if (!poisonedFlag) {  // a poisoned process may have a thread stuck in MPI holding the lock
     int initialized = 0, done = 0;
+    std::lock_guard<std::mutex> lock(callLock());
     MPI_Initialized(&initialized);
     MPI_Finalized(&done);
     if (!initialized || done) return;

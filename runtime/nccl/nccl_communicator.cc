@@ -120,7 +120,15 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
       std::lock_guard<std::mutex> watched(pendingMutex_);
       enqueuing_ = op;
     }
-    ncclResult_t rc = issue(cudaStream);
+    ncclResult_t rc = ncclInternalError;
+    try {
+      rc = issue(cudaStream);
+    } catch (...) {
+      std::lock_guard<std::mutex> watched(pendingMutex_);
+      enqueuing_.reset();
+      if (op->status == OpStatus::Pending) ledger_->fail(op->fingerprint.op, op->seq);
+      throw;
+    }
     {
       std::lock_guard<std::mutex> watched(pendingMutex_);
       enqueuing_.reset();
@@ -131,14 +139,31 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
       check(rc, call, checks::context(*this));
     }
     if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
-    op->events = events_;
-    op->done = events_->take(checks::context(*this));
-    check(cudaEventRecord(op->done, cudaStream), "cudaEventRecord", checks::context(*this));
+    try {
+      op->events = events_;
+      op->done = events_->take(checks::context(*this));
+      check(cudaEventRecord(op->done, cudaStream), "cudaEventRecord", checks::context(*this));
+    } catch (...) {
+      // The operation is on the stream but cannot be tracked: nothing may free its buffers.
+      abortWith(std::current_exception(), "an issued operation could not be tracked");
+      throw;
+    }
   }
   lock.unlock();
   bool wasIdle;
   {
     std::lock_guard<std::mutex> pendingLock(pendingMutex_);
+    if (aborted_) {  // aborted while this call was in NCCL: it fails with the abort
+      if (op->status == OpStatus::Pending) {
+        op->error = std::make_exception_ptr(CommError(
+            fmt::format("{} seq {} cannot finish: {} was aborted ({})", toString(op->fingerprint.op), op->seq,
+                        checks::describeGroup(*this), abortReason_),
+            checks::context(*this)));
+        ledger_->fail(op->fingerprint.op, op->seq);
+        op->status = OpStatus::Failed;
+      }
+      std::rethrow_exception(op->error);
+    }
     wasIdle = pending_.empty();
     pending_.push_back(op);
   }
@@ -189,16 +214,21 @@ WorkPtr NcclCommunicator::allToAll(at::Tensor send, at::Tensor recv, std::vector
     auto* sendBytes = static_cast<char*>(send.data_ptr());
     auto* recvBytes = static_cast<char*>(recv.data_ptr());
     check(ncclGroupStart(), "ncclGroupStart", checks::context(*this));
-    size_t sendOffset = 0, recvOffset = 0;
-    for (int peer = 0; peer < size_; ++peer) {
-      if (sendSplits[peer] > 0)
-        check(ncclSend(sendBytes + sendOffset, sendSplits[peer] * rowElements, type, peer, comm_, stream),
-              "ncclSend", checks::context(*this));
-      if (recvSplits[peer] > 0)
-        check(ncclRecv(recvBytes + recvOffset, recvSplits[peer] * rowElements, type, peer, comm_, stream),
-              "ncclRecv", checks::context(*this));
-      sendOffset += sendSplits[peer] * rowBytes;
-      recvOffset += recvSplits[peer] * rowBytes;
+    try {
+      size_t sendOffset = 0, recvOffset = 0;
+      for (int peer = 0; peer < size_; ++peer) {
+        if (sendSplits[peer] > 0)
+          check(ncclSend(sendBytes + sendOffset, sendSplits[peer] * rowElements, type, peer, comm_, stream),
+                "ncclSend", checks::context(*this));
+        if (recvSplits[peer] > 0)
+          check(ncclRecv(recvBytes + recvOffset, recvSplits[peer] * rowElements, type, peer, comm_, stream),
+                "ncclRecv", checks::context(*this));
+        sendOffset += sendSplits[peer] * rowBytes;
+        recvOffset += recvSplits[peer] * rowBytes;
+      }
+    } catch (...) {
+      ncclGroupEnd();  // an open group would defer every later NCCL call of this thread
+      throw;
     }
     return ncclGroupEnd();
   });

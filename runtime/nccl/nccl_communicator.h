@@ -42,6 +42,7 @@ struct NcclOp {
   std::atomic<OpStatus> status{OpStatus::Pending};
   std::exception_ptr error;  // set before status becomes Failed
   bool stalled = false;      // an injected mismatch: issued to no backend, never completes
+  std::atomic<bool> timingOut{false};  // claimed by the one thread that explains its timeout
 };
 
 // Sets the current CUDA device for a scope and restores the caller's.
@@ -116,7 +117,10 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
                   const char* call, const Issue& issue);
   cudaStream_t streamFor(StreamHandle handle) const;
   void ensureUsable() const;
-  void abortWith(std::exception_ptr error, const std::string& reason);
+  // Marks the communicator aborted and fails every pending operation (and the
+  // one being enqueued) with `error`; runs ncclCommAbort unless `ncclAborted`
+  // says the NCCL communicator is already aborted (a timed-out split).
+  void abortWith(std::exception_ptr error, const std::string& reason, bool ncclAborted = false);
   void watch();
   void shutdown();
 

@@ -227,7 +227,7 @@ void NcclCommunicator::shutdown() {
                 "destroyed with operations in flight");
     }
   }
-  cudaFree(scratch_);
+  if (!aborted_) cudaFree(scratch_);  // after an abort, a kernel may still hold it
 }
 
 void NcclCommunicator::progress() {
@@ -265,7 +265,17 @@ void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
 }
 
 void NcclCommunicator::timeout(NcclOp& op) {
-  double waited = std::chrono::duration<double>(op.deadline.when() - op.issuedAt).count();
+  if (op.timingOut.exchange(true)) {
+    // Another thread (the watchdog, or a waiter) explains this timeout: wait
+    // for its verdict, bounded by what the diagnosis and the abort may take.
+    Deadline verdict = Deadline::afterSeconds(env::kAbortGrace.seconds() + 3.0);
+    Backoff backoff;
+    while (op.status == OpStatus::Pending && !verdict.expired()) backoff.pause(verdict);
+    if (op.status == OpStatus::Failed) std::rethrow_exception(op.error);
+    throw TimeoutError(fmt::format("{} seq {} timed out on {}", toString(op.fingerprint.op), op.seq, name_),
+                       checks::context(*this), op.seq);
+  }
+  double waited = std::chrono::duration<double>(Deadline::Clock::now() - op.issuedAt).count();
   Diagnosis diagnosis = monitor() && !aborted_ ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
                                                : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited, ""),
                                                            false};
@@ -293,12 +303,18 @@ void NcclCommunicator::abort(const std::string& reason) {
             reason);
 }
 
-void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& reason) {
+void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& reason, bool ncclAborted) {
   std::vector<std::shared_ptr<NcclOp>> failed;
   {
     std::lock_guard<std::mutex> lock(pendingMutex_);
     if (aborted_.exchange(true)) return;
     abortReason_ = reason;
+    if (enqueuing_ && enqueuing_->status == OpStatus::Pending) {
+      enqueuing_->error = error;
+      ledger_->fail(enqueuing_->fingerprint.op, enqueuing_->seq);
+      enqueuing_->status = OpStatus::Failed;
+      failed.push_back(enqueuing_);
+    }
     for (auto& op : pending_) {
       op->error = error;
       ledger_->fail(op->fingerprint.op, op->seq);
@@ -307,7 +323,7 @@ void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& re
     }
     pending_.clear();
   }
-  if (!abortBounded(comm_)) {
+  if (!ncclAborted && !abortBounded(comm_)) {
     log::error("comm", "ncclCommAbort of {} did not return within {} s; abandoning it", name_,
                env::kAbortGrace.seconds());
     std::lock_guard<std::mutex> lock(abandonedLock);
@@ -371,12 +387,19 @@ CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& n
   check(cudaMalloc(reinterpret_cast<void**>(&deviceBuffer), sizeof(int) * 2 * (size_ + 1)), "cudaMalloc",
         checks::context(*this));
   std::unique_ptr<int, void (*)(int*)> release(deviceBuffer, [](int* p) { cudaFree(p); });
-  check(cudaMemcpy(deviceBuffer, mine, sizeof(mine), cudaMemcpyHostToDevice), "cudaMemcpy", checks::context(*this));
+  // Copied in on the stream the gather runs on, so the gather sees it.
+  check(cudaMemcpyAsync(deviceBuffer, mine, sizeof(mine), cudaMemcpyHostToDevice, streamFor(nullptr)),
+        "cudaMemcpyAsync", checks::context(*this));
   auto op = prepare(OpType::Split, at::Tensor());
   op->fingerprint.numel = 2;
-  enqueue(op, deadline, nullptr, "ncclAllGather (split)", [&](cudaStream_t stream) {
-    return ncclAllGather(deviceBuffer, deviceBuffer + 2, 2, ncclInt32, comm_, stream);
-  })->wait();
+  try {
+    enqueue(op, deadline, nullptr, "ncclAllGather (split)", [&](cudaStream_t stream) {
+      return ncclAllGather(deviceBuffer, deviceBuffer + 2, 2, ncclInt32, comm_, stream);
+    })->wait();  // the gather has finished: the copy out below reads final data
+  } catch (...) {
+    release.release();  // the communicator is aborted: NCCL may still write into it
+    throw;
+  }
   check(cudaMemcpy(all.data(), deviceBuffer + 2, sizeof(int) * 2 * size_, cudaMemcpyDeviceToHost), "cudaMemcpy",
         checks::context(*this));
 
@@ -387,7 +410,7 @@ CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& n
       child = splitBounded(comm_, color, key, deadline, checks::context(*this),
                            fmt::format("group '{}' from {}", name, checks::describeGroup(*this)));
     } catch (const TimeoutError& e) {
-      abortWith(std::current_exception(), "a split timed out");  // splitBounded aborted the NCCL communicator
+      abortWith(std::current_exception(), "a split timed out", /*ncclAborted=*/true);  // splitBounded aborted it
       throw;
     }
   }
