@@ -38,4 +38,9 @@ class Deadline {
   Clock::time_point when_;
 };
 
+// Seconds elapsed since `start` on the deadline clock (for messages and timings).
+inline double secondsSince(Deadline::Clock::time_point start) {
+  return std::chrono::duration<double>(Deadline::Clock::now() - start).count();
+}
+
 }  // namespace bulkhead

@@ -55,7 +55,6 @@ void makeDirectories(const std::string& path, int rank) {
   }
 }
 
-double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // Serialises this process's writers: flock does not exclude threads of one
 // process on file systems that emulate it with fcntl locks (NFS).

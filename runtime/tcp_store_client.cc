@@ -32,7 +32,6 @@ struct ProtocolViolation {
   std::string message;
 };
 
-double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 uint32_t timeoutMsFor(Deadline deadline) {
   if (deadline.isNever()) return kNoTimeout;

@@ -329,7 +329,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   }
 
   [[noreturn]] void timeout(const PendingOp& op) {
-    double waited = std::chrono::duration<double>(Deadline::Clock::now() - op.issuedAt).count();
+    double waited = secondsSince(op.issuedAt);
     Diagnosis diagnosis = monitor() ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
                                     : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited, ""), false};
     std::string message = diagnosis.message +

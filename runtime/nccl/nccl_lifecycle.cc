@@ -275,7 +275,7 @@ void NcclCommunicator::timeout(NcclOp& op) {
     throw TimeoutError(fmt::format("{} seq {} timed out on {}", toString(op.fingerprint.op), op.seq, name_),
                        checks::context(*this), op.seq);
   }
-  double waited = std::chrono::duration<double>(Deadline::Clock::now() - op.issuedAt).count();
+  double waited = secondsSince(op.issuedAt);
   Diagnosis diagnosis = monitor() && !aborted_ ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
                                                : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited, ""),
                                                            false};

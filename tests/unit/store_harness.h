@@ -21,10 +21,6 @@ namespace bulkhead::testing {
 
 using Clock = std::chrono::steady_clock;
 
-inline double secondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 // `size` random bytes; every 7th byte is '\0', so values always hold some.
 inline std::string randomBytes(std::mt19937_64& rng, size_t size) {
   std::string bytes(size, '\0');
