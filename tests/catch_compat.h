@@ -14,3 +14,12 @@
 #else
 #include <catch2/catch.hpp>
 #endif
+
+// One spelling of Approx for both: v3 has Catch::Approx, v2 Catch::Detail::Approx.
+namespace bulkhead::testing {
+#ifdef BULKHEAD_CATCH3
+using Approx = Catch::Approx;
+#else
+using Approx = Catch::Detail::Approx;
+#endif
+}  // namespace bulkhead::testing

@@ -1,0 +1,127 @@
+#include "moe/differentiable.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <memory>
+#include <numeric>
+#include <string>
+#include <utility>
+
+namespace bulkhead::moe {
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// CPU results are complete only once waited for; CUDA results are ordered on
+// the stream (see the header).
+void settle(const WorkPtr& work, const at::Tensor& result) {
+  if (!result.is_cuda()) work->wait();
+}
+
+std::vector<int64_t> rowShape(const at::Tensor& tensor, int64_t rows) {
+  std::vector<int64_t> shape = tensor.sizes().vec();
+  shape[0] = rows;
+  return shape;
+}
+
+int64_t total(const std::vector<int64_t>& splits) { return std::accumulate(splits.begin(), splits.end(), int64_t{0}); }
+
+at::Tensor allReduced(Communicator& group, const at::Tensor& input) {
+  at::Tensor result = input.contiguous().clone();
+  if (group.size() > 1) settle(group.allReduce(result), result);
+  return result;
+}
+
+// A gradient that never arrived (an unused output) still takes part in the
+// backward collective, as zeros.
+at::Tensor materialize(const at::Tensor& grad, const std::vector<int64_t>& shape, const at::TensorOptions& options) {
+  return grad.defined() ? grad : at::zeros(shape, options);
+}
+
+// Records `node` as the producer of `output`, with `input` as its only input.
+at::Tensor attach(std::shared_ptr<Node> node, const at::Tensor& input, at::Tensor output) {
+  if (!torch::autograd::GradMode::is_enabled() || !input.requires_grad()) return output;
+  node->set_next_edges(torch::autograd::collect_next_edges(input));
+  torch::autograd::set_history(output, node);
+  return output;
+}
+
+struct AllToAllBackward : Node {
+  CommunicatorPtr group;
+  std::vector<int64_t> sendSplits, recvSplits, outputShape;
+  at::TensorOptions options;
+  std::string name() const override { return "bulkhead::AllToAllBackward"; }
+  variable_list apply(variable_list&& grads) override {
+    at::Tensor grad = materialize(grads[0], outputShape, options);
+    return {exchangeRows(*group, grad, recvSplits, sendSplits)};
+  }
+};
+
+struct CopyToGroupBackward : Node {
+  CommunicatorPtr group;
+  std::vector<int64_t> shape;
+  at::TensorOptions options;
+  std::string name() const override { return "bulkhead::CopyToGroupBackward"; }
+  variable_list apply(variable_list&& grads) override {
+    return {allReduced(*group, materialize(grads[0], shape, options))};
+  }
+};
+
+struct ReduceFromGroupBackward : Node {
+  std::vector<int64_t> shape;
+  at::TensorOptions options;
+  std::string name() const override { return "bulkhead::ReduceFromGroupBackward"; }
+  variable_list apply(variable_list&& grads) override { return {materialize(grads[0], shape, options)}; }
+};
+
+template <typename T>
+std::shared_ptr<T> makeNode() {
+  return std::shared_ptr<T>(new T(), torch::autograd::deleteNode);
+}
+
+}  // namespace
+
+at::Tensor exchangeRows(Communicator& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
+                        const std::vector<int64_t>& recvSplits) {
+  at::Tensor send = input.contiguous();
+  at::Tensor recv = at::empty(rowShape(send, total(recvSplits)), send.options());
+  settle(group.allToAll(send, recv, sendSplits, recvSplits), recv);
+  return recv;
+}
+
+at::Tensor allToAll(const CommunicatorPtr& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
+                    const std::vector<int64_t>& recvSplits) {
+  at::Tensor output = exchangeRows(*group, input.detach(), sendSplits, recvSplits);
+  auto node = makeNode<AllToAllBackward>();
+  node->group = group;
+  node->sendSplits = sendSplits;
+  node->recvSplits = recvSplits;
+  node->outputShape = output.sizes().vec();
+  node->options = output.options();
+  return attach(std::move(node), input, std::move(output));
+}
+
+at::Tensor copyToGroup(const CommunicatorPtr& group, const at::Tensor& input) {
+  if (group->size() == 1) return input;
+  at::Tensor output = input.detach().clone();
+  auto node = makeNode<CopyToGroupBackward>();
+  node->group = group;
+  node->shape = output.sizes().vec();
+  node->options = output.options();
+  return attach(std::move(node), input, std::move(output));
+}
+
+at::Tensor reduceFromGroup(const CommunicatorPtr& group, const at::Tensor& input) {
+  if (group->size() == 1) return input;
+  at::Tensor output = allReduced(*group, input.detach());
+  auto node = makeNode<ReduceFromGroupBackward>();
+  node->shape = output.sizes().vec();
+  node->options = output.options();
+  return attach(std::move(node), input, std::move(output));
+}
+
+}  // namespace bulkhead::moe

@@ -1,0 +1,40 @@
+#pragma once
+// The collectives of the MoE layer as autograd operations. Each one's backward
+// is itself a collective on the same communicator, so forward and backward run
+// the same collectives on every rank of the group, whatever it holds (zero
+// rows included, and outputs whose gradient never arrives, which count as
+// zeros).
+//
+// Completion: a CPU (MPI) result is waited for before it is returned; a CUDA
+// result is ordered on the current stream and not waited for by the host (the
+// communicator's watchdog enforces its deadline). Every operation runs under
+// the communicator's default deadline (BULKHEAD_COLLECTIVE_TIMEOUT from the
+// call), since autograd gives backward no way to pass one.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "runtime/communicator.h"
+
+namespace bulkhead::moe {
+
+// Rows of `input` to ranks by sendSplits; the result holds the rows received,
+// recvSplits[r] from rank r. Backward: the same exchange with splits swapped.
+at::Tensor allToAll(const CommunicatorPtr& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
+                    const std::vector<int64_t>& recvSplits);
+
+// Identity forward; backward sums the gradient over the group. For an input
+// every rank holds identically that feeds rank-local (sharded) weights.
+at::Tensor copyToGroup(const CommunicatorPtr& group, const at::Tensor& input);
+
+// Sums over the group forward; identity backward. For partial results of
+// sharded weights whose sum every rank then uses identically.
+at::Tensor reduceFromGroup(const CommunicatorPtr& group, const at::Tensor& input);
+
+// The same exchange without autograd (counts, routing metadata).
+at::Tensor exchangeRows(Communicator& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
+                        const std::vector<int64_t>& recvSplits);
+
+}  // namespace bulkhead::moe

@@ -1,0 +1,75 @@
+#pragma once
+// The token dispatcher (design section 7): moves each token to the ep ranks
+// that hold its selected experts and brings the weighted results back.
+//
+// Contract:
+// - Experts are laid out in contiguous blocks: ep rank r holds global experts
+//   [r * E/ep, (r+1) * E/ep), local index = global % (E/ep).
+// - dispatch() and combine() issue the same collectives on every rank of the
+//   ep group, in the same order, whatever the rank holds (zero tokens, zero
+//   selected slots): dispatch exchanges row counts, then routing metadata,
+//   combine weights and tokens; combine exchanges the results. Backward (via
+//   autograd) runs the mirror exchanges, again on every rank.
+// - Once per rank (the default): a token goes once to each rank that holds
+//   any of its selected experts and is expanded there into one row per
+//   selected local expert; the weighted sum over those experts is formed there
+//   and one row comes back. Per slot: one row each way for every selected
+//   (token, expert) slot, as common dispatchers do. Both give the same result
+//   up to the order of floating-point additions.
+// - Dropped slots (Routing::keep false) are neither sent nor counted.
+// - Expert inputs are ordered by local expert, tokensPerLocalExpert[e] rows
+//   each (experts with no rows included).
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "moe/router.h"
+#include "runtime/communicator.h"
+
+namespace bulkhead::moe {
+
+struct DispatcherOptions {
+  int numExperts = 8;
+  bool oncePerRank = true;
+};
+
+// What one dispatch leaves for its combine. Holds autograd state: combine it
+// in the same step.
+struct DispatchPlan {
+  at::Tensor expertInput;                     // [N, H] ordered by local expert
+  std::vector<int64_t> tokensPerLocalExpert;  // host copy, E/ep entries
+  at::Tensor tokensPerLocalExpertDevice;      // same counts, on the tokens' device
+  // Internal: rows sent and received, and how expert rows map to received rows.
+  at::Tensor sendRowToken;      // [S] token of each sent row, in send order
+  std::vector<int64_t> sendSplits, recvSplits;
+  at::Tensor expertRow;         // [N] received row of each expert input row
+  at::Tensor expertWeight;      // [N] combine weight (autograd)
+  int64_t numTokens = 0;
+  int64_t receivedRows = 0;
+};
+
+class TokenDispatcher {
+ public:
+  TokenDispatcher(CommunicatorPtr ep, DispatcherOptions options);
+
+  DispatchPlan dispatch(const at::Tensor& tokens, const Routing& routing) const;
+  // expertOutput: [N, H] in the plan's expert order. Returns [T, H].
+  at::Tensor combine(const DispatchPlan& plan, const at::Tensor& expertOutput) const;
+
+  int localExperts() const { return localExperts_; }
+  int firstExpert() const { return ep_->rank() * localExperts_; }
+
+ private:
+  CommunicatorPtr ep_;
+  DispatcherOptions options_;
+  int localExperts_;
+};
+
+// Rows of `tokens` in the order of `rowToken`, and back: unpermute sums the
+// rows of each token (rows [S, H] -> [numTokens, H]).
+at::Tensor permuteTokens(const at::Tensor& tokens, const at::Tensor& rowToken);
+at::Tensor unpermuteTokens(const at::Tensor& rows, const at::Tensor& rowToken, int64_t numTokens);
+
+}  // namespace bulkhead::moe

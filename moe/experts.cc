@@ -1,0 +1,109 @@
+#include "moe/experts.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#if __has_include(<ATen/ops/_grouped_mm.h>)
+#include <ATen/ops/_grouped_mm.h>
+#define BULKHEAD_HAVE_GROUPED_MM 1
+#else
+#define BULKHEAD_HAVE_GROUPED_MM 0
+#endif
+
+#include <fmt/format.h>
+
+#include <numeric>
+#include <utility>
+
+#include "moe/differentiable.h"
+#include "runtime/errors.h"
+
+namespace bulkhead::moe {
+namespace {
+
+// Global expert `expert`'s full matrix number `matrix`, from a generator of
+// its own: the same values whatever the layout.
+at::Tensor expertMatrix(const ExpertOptions& options, int expert, int matrix, int64_t rows, int64_t columns) {
+  const uint64_t seed = options.seed * 1000003ULL + static_cast<uint64_t>(expert) * 3ULL + matrix;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::empty({rows, columns}, at::kDouble).normal_(0.0, options.initStd, generator);
+}
+
+}  // namespace
+
+GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int localExperts, CommunicatorPtr expertTp,
+                               const at::TensorOptions& tensorOptions)
+    : options_(options), firstExpert_(firstExpert), expertTp_(std::move(expertTp)) {
+  const int etp = expertTp_->size();
+  if (options_.ffnHidden % etp != 0) {
+    throw ConfigError(fmt::format("experts: ffn hidden size {} does not divide over the {} ranks of {}",
+                                  options_.ffnHidden, etp, expertTp_->name()),
+                      {.rank = expertTp_->rank(), .group = expertTp_->name(), .expected = "ffnHidden a multiple of etp"});
+  }
+  const int64_t hidden = options_.hidden, ffn = options_.ffnHidden, ffnLocal = ffn / etp;
+  const int64_t column = expertTp_->rank() * ffnLocal;
+  std::vector<at::Tensor> w1, w2, w3;
+  for (int local = 0; local < localExperts; ++local) {
+    const int expert = firstExpert + local;
+    w1.push_back(expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal));
+    w3.push_back(expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal));
+    w2.push_back(expertMatrix(options_, expert, 2, hidden, ffn).narrow(1, column, ffnLocal));
+  }
+  auto stacked = [&](std::vector<at::Tensor>& parts, std::vector<int64_t> shape) {
+    at::Tensor all = parts.empty() ? at::empty(shape, at::kDouble) : at::stack(parts);
+    return all.to(tensorOptions).contiguous().set_requires_grad(true);
+  };
+  w1_ = stacked(w1, {0, ffnLocal, hidden});
+  w3_ = stacked(w3, {0, ffnLocal, hidden});
+  w2_ = stacked(w2, {0, hidden, ffnLocal});
+}
+
+at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
+                                   const at::Tensor& deviceCounts) const {
+  at::Tensor x = copyToGroup(expertTp_, tokens);
+  at::Tensor gate = groupedLinear(x, w1_, counts, deviceCounts, options_.groupedMm);
+  at::Tensor up = groupedLinear(x, w3_, counts, deviceCounts, options_.groupedMm);
+  at::Tensor partial = groupedLinear(at::silu(gate) * up, w2_, counts, deviceCounts, options_.groupedMm);
+  return reduceFromGroup(expertTp_, partial);
+}
+
+std::vector<parallel::Parameter> GroupedExperts::parameters(const std::string& prefix, int replicaId) const {
+  const int64_t experts = options_.numExperts, hidden = options_.hidden, ffn = options_.ffnHidden;
+  const int64_t column = expertTp_->rank() * w1_.size(1);
+  auto make = [&](const char* name, const at::Tensor& tensor, std::vector<int64_t> global,
+                  std::vector<int64_t> offsets) {
+    return parallel::Parameter{.name = prefix + name,
+                               .tensor = tensor,
+                               .shard = {std::move(global), std::move(offsets), replicaId},
+                               .group = parallel::ParamGroup::Expert,
+                               .tpReplicated = false};
+  };
+  return {make(".w1", w1_, {experts, ffn, hidden}, {firstExpert_, column, 0}),
+          make(".w3", w3_, {experts, ffn, hidden}, {firstExpert_, column, 0}),
+          make(".w2", w2_, {experts, hidden, ffn}, {firstExpert_, 0, column})};
+}
+
+at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, const std::vector<int64_t>& counts,
+                         const at::Tensor& deviceCounts, bool allowGroupedMm) {
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  if (total != rows.size(0) || static_cast<int64_t>(counts.size()) != weights.size(0)) {
+    throw ConfigError(fmt::format("grouped linear: {} rows in {} groups of sizes summing to {}, for {} weights",
+                                  rows.size(0), counts.size(), total, weights.size(0)),
+                      {.expected = "one count per weight, summing to the number of rows"});
+  }
+#if BULKHEAD_HAVE_GROUPED_MM
+  if (allowGroupedMm && rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && total > 0) {
+    at::Tensor offsets = at::cumsum(deviceCounts, 0, at::kInt);
+    return at::_grouped_mm(rows, weights.transpose(-2, -1), offsets);
+  }
+#else
+  (void)deviceCounts;
+  (void)allowGroupedMm;
+#endif
+  std::vector<at::Tensor> parts = rows.split_with_sizes(counts);
+  for (size_t group = 0; group < parts.size(); ++group) parts[group] = at::mm(parts[group], weights[group].t());
+  if (parts.empty()) return at::empty({0, weights.size(1)}, rows.options());
+  return at::cat(parts);
+}
+
+}  // namespace bulkhead::moe

@@ -1,0 +1,68 @@
+#pragma once
+// The routed experts of one ep rank: SwiGLU MLPs, y = (silu(x W1^T) * x W3^T) W2^T,
+// computed for all local experts at once as grouped matrix products.
+//
+// Contract:
+// - Weights are stacked per local expert: w1 and w3 [E_local, F_local, H],
+//   w2 [E_local, H, F_local], F_local = ffnHidden / etp. Their global tensors
+//   are [E, F, H] and [E, H, F], indexed by global expert id; this rank's
+//   slice starts at expert firstExpert and at column etpRank * F_local of F.
+// - Initial values depend only on (seed, global expert id, matrix), so every
+//   layout starts from the same global weights.
+// - With etp > 1 every rank of the expert-tp group must pass identical
+//   inputs; the partial products of w2 are summed over that group.
+// - Grouped products: at::_grouped_mm on CUDA where this libtorch has it
+//   (bf16), otherwise one matrix product per expert. Experts with no rows
+//   still take part, so every weight gets a gradient (zeros).
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "parallel/parameter.h"
+#include "runtime/communicator.h"
+
+namespace bulkhead::moe {
+
+struct ExpertOptions {
+  int numExperts = 8;      // global
+  int hidden = 64;
+  int ffnHidden = 128;     // global, before etp sharding
+  double initStd = 0.02;
+  uint64_t seed = 1234;
+  bool groupedMm = true;   // use at::_grouped_mm where available
+};
+
+class GroupedExperts {
+ public:
+  // expertTp: the etp group (size 1 without expert tensor parallelism).
+  GroupedExperts(ExpertOptions options, int firstExpert, int localExperts, CommunicatorPtr expertTp,
+                 const at::TensorOptions& tensorOptions);
+
+  // tokens [N, H] ordered by local expert; counts: rows per local expert on
+  // the host and on the tokens' device.
+  at::Tensor forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
+                     const at::Tensor& deviceCounts) const;
+
+  // Names are prefix + ".w1" etc.; replicaId is the caller's (expert-dp rank).
+  std::vector<parallel::Parameter> parameters(const std::string& prefix, int replicaId) const;
+
+  const at::Tensor& w1() const { return w1_; }
+  const at::Tensor& w2() const { return w2_; }
+  const at::Tensor& w3() const { return w3_; }
+
+ private:
+  ExpertOptions options_;
+  int firstExpert_;
+  CommunicatorPtr expertTp_;
+  at::Tensor w1_, w2_, w3_;
+};
+
+// rows [N, K] grouped by `counts`, weights [G, Out, K] -> [N, Out]: each
+// group's rows times its weight transposed.
+at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, const std::vector<int64_t>& counts,
+                         const at::Tensor& deviceCounts, bool allowGroupedMm);
+
+}  // namespace bulkhead::moe

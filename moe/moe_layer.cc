@@ -1,0 +1,127 @@
+#include "moe/moe_layer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "runtime/errors.h"
+
+namespace bulkhead::moe {
+namespace {
+
+// A dense weight every rank draws the same way (a generator of its own per
+// matrix), so no broadcast is needed at start.
+at::Tensor replicatedWeight(uint64_t seed, uint64_t salt, std::vector<int64_t> shape, double std,
+                            const at::TensorOptions& options) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed * 7919ULL + salt);
+  return at::empty(shape, at::kDouble).normal_(0.0, std, generator).to(options).set_requires_grad(true);
+}
+
+const parallel::ProcessGroups& checkedGroups(const MoEOptions& options, const parallel::ProcessGroups& groups) {
+  const auto& layout = groups.layout();
+  if (layout.tp() > 1 && groups.expertTp()->members() != groups.tp()->members()) {
+    throw ConfigError(
+        fmt::format("MoE layer {}: tokens are replicated over the tp group {} ({}), so expert tensor parallelism "
+                    "must span the same ranks, but the etp group {} holds {}",
+                    options.name, groups.tp()->name(), fmt::join(groups.tp()->members(), ","),
+                    groups.expertTp()->name(), fmt::join(groups.expertTp()->members(), ",")),
+        {.rank = groups.world()->rank(), .group = groups.tp()->name(), .expected = "etp == tp"});
+  }
+  if (options.router.numExperts % layout.ep() != 0) {
+    throw ConfigError(fmt::format("MoE layer {}: {} experts do not divide over ep {}", options.name,
+                                  options.router.numExperts, layout.ep()),
+                      {.rank = groups.world()->rank(), .expected = "numExperts a multiple of ep"});
+  }
+  return groups;
+}
+
+}  // namespace
+
+MoELayer::MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, const at::TensorOptions& tensorOptions)
+    : options_(std::move(options)),
+      dpCp_(checkedGroups(options_, groups).dpCp()),
+      worldRank_(groups.world()->rank()),
+      tp_(groups.layout().tp()),
+      tpRank_(groups.tp()->rank()),
+      expertDpRank_(groups.expertDp()->rank()),
+      gate_(replicatedWeight(options_.seed, 1, {options_.router.numExperts, options_.hidden}, options_.initStd,
+                             tensorOptions)),
+      router_(options_.router, gate_),
+      dispatcher_(groups.ep(), {.numExperts = options_.router.numExperts, .oncePerRank = options_.oncePerRank}),
+      experts_({.numExperts = options_.router.numExperts,
+                .hidden = options_.hidden,
+                .ffnHidden = options_.ffnHidden,
+                .initStd = options_.initStd,
+                .seed = options_.seed,
+                .groupedMm = options_.groupedMm},
+               dispatcher_.firstExpert(), dispatcher_.localExperts(), groups.expertTp(), tensorOptions) {
+  if (options_.sharedExpertHidden > 0) {
+    const int64_t hidden = options_.hidden, shared = options_.sharedExpertHidden;
+    sharedW1_ = replicatedWeight(options_.seed, 2, {shared, hidden}, options_.initStd, tensorOptions);
+    sharedW3_ = replicatedWeight(options_.seed, 3, {shared, hidden}, options_.initStd, tensorOptions);
+    sharedW2_ = replicatedWeight(options_.seed, 4, {hidden, shared}, options_.initStd, tensorOptions);
+  }
+}
+
+MoEOutput MoELayer::forward(const at::Tensor& input) {
+  if (input.size(-1) != options_.hidden) {
+    throw ConfigError(fmt::format("MoE layer {}: input of shape [{}] does not end in hidden size {}", options_.name,
+                                  fmt::join(input.sizes(), ", "), options_.hidden),
+                      {.rank = worldRank_, .expected = "tokens [..., hidden]"});
+  }
+  at::Tensor tokens = input.reshape({-1, options_.hidden});
+  Routing routing = router_.route(tokens);
+  DispatchPlan plan = dispatcher_.dispatch(tokens, routing);
+  at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.tokensPerLocalExpertDevice);
+  at::Tensor output = dispatcher_.combine(plan, expertOutput);
+  if (sharedW1_.defined()) {
+    output = output + at::matmul(at::silu(at::matmul(tokens, sharedW1_.t())) * at::matmul(tokens, sharedW3_.t()),
+                                 sharedW2_.t());
+  }
+
+  lastLoads_ = routing.tokensPerExpert;
+  at::Tensor loads = routing.tokensPerExpert.to(at::kCPU);
+  stats_.tokensPerExpert.assign(loads.data_ptr<int64_t>(), loads.data_ptr<int64_t>() + loads.numel());
+  const double total = std::accumulate(stats_.tokensPerExpert.begin(), stats_.tokensPerExpert.end(), 0.0);
+  const double most = static_cast<double>(*std::max_element(stats_.tokensPerExpert.begin(), stats_.tokensPerExpert.end()));
+  stats_.imbalance = total > 0 ? most / (total / static_cast<double>(stats_.tokensPerExpert.size())) : 0;
+  stats_.droppedSlots = routing.droppedSlots;
+  stats_.auxLoss = routing.auxLoss.item<double>();
+  stats_.zLoss = routing.zLoss.item<double>();
+  return {output.view(input.sizes()), routing.auxLoss, routing.zLoss};
+}
+
+std::vector<parallel::Parameter> MoELayer::parameters() const {
+  const bool replicatedOverTp = tp_ > 1;
+  // Dense weights: every rank holds a copy; the first of tp and dp x cp writes it.
+  const int denseReplica = tpRank_ * dpCp_->size() + dpCp_->rank();
+  auto dense = [&](const std::string& name, const at::Tensor& tensor) {
+    return parallel::Parameter{.name = options_.name + name,
+                               .tensor = tensor,
+                               .shard = parallel::ShardInfo::whole(tensor.sizes(), denseReplica),
+                               .group = parallel::ParamGroup::Dense,
+                               .tpReplicated = replicatedOverTp};
+  };
+  std::vector<parallel::Parameter> parameters{dense(".router.weight", gate_)};
+  for (auto& expert : experts_.parameters(options_.name + ".experts", expertDpRank_)) parameters.push_back(expert);
+  if (sharedW1_.defined()) {
+    parameters.push_back(dense(".shared.w1", sharedW1_));
+    parameters.push_back(dense(".shared.w3", sharedW3_));
+    parameters.push_back(dense(".shared.w2", sharedW2_));
+  }
+  return parameters;
+}
+
+void MoELayer::updateExpertBias(std::optional<Deadline> deadline) {
+  if (!options_.router.expertBias || !lastLoads_.defined()) return;
+  at::Tensor loads = lastLoads_.clone();
+  dpCp_->allReduce(loads, {.deadline = deadline})->wait(deadline);
+  router_.updateBias(loads);
+}
+
+}  // namespace bulkhead::moe

@@ -1,0 +1,96 @@
+#pragma once
+// A Mixture-of-Experts feed-forward layer with expert parallelism (design
+// section 7): router -> dispatch over the ep group -> grouped SwiGLU experts
+// -> combine -> weighted sum, plus optional shared experts that see every
+// token.
+//
+// Contract:
+// - Construction is local (no communication). Every rank of the world builds
+//   the layer with the same options; router and shared-expert weights start
+//   equal on every rank, expert weights depend only on their global id (see
+//   experts.h), so any ep/etp layout computes the same function.
+// - forward() runs the same collectives on every rank of the ep group (and of
+//   the etp group) whatever tokens it holds, including none; so does backward.
+// - Tokens are replicated across the tp group. Expert tensor parallelism must
+//   then span exactly that group (etp == tp, same ranks): a ConfigError says
+//   so otherwise.
+// - Parameters are named "<name>.router.weight", "<name>.experts.w1|w2|w3",
+//   "<name>.shared.w1|w2|w3"; expert ones are Expert parameters whose
+//   gradients sum over the expert-dp group, the others Dense.
+// - The caller adds auxLoss and zLoss to its loss (coefficients applied).
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moe/dispatcher.h"
+#include "moe/experts.h"
+#include "moe/router.h"
+#include "parallel/parameter.h"
+#include "parallel/process_groups.h"
+
+namespace bulkhead::moe {
+
+struct MoEOptions {
+  std::string name = "moe";
+  int hidden = 64;
+  int ffnHidden = 128;           // per expert, global (before etp)
+  RouterOptions router;          // numExperts, topK, losses, capacity, bias
+  bool oncePerRank = true;       // dispatch a token once per destination rank
+  int sharedExpertHidden = 0;    // 0: no shared expert
+  double initStd = 0.02;
+  uint64_t seed = 1234;
+  bool groupedMm = true;
+};
+
+// What the last forward saw on this rank.
+struct MoEStats {
+  std::vector<int64_t> tokensPerExpert;  // slots selected per global expert (before dropping)
+  double imbalance = 0;                  // max / mean of tokensPerExpert (1 = balanced)
+  int64_t droppedSlots = 0;
+  double auxLoss = 0, zLoss = 0;
+};
+
+struct MoEOutput {
+  at::Tensor output;   // same shape as the input
+  at::Tensor auxLoss;  // scalars, coefficients applied
+  at::Tensor zLoss;
+};
+
+class MoELayer {
+ public:
+  MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, const at::TensorOptions& tensorOptions);
+
+  // tokens: [..., hidden]; flattened to [T, hidden] inside.
+  MoEOutput forward(const at::Tensor& tokens);
+
+  std::vector<parallel::Parameter> parameters() const;
+  const MoEStats& stats() const { return stats_; }
+  const MoEOptions& options() const { return options_; }
+  const GroupedExperts& experts() const { return experts_; }
+  const Router& router() const { return router_; }
+  Router& router() { return router_; }
+
+  // Aux-loss-free balancing: sums the last forward's loads over the dp x cp group
+  // (bounded by `deadline`) and moves the router bias. No-op unless enabled.
+  void updateExpertBias(std::optional<Deadline> deadline = std::nullopt);
+
+ private:
+  MoEOptions options_;
+  CommunicatorPtr dpCp_;  // every dense replica of this layer but the tp ones
+  int worldRank_;
+  int tp_, tpRank_;
+  int expertDpRank_;
+  at::Tensor gate_;
+  Router router_;
+  TokenDispatcher dispatcher_;
+  GroupedExperts experts_;
+  at::Tensor sharedW1_, sharedW2_, sharedW3_;  // [F_s, H], [H, F_s], [F_s, H]
+  at::Tensor lastLoads_;
+  MoEStats stats_;
+};
+
+}  // namespace bulkhead::moe

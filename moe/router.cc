@@ -1,0 +1,100 @@
+#include "moe/router.h"
+
+#include <ATen/ATen.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <utility>
+
+#include "runtime/errors.h"
+
+namespace bulkhead::moe {
+
+Router::Router(RouterOptions options, at::Tensor gateWeight) : options_(options), gate_(std::move(gateWeight)) {
+  if (options_.numExperts < 1 || options_.topK < 1 || options_.topK > options_.numExperts) {
+    throw ConfigError(fmt::format("router: top-k {} of {} experts is not a valid choice", options_.topK,
+                                  options_.numExperts),
+                      {.expected = "1 <= topK <= numExperts"});
+  }
+  if (gate_.dim() != 2 || gate_.size(0) != options_.numExperts) {
+    throw ConfigError(fmt::format("router: gate weight of shape {} does not score {} experts",
+                                  fmt::join(gate_.sizes(), " x "), options_.numExperts),
+                      {.expected = "gate weight [numExperts, hidden]"});
+  }
+  if (options_.capacityFactor < 0) {
+    throw ConfigError(fmt::format("router: capacity factor {} is negative", options_.capacityFactor),
+                      {.expected = "0 (dropless) or a positive factor"});
+  }
+  bias_ = at::zeros({options_.numExperts}, gate_.options().dtype(at::kFloat));
+}
+
+Routing Router::route(const at::Tensor& tokens) const {
+  const int64_t numTokens = tokens.size(0);
+  const int64_t numExperts = options_.numExperts;
+  // Scores in at least float32: bf16 softmax over many experts loses the ranking.
+  const auto scoreType = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor logits = at::matmul(tokens, gate_.t()).to(scoreType);
+
+  at::Tensor scores = options_.scoreFunction == ScoreFunction::Softmax ? at::softmax(logits, -1) : at::sigmoid(logits);
+  at::Tensor selection = options_.expertBias ? scores.detach() + bias_.to(scoreType) : scores.detach();
+  at::Tensor indices = std::get<1>(at::topk(selection, options_.topK, -1));
+  at::Tensor weights = scores.gather(1, indices);
+  if (options_.normalizeWeights) weights = weights / weights.sum(-1, true);
+
+  Routing routing;
+  routing.indices = indices;
+  routing.weights = weights;
+  routing.tokensPerExpert = at::bincount(indices.reshape(-1), {}, numExperts);
+
+  if (options_.capacityFactor > 0) {
+    const auto capacity = static_cast<int64_t>(
+        std::ceil(options_.capacityFactor * static_cast<double>(numTokens * options_.topK) / numExperts));
+    routing.keep = capacityKeep(indices, weights.detach(), options_.numExperts, capacity);
+    routing.droppedSlots = routing.keep.numel() - routing.keep.sum().item<int64_t>();
+  } else {
+    routing.keep = at::ones_like(indices, indices.options().dtype(at::kBool));
+  }
+
+  if (options_.auxLossCoeff != 0 && numTokens > 0) {
+    at::Tensor probs = options_.scoreFunction == ScoreFunction::Softmax ? scores : scores / scores.sum(-1, true);
+    at::Tensor meanProb = probs.mean(0);  // P_i
+    at::Tensor fraction = routing.tokensPerExpert.to(scoreType) / static_cast<double>(numTokens * options_.topK);
+    routing.auxLoss = options_.auxLossCoeff * numExperts * (fraction * meanProb).sum();
+  } else {
+    routing.auxLoss = at::zeros({}, logits.options());
+  }
+  if (options_.zLossCoeff != 0 && numTokens > 0) {
+    routing.zLoss = options_.zLossCoeff * at::logsumexp(logits, -1).pow(2).mean();
+  } else {
+    routing.zLoss = at::zeros({}, logits.options());
+  }
+  return routing;
+}
+
+void Router::updateBias(const at::Tensor& loads) {
+  at::Tensor load = loads.to(bias_.device(), at::kFloat);
+  at::Tensor error = load.mean() - load;  // > 0: underloaded
+  bias_.add_(at::sign(error), options_.biasUpdateRate);
+}
+
+at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, int numExperts, int64_t capacity) {
+  const int64_t slots = indices.numel();
+  at::Tensor flatExperts = indices.reshape(-1);
+  // Rank slots by weight (descending, ties by slot order), then group by
+  // expert keeping that rank: position within the group decides.
+  at::Tensor byWeight = std::get<1>(at::sort(weights.reshape(-1), /*stable=*/true, /*dim=*/0, /*descending=*/true));
+  at::Tensor expertsByWeight = flatExperts.index_select(0, byWeight);
+  at::Tensor byExpert = std::get<1>(at::sort(expertsByWeight, /*stable=*/true, 0, false));
+  at::Tensor order = byWeight.index_select(0, byExpert);  // slots grouped by expert, best first
+  at::Tensor counts = at::bincount(flatExperts, {}, numExperts);
+  at::Tensor groupStart = at::cumsum(counts, 0) - counts;
+  at::Tensor sortedExperts = flatExperts.index_select(0, order);
+  at::Tensor position = at::arange(slots, indices.options()) - groupStart.index_select(0, sortedExperts);
+  at::Tensor keep = at::zeros({slots}, indices.options().dtype(at::kBool));
+  keep.index_put_({order}, position < capacity);
+  return keep.view(indices.sizes());
+}
+
+}  // namespace bulkhead::moe

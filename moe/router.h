@@ -1,0 +1,77 @@
+#pragma once
+// The router of a MoE layer (design section 7): a linear gate scores every
+// token against every expert and picks its top-k experts.
+//
+// Contract:
+// - Scores are softmax or sigmoid of the gate's logits, computed in at least
+//   float32. Selection takes the top-k of scores + expertBias (the bias steers
+//   selection only, "aux-loss-free" balancing); the combine weights are the
+//   unbiased scores of the selected experts, renormalised to sum to one per
+//   token when normalizeWeights is set.
+// - auxLoss = auxLossCoeff * E * sum_i f_i * P_i (Switch/GShard), f_i the
+//   fraction of this rank's token-slots selected for expert i, P_i the mean
+//   (per-token normalised) score of expert i. Only P carries a gradient.
+//   zLoss = zLossCoeff * mean_t logsumexp(logits_t)^2. Both are computed over
+//   this rank's tokens, so they do not depend on the ep size.
+// - capacityFactor > 0 caps every expert at ceil(capacityFactor * T * k / E)
+//   token-slots of this rank; an expert keeps its slots with the highest
+//   weights (ties: the lower token index) and the others are dropped (their
+//   keep flag is false, their weight is not redistributed). 0: dropless.
+// - The bias lives outside autograd; updateBias moves each expert's bias by
+//   biasUpdateRate towards balance (+rate when underloaded, -rate when
+//   overloaded) from loads the caller has summed over the data-parallel group,
+//   so every replica of the router keeps the same bias.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace bulkhead::moe {
+
+enum class ScoreFunction { Softmax, Sigmoid };
+
+struct RouterOptions {
+  int numExperts = 8;
+  int topK = 2;
+  ScoreFunction scoreFunction = ScoreFunction::Softmax;
+  bool normalizeWeights = true;
+  double auxLossCoeff = 1e-2;
+  double zLossCoeff = 1e-3;
+  bool expertBias = false;          // aux-loss-free balancing
+  double biasUpdateRate = 1e-3;
+  double capacityFactor = 0;        // 0: dropless
+};
+
+struct Routing {
+  at::Tensor indices;    // [T, k] int64 global expert ids
+  at::Tensor weights;    // [T, k] combine weights (autograd), dtype of the scores
+  at::Tensor keep;       // [T, k] bool; false where capacity dropped the slot
+  at::Tensor auxLoss;    // scalar, coefficient applied
+  at::Tensor zLoss;      // scalar, coefficient applied
+  at::Tensor tokensPerExpert;  // [E] int64: slots selected per expert, before dropping
+  int64_t droppedSlots = 0;
+};
+
+class Router {
+ public:
+  // gateWeight: [E, H], the caller's parameter.
+  Router(RouterOptions options, at::Tensor gateWeight);
+
+  Routing route(const at::Tensor& tokens) const;  // tokens [T, H]
+
+  // loads: [E] slot counts summed over the data-parallel group.
+  void updateBias(const at::Tensor& loads);
+  const at::Tensor& bias() const { return bias_; }
+  const RouterOptions& options() const { return options_; }
+
+ private:
+  RouterOptions options_;
+  at::Tensor gate_;
+  at::Tensor bias_;  // [E] float32, zero until updated
+};
+
+// The capacity policy on its own (exposed for tests): keep flags for the
+// slots of `indices` ranked by `weights`, at most `capacity` per expert.
+at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, int numExperts, int64_t capacity);
+
+}  // namespace bulkhead::moe

@@ -1,0 +1,283 @@
+// The MoE layer under mpirun (8 ranks, MPI backend, float64): every layout
+// computes the same function as a reference layer that holds all experts,
+// run locally on every shard of the global input.
+#include <ATen/ATen.h>
+
+#include <fmt/format.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "moe/moe_layer.h"
+#include "parallel/process_groups.h"
+#include "runtime/errors.h"
+#include "tests/catch_compat.h"
+#include "tests/mpi/helpers.h"
+
+namespace bulkhead::moe {
+namespace {
+
+constexpr int kShards = 8;  // the global input: 8 shards of tokens
+constexpr int kEmptyShard = 3;
+constexpr int kTokens = 10, kHidden = 8, kFfn = 12, kExperts = 16, kTopK = 4;
+
+at::Tensor gaussian(int salt, at::IntArrayRef shape) {
+  return at::randn(shape, testing::sharedGenerator(salt), at::kDouble);
+}
+at::Tensor shardTokens(int shard) { return gaussian(100 + shard, {shard == kEmptyShard ? 0 : kTokens, kHidden}); }
+at::Tensor shardProjection(int shard) {
+  return gaussian(200 + shard, {shard == kEmptyShard ? 0 : kTokens, kHidden});
+}
+
+MoEOptions layerOptions(bool oncePerRank, double capacity, bool losses) {
+  return {.hidden = kHidden,
+          .ffnHidden = kFfn,
+          .router = {.numExperts = kExperts,
+                     .topK = kTopK,
+                     .auxLossCoeff = losses ? 0.05 : 0,
+                     .zLossCoeff = losses ? 0.01 : 0,
+                     .expertBias = true,
+                     .biasUpdateRate = 100,
+                     .capacityFactor = capacity},
+          .oncePerRank = oncePerRank,
+          .sharedExpertHidden = 6,
+          .initStd = 0.3,
+          .seed = 77};
+}
+
+// Experts 4, 5 and 12 are made to look overloaded: the bias keeps every token
+// away from them, so at ep 8 rank 2 receives no token at all.
+void starveExperts(MoELayer& layer) {
+  at::Tensor loads = at::ones({kExperts}, at::kLong);
+  for (int expert : {4, 5, 12}) loads[expert] = 1000;
+  layer.router().updateBias(loads);
+}
+
+at::Tensor parameterNamed(const MoELayer& layer, const std::string& suffix) {
+  for (auto& parameter : layer.parameters())
+    if (parameter.name == layer.options().name + suffix) return parameter.tensor;
+  FAIL("no parameter " << suffix);
+  return {};
+}
+
+double relativeError(const at::Tensor& value, const at::Tensor& reference) {
+  const double scale = reference.numel() ? reference.abs().max().item<double>() : 0;
+  const double error = value.numel() ? (value - reference).abs().max().item<double>() : 0;
+  return scale > 0 ? error / scale : error;
+}
+
+struct Reference {
+  std::vector<at::Tensor> outputs, inputGrads;
+  std::vector<int64_t> dropped;
+  MoELayer* layer;
+};
+
+// All experts on every rank (ep 1): the layer's forward is local, so every
+// rank runs all shards and owns the global gradients.
+Reference referenceRun(MoELayer& layer) {
+  Reference reference{.layer = &layer};
+  at::Tensor loss = at::zeros({}, at::kDouble);
+  std::vector<at::Tensor> inputs;
+  for (int shard = 0; shard < kShards; ++shard) {
+    inputs.push_back(shardTokens(shard).requires_grad_(true));
+    MoEOutput out = layer.forward(inputs.back());
+    loss = loss + (out.output * shardProjection(shard)).sum() + out.auxLoss + out.zLoss;
+    reference.outputs.push_back(out.output.detach());
+    reference.dropped.push_back(layer.stats().droppedSlots);
+  }
+  loss.backward();
+  for (auto& input : inputs) reference.inputGrads.push_back(input.grad());
+  return reference;
+}
+
+void checkLayout(const Reference& reference, parallel::LayoutOptions layoutOptions, const MoEOptions& options) {
+  auto& world = testing::world();
+  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), layoutOptions, {.warmup = false});
+  const auto& layout = groups.layout();
+  MoELayer layer(options, groups, at::kDouble);
+  starveExperts(layer);
+
+  // Tokens replicated over tp: dp rank d holds shards [d * tp, (d + 1) * tp).
+  std::vector<int> shards;
+  for (int shard = groups.dp()->rank() * layout.tp(); shard < (groups.dp()->rank() + 1) * layout.tp(); ++shard)
+    shards.push_back(shard);
+  std::vector<at::Tensor> tokenParts, projectionParts;
+  for (int shard : shards) tokenParts.push_back(shardTokens(shard)), projectionParts.push_back(shardProjection(shard));
+  at::Tensor tokens = at::cat(tokenParts).requires_grad_(true);
+  MoEOutput out = layer.forward(tokens);
+  ((out.output * at::cat(projectionParts)).sum() + out.auxLoss + out.zLoss).backward();
+
+  INFO(fmt::format("rank {} layout {} oncePerRank {} capacity {}", world.rank(), layout.describe(),
+                   options.oncePerRank, options.router.capacityFactor));
+  std::vector<at::Tensor> expectedOut, expectedGrad;
+  int64_t expectedDropped = 0;
+  for (int shard : shards) {
+    expectedOut.push_back(reference.outputs[shard]);
+    expectedGrad.push_back(reference.inputGrads[shard]);
+    expectedDropped += reference.dropped[shard];
+  }
+  CHECK(relativeError(out.output, at::cat(expectedOut)) < 1e-10);
+  CHECK(relativeError(tokens.grad(), at::cat(expectedGrad)) < 1e-10);
+  if (layout.tp() == 1) CHECK(layer.stats().droppedSlots == expectedDropped);
+  // The starved experts: at ep 8 they leave rank 2 with no tokens at all.
+  for (int expert : {4, 5, 12}) CHECK(layer.stats().tokensPerExpert[expert] == 0);
+
+  // Dense gradients sum over dp, expert gradients over expert dp.
+  for (const char* name : {".router.weight", ".shared.w1", ".shared.w2"}) {
+    at::Tensor grad = parameterNamed(layer, name).grad().clone();
+    groups.dp()->allReduce(grad)->wait();
+    INFO(name);
+    CHECK(relativeError(grad, parameterNamed(*reference.layer, name).grad()) < 1e-10);
+  }
+  for (auto& parameter : layer.experts().parameters("experts", 0)) {
+    at::Tensor grad = parameter.tensor.grad().clone();
+    groups.expertDp()->allReduce(grad)->wait();
+    at::Tensor global = parameterNamed(*reference.layer, "." + parameter.name).grad();
+    for (size_t dim = 0; dim < parameter.shard.offsets.size(); ++dim)
+      global = global.narrow(dim, parameter.shard.offsets[dim], grad.size(dim));
+    INFO(parameter.name);
+    CHECK(relativeError(grad, global) < 1e-10);
+  }
+}
+
+TEST_CASE("every ep layout computes the reference's outputs and gradients", "[moe][layer]") {
+  REQUIRE(testing::world().size() == kShards);
+  auto local = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  for (double capacity : {0.0, 1.0}) {
+    MoELayer referenceLayer(layerOptions(true, capacity, true), local, at::kDouble);
+    starveExperts(referenceLayer);
+    Reference reference = referenceRun(referenceLayer);
+    if (capacity > 0) CHECK(reference.dropped[0] > 0);
+    for (bool oncePerRank : {true, false}) {
+      for (int ep : {1, 2, 4, 8}) checkLayout(reference, {.ep = ep}, layerOptions(oncePerRank, capacity, true));
+    }
+  }
+}
+
+TEST_CASE("expert tensor parallelism over the tp group computes the same function", "[moe][layer]") {
+  auto local = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  // Aux and z losses are per rank's tokens, and tp ranks hold two shards: off here.
+  MoELayer referenceLayer(layerOptions(true, 0, false), local, at::kDouble);
+  starveExperts(referenceLayer);
+  Reference reference = referenceRun(referenceLayer);
+  for (bool oncePerRank : {true, false}) {
+    checkLayout(reference, {.tp = 2, .ep = 2, .etp = 2}, layerOptions(oncePerRank, 0, false));
+    checkLayout(reference, {.tp = 2, .ep = 4, .etp = 2}, layerOptions(oncePerRank, 0, false));
+  }
+}
+
+TEST_CASE("a tp layout whose etp group differs from tp is refused", "[moe][layer]") {
+  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.tp = 2, .ep = 2},
+                                                {.warmup = false});
+  CHECK_THROWS_AS(MoELayer(layerOptions(true, 0, true), groups, at::kDouble), ConfigError);
+}
+
+TEST_CASE("the layer's gradients match finite differences of the global loss", "[moe][layer][gradcheck]") {
+  auto& world = testing::world();
+  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4},
+                                                {.warmup = false});
+  MoELayer layer(layerOptions(true, 0, true), groups, at::kDouble);
+  starveExperts(layer);
+  at::Tensor tokens = shardTokens(world.rank()).requires_grad_(true);
+  at::Tensor projection = shardProjection(world.rank());
+  auto globalLoss = [&]() {
+    at::NoGradGuard noGrad;
+    MoEOutput out = layer.forward(tokens);
+    at::Tensor loss = ((out.output * projection).sum() + out.auxLoss + out.zLoss).reshape({1}).clone();
+    world.allReduce(loss)->wait();
+    return loss.item<double>();
+  };
+  MoEOutput out = layer.forward(tokens);
+  ((out.output * projection).sum() + out.auxLoss + out.zLoss).backward();
+
+  // Each probe perturbs one element of a global tensor on every rank holding it.
+  struct Probe {
+    std::string name;  // parameter suffix, or "input"
+    std::vector<int64_t> globalIndex;
+    int ownerRank;     // for the input: the rank whose token moves
+  };
+  const std::vector<Probe> probes{{".router.weight", {1, 2}, -1}, {".router.weight", {9, 0}, -1},
+                                  {".experts.w1", {6, 3, 1}, -1}, {".experts.w3", {15, 11, 7}, -1},
+                                  {".experts.w2", {0, 5, 4}, -1}, {".shared.w2", {2, 3}, -1},
+                                  {"input", {4, 6}, 5}};
+  const double step = 1e-5;
+  for (const auto& probe : probes) {
+    at::Tensor target;
+    std::vector<int64_t> index = probe.globalIndex;
+    bool holds = true;
+    if (probe.name == "input") {
+      target = tokens;
+      holds = world.rank() == probe.ownerRank;
+    } else {
+      for (auto& parameter : layer.parameters()) {
+        if (parameter.name != layer.options().name + probe.name) continue;
+        target = parameter.tensor;
+        for (size_t dim = 0; dim < index.size(); ++dim) {
+          index[dim] -= parameter.shard.offsets[dim];
+          holds = holds && index[dim] >= 0 && index[dim] < target.size(dim);
+        }
+      }
+    }
+    at::Tensor analytic = at::zeros({1}, at::kDouble);
+    if (holds) {
+      at::Tensor grad = target.grad();
+      for (int64_t i : index) grad = grad[i];
+      analytic[0] = grad.item<double>();
+    }
+    // Each rank's gradient covers its own tokens: sum over the ranks that
+    // split the tokens (the world for dense weights, expert dp for experts).
+    if (probe.name.rfind(".experts", 0) == 0) {
+      groups.expertDp()->allReduce(analytic)->wait();
+      // Every replica now holds the global value; average them into one.
+      at::Tensor holders = at::full({1}, holds ? 1.0 : 0.0, at::kDouble);
+      if (!holds) analytic.zero_();
+      world.allReduce(analytic)->wait();
+      world.allReduce(holders)->wait();
+      analytic /= holders;
+    } else {
+      world.allReduce(analytic)->wait();
+    }
+    auto element = [&]() {
+      at::Tensor view = target;
+      for (int64_t i : index) view = view[i];
+      return view;
+    };
+    auto nudge = [&](double delta) {
+      at::NoGradGuard noGrad;
+      if (holds) element().add_(delta);
+    };
+    nudge(step);
+    const double up = globalLoss();
+    nudge(-2 * step);
+    const double down = globalLoss();
+    nudge(step);
+    const double numeric = (up - down) / (2 * step);
+    INFO(probe.name << " analytic " << analytic.item<double>() << " numeric " << numeric);
+    CHECK(analytic.item<double>() == testing::Approx(numeric).epsilon(1e-6).margin(1e-8));
+  }
+}
+
+TEST_CASE("dispatch and combine around identity experts return each token's weighted sum", "[moe][dispatcher]") {
+  auto& world = testing::world();
+  for (int ep : {2, 8}) {
+    auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = ep},
+                                                  {.warmup = false});
+    for (bool oncePerRank : {true, false}) {
+      TokenDispatcher dispatcher(groups.ep(), {.numExperts = kExperts, .oncePerRank = oncePerRank});
+      at::Tensor tokens = shardTokens(world.rank());
+      Routing routing;
+      routing.indices = std::get<1>(at::randn({tokens.size(0), kExperts}, testing::sharedGenerator(300 + world.rank()),
+                                              at::kDouble)
+                                        .topk(1));
+      routing.weights = at::ones({tokens.size(0), 1}, at::kDouble);
+      routing.keep = at::ones({tokens.size(0), 1}, at::kBool);
+      DispatchPlan plan = dispatcher.dispatch(tokens, routing);
+      // Top-1 with weight 1: the round trip is exact.
+      CHECK(at::equal(dispatcher.combine(plan, plan.expertInput), tokens));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace bulkhead::moe

@@ -1,0 +1,131 @@
+// The router's losses, capacity policy and the token permutation, against
+// references computed here element by element (float64, one process).
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <vector>
+
+#include "moe/dispatcher.h"
+#include "moe/router.h"
+#include "tests/catch_compat.h"
+#include "tests/support/inputs.h"
+
+namespace bulkhead::moe {
+namespace {
+
+// Continuous values: no ties between scores, so top-k is unambiguous.
+at::Tensor gaussian(int salt, at::IntArrayRef shape) {
+  return at::randn(shape, testing::sharedGenerator(salt), at::kDouble);
+}
+
+struct Losses {
+  double aux, z;
+};
+
+// The Switch aux loss and the z-loss written out with loops over plain numbers.
+Losses referenceLosses(const at::Tensor& tokens, const at::Tensor& gate, int topK, double auxCoeff, double zCoeff) {
+  const int64_t numTokens = tokens.size(0), numExperts = gate.size(0), hidden = gate.size(1);
+  auto x = tokens.accessor<double, 2>();
+  auto w = gate.accessor<double, 2>();
+  std::vector<double> meanProb(numExperts, 0), slots(numExperts, 0);
+  double z = 0;
+  for (int64_t t = 0; t < numTokens; ++t) {
+    std::vector<double> logit(numExperts, 0);
+    for (int64_t e = 0; e < numExperts; ++e)
+      for (int64_t h = 0; h < hidden; ++h) logit[e] += x[t][h] * w[e][h];
+    double top = logit[0];
+    for (double value : logit) top = std::max(top, value);
+    double sum = 0;
+    for (double value : logit) sum += std::exp(value - top);
+    const double lse = top + std::log(sum);
+    z += lse * lse;
+    std::vector<double> prob(numExperts);
+    for (int64_t e = 0; e < numExperts; ++e) prob[e] = std::exp(logit[e] - lse), meanProb[e] += prob[e] / numTokens;
+    std::vector<bool> taken(numExperts, false);
+    for (int pick = 0; pick < topK; ++pick) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < numExperts; ++e)
+        if (!taken[e] && (best < 0 || prob[e] > prob[best])) best = e;
+      taken[best] = true;
+      slots[best] += 1;
+    }
+  }
+  double aux = 0;
+  for (int64_t e = 0; e < numExperts; ++e) aux += slots[e] / double(numTokens * topK) * meanProb[e];
+  return {auxCoeff * numExperts * aux, zCoeff * z / numTokens};
+}
+
+TEST_CASE("aux and z losses and their gradients match a hand-computed reference", "[moe][router]") {
+  const int numExperts = 6, topK = 2;
+  at::Tensor tokens = gaussian(1, {9, 5});
+  at::Tensor gate = gaussian(2, {numExperts, 5}).mul_(0.5).requires_grad_(true);
+  Router router({.numExperts = numExperts, .topK = topK, .auxLossCoeff = 0.1, .zLossCoeff = 0.01}, gate);
+  Routing routing = router.route(tokens);
+  Losses expected = referenceLosses(tokens, gate.detach(), topK, 0.1, 0.01);
+  CHECK(routing.auxLoss.item<double>() == testing::Approx(expected.aux).epsilon(1e-12));
+  CHECK(routing.zLoss.item<double>() == testing::Approx(expected.z).epsilon(1e-12));
+
+  // Gradients against central differences of the reference (the selection
+  // does not change under so small a step on these inputs).
+  (routing.auxLoss + routing.zLoss).backward();
+  at::Tensor grad = gate.grad();
+  const double step = 1e-6;
+  for (int64_t e = 0; e < numExperts; ++e) {
+    for (int64_t h = 0; h < 5; ++h) {
+      at::Tensor plus = gate.detach().clone(), minus = gate.detach().clone();
+      plus[e][h] += step;
+      minus[e][h] -= step;
+      Losses up = referenceLosses(tokens, plus, topK, 0.1, 0.01), down = referenceLosses(tokens, minus, topK, 0.1, 0.01);
+      const double numeric = (up.aux + up.z - down.aux - down.z) / (2 * step);
+      CHECK(grad[e][h].item<double>() == testing::Approx(numeric).epsilon(1e-6).margin(1e-9));
+    }
+  }
+}
+
+TEST_CASE("capacity keeps each expert's highest-weight slots, ties to the earlier token", "[moe][router]") {
+  // 4 tokens, top-2 over 3 experts, capacity 2 per expert.
+  at::Tensor indices = at::tensor({0, 1, 0, 2, 0, 1, 0, 1}, at::kLong).view({4, 2});
+  at::Tensor weights = at::tensor({0.6, 0.4, 0.7, 0.3, 0.6, 0.4, 0.9, 0.1}, at::kDouble).view({4, 2});
+  at::Tensor keep = capacityKeep(indices, weights, 3, 2);
+  // Expert 0: weights 0.6 (t0), 0.7 (t1), 0.6 (t2), 0.9 (t3) -> keeps t3, t1.
+  // Expert 1: 0.4 (t0), 0.4 (t2), 0.1 (t3) -> keeps t0, t2 (tie: earlier first).
+  // Expert 2: 0.3 (t1) -> kept.
+  at::Tensor expected = at::tensor({0, 1, 1, 1, 0, 1, 1, 0}, at::kInt).to(at::kBool).view({4, 2});
+  CHECK(at::equal(keep, expected));
+
+  Router router({.numExperts = 3, .topK = 2, .capacityFactor = 0.75},
+                gaussian(3, {3, 4}));
+  Routing routing = router.route(gaussian(4, {8, 4}));
+  // ceil(0.75 * 8 * 2 / 3) = 4 slots per expert at most.
+  at::Tensor keptPerExpert = at::zeros({3}, at::kLong).index_add_(0, routing.indices.reshape(-1).masked_select(routing.keep.reshape(-1)),
+                                                                 at::ones({routing.keep.sum().item<int64_t>()}, at::kLong));
+  CHECK(keptPerExpert.max().item<int64_t>() <= 4);
+  CHECK(routing.droppedSlots == 16 - routing.keep.sum().item<int64_t>());
+  CHECK(routing.droppedSlots > 0);
+  CHECK(at::equal(routing.keep, capacityKeep(routing.indices, routing.weights.detach(), 3, 4)));
+}
+
+TEST_CASE("the expert bias steers selection but not the combine weights", "[moe][router]") {
+  at::Tensor gate = gaussian(5, {4, 6});
+  at::Tensor tokens = gaussian(6, {10, 6});
+  Router router({.numExperts = 4, .topK = 1, .normalizeWeights = false, .expertBias = true, .biasUpdateRate = 10},
+                gate);
+  // Expert 2 reported overloaded: its bias drops by 10 and it is never chosen.
+  router.updateBias(at::tensor({1, 1, 100, 1}, at::kLong));
+  CHECK(router.bias()[2].item<float>() == -10.0f);
+  Routing routing = router.route(tokens);
+  CHECK((routing.indices != 2).all().item<bool>());
+  at::Tensor scores = at::softmax(at::matmul(tokens, gate.t()), -1);
+  CHECK(at::allclose(routing.weights, scores.gather(1, routing.indices), 1e-15, 0));
+}
+
+TEST_CASE("permute then unpermute returns the input exactly", "[moe][dispatcher]") {
+  at::Tensor tokens = gaussian(7, {13, 8});
+  at::Tensor order = at::randperm(13, testing::sharedGenerator(8), at::kLong);
+  at::Tensor rows = permuteTokens(tokens, order);
+  CHECK(!at::equal(rows, tokens));
+  CHECK(at::equal(unpermuteTokens(rows, order, 13), tokens));
+}
+
+}  // namespace
+}  // namespace bulkhead::moe
