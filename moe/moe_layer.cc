@@ -85,15 +85,24 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   }
 
   lastLoads_ = routing.tokensPerExpert;
-  at::Tensor loads = routing.tokensPerExpert.to(at::kCPU);
-  stats_.tokensPerExpert.assign(loads.data_ptr<int64_t>(), loads.data_ptr<int64_t>() + loads.numel());
-  const double total = std::accumulate(stats_.tokensPerExpert.begin(), stats_.tokensPerExpert.end(), 0.0);
-  const double most = static_cast<double>(*std::max_element(stats_.tokensPerExpert.begin(), stats_.tokensPerExpert.end()));
-  stats_.imbalance = total > 0 ? most / (total / static_cast<double>(stats_.tokensPerExpert.size())) : 0;
-  stats_.droppedSlots = routing.droppedSlots;
-  stats_.auxLoss = routing.auxLoss.item<double>();
-  stats_.zLoss = routing.zLoss.item<double>();
+  lastAux_ = routing.auxLoss.detach();
+  lastZ_ = routing.zLoss.detach();
+  lastDropped_ = routing.droppedSlots;
   return {output.view(input.sizes()), routing.auxLoss, routing.zLoss};
+}
+
+MoEStats MoELayer::stats() const {
+  MoEStats stats;
+  if (!lastLoads_.defined()) return stats;
+  at::Tensor loads = lastLoads_.to(at::kCPU);
+  stats.tokensPerExpert.assign(loads.data_ptr<int64_t>(), loads.data_ptr<int64_t>() + loads.numel());
+  const double total = std::accumulate(stats.tokensPerExpert.begin(), stats.tokensPerExpert.end(), 0.0);
+  const auto most = static_cast<double>(*std::max_element(stats.tokensPerExpert.begin(), stats.tokensPerExpert.end()));
+  stats.imbalance = total > 0 ? most / (total / static_cast<double>(stats.tokensPerExpert.size())) : 0;
+  stats.droppedSlots = lastDropped_;
+  stats.auxLoss = lastAux_.item<double>();
+  stats.zLoss = lastZ_.item<double>();
+  return stats;
 }
 
 std::vector<parallel::Parameter> MoELayer::parameters() const {

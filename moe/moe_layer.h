@@ -68,7 +68,8 @@ class MoELayer {
   MoEOutput forward(const at::Tensor& tokens);
 
   std::vector<parallel::Parameter> parameters() const;
-  const MoEStats& stats() const { return stats_; }
+  // Reads the last forward's counters from the device (one sync), on demand.
+  MoEStats stats() const;
   const MoEOptions& options() const { return options_; }
   const GroupedExperts& experts() const { return experts_; }
   const Router& router() const { return router_; }
@@ -89,8 +90,8 @@ class MoELayer {
   TokenDispatcher dispatcher_;
   GroupedExperts experts_;
   at::Tensor sharedW1_, sharedW2_, sharedW3_;  // [F_s, H], [H, F_s], [F_s, H]
-  at::Tensor lastLoads_;
-  MoEStats stats_;
+  at::Tensor lastLoads_, lastAux_, lastZ_;
+  int64_t lastDropped_ = 0;
 };
 
 }  // namespace bulkhead::moe

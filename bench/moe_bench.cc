@@ -1,0 +1,180 @@
+// Bulkhead's MoE layer on GPUs (NCCL, bf16): forward + backward step time,
+// and the bandwidth of its dispatch + combine beside raw NCCL all-to-alls of
+// exactly the same rows (same splits, same GPUs, same run). Printed as
+// "KEY value" lines for bench/run_moe_bench.sh, which puts them beside the
+// PyTorch reference (bench/torch_moe.py).
+//
+//   mpirun -np 2 bulkhead-moe-bench [--tokens 4096] [--hidden 2048] [--experts 64]
+//                                   [--topk 8] [--ffn 768] [--iters 20] [--per-slot]
+//
+// This program includes nccl.h on purpose: the raw calls are the reference.
+#include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+#include <nccl.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "launch/init.h"
+#include "moe/moe_layer.h"
+#include "parallel/process_groups.h"
+#include "runtime/errors.h"
+
+using namespace bulkhead;
+
+namespace {
+
+#define BENCH_CHECK(call)                                                                                     \
+  do {                                                                                                        \
+    auto rc = (call);                                                                                         \
+    if (rc != decltype(rc){}) throw CommError(fmt::format("{} failed with {}", #call, static_cast<int>(rc))); \
+  } while (0)
+
+struct Options {
+  int tokens = 4096, hidden = 2048, experts = 64, topK = 8, ffn = 768, iterations = 20;
+  bool perSlot = false;
+};
+
+Options parse(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto next = [&]() -> int {
+      if (i + 1 >= argc) throw ConfigError(fmt::format("{} needs a value", arg));
+      return std::stoi(argv[++i]);
+    };
+    if (arg == "--tokens") options.tokens = next();
+    else if (arg == "--hidden") options.hidden = next();
+    else if (arg == "--experts") options.experts = next();
+    else if (arg == "--topk") options.topK = next();
+    else if (arg == "--ffn") options.ffn = next();
+    else if (arg == "--iters") options.iterations = next();
+    else if (arg == "--per-slot") options.perSlot = true;
+    else throw ConfigError(fmt::format("unknown argument '{}' (see the header of bench/moe_bench.cc)", arg));
+  }
+  return options;
+}
+
+// Median wall time of `iterations` runs of `body`, each followed by a device sync.
+double medianMs(int iterations, const std::function<void()>& body) {
+  std::vector<double> times;
+  for (int i = 0; i < iterations; ++i) {
+    auto start = std::chrono::steady_clock::now();
+    body();
+    BENCH_CHECK(cudaDeviceSynchronize());
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return guardedMain([&] {
+    Options options = parse(argc, argv);
+    auto runtime = init({.backend = Backend::Nccl});
+    const int ranks = runtime->world().size(), me = runtime->world().rank();
+    auto groups = parallel::ProcessGroups::create(runtime->worldPtr(), parallel::LayoutOptions{.ep = ranks});
+    const auto tensorOptions = at::TensorOptions().dtype(at::kBFloat16).device(runtime->device());
+    moe::MoEOptions layerOptions{.hidden = options.hidden,
+                                 .ffnHidden = options.ffn,
+                                 .router = {.numExperts = options.experts, .topK = options.topK},
+                                 .oncePerRank = !options.perSlot};
+    moe::MoELayer layer(layerOptions, groups, tensorOptions);
+
+    at::manual_seed(1000 + me);
+    at::Tensor input = at::randn({options.tokens, options.hidden}, tensorOptions).requires_grad_(true);
+    at::Tensor gradOutput = at::randn_like(input);
+
+    auto step = [&] {
+      moe::MoEOutput out = layer.forward(input);
+      torch::autograd::backward({out.output, out.auxLoss}, {gradOutput, at::ones_like(out.auxLoss)});
+    };
+    for (int i = 0; i < 3; ++i) step();
+    const double stepMs = medianMs(options.iterations, step);
+
+    // Correctness beside a layer holding all experts on this GPU (ep 1).
+    auto local = parallel::ProcessGroups::create(runtime->worldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+    moe::MoELayer reference(layerOptions, local, tensorOptions);
+    double relative = 0;
+    {
+      at::NoGradGuard noGrad;
+      at::Tensor ours = layer.forward(input).output.to(at::kFloat);
+      at::Tensor theirs = reference.forward(input).output.to(at::kFloat);
+      relative = ((ours - theirs).abs().max() / theirs.abs().max()).item<double>();
+    }
+
+    // Dispatch + combine alone, and raw NCCL moving the same rows.
+    moe::TokenDispatcher dispatcher(groups.ep(), {.numExperts = options.experts, .oncePerRank = !options.perSlot});
+    at::Tensor tokens = input.detach();
+    moe::Routing routing = layer.router().route(tokens);
+    moe::DispatchPlan plan = dispatcher.dispatch(tokens, routing);
+    auto roundTrip = [&] {
+      at::NoGradGuard noGrad;
+      moe::DispatchPlan p = dispatcher.dispatch(tokens, routing);
+      dispatcher.combine(p, p.expertInput);
+    };
+    for (int i = 0; i < 3; ++i) roundTrip();
+    const double oursMs = medianMs(options.iterations, roundTrip);
+
+    ncclUniqueId id;
+    at::Tensor idBytes = at::empty({static_cast<int64_t>(sizeof(id))}, at::kByte);
+    if (me == 0) {
+      BENCH_CHECK(ncclGetUniqueId(&id));
+      std::memcpy(idBytes.data_ptr(), &id, sizeof(id));
+    }
+    runtime->cpuWorld().broadcast(idBytes, 0)->wait();
+    std::memcpy(&id, idBytes.data_ptr(), sizeof(id));
+    ncclComm_t raw;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    BENCH_CHECK(ncclCommInitRankConfig(&raw, ranks, id, me, &config));
+    const int64_t sent = std::accumulate(plan.sendSplits.begin(), plan.sendSplits.end(), int64_t{0});
+    const int64_t received = std::accumulate(plan.recvSplits.begin(), plan.recvSplits.end(), int64_t{0});
+    at::Tensor sendRows = at::randn({sent, options.hidden}, tensorOptions);
+    at::Tensor recvRows = at::empty({received, options.hidden}, tensorOptions);
+    auto exchange = [&](at::Tensor& from, at::Tensor& to, const std::vector<int64_t>& out,
+                        const std::vector<int64_t>& in) {
+      const size_t row = static_cast<size_t>(options.hidden) * 2;
+      size_t sendOffset = 0, recvOffset = 0;
+      BENCH_CHECK(ncclGroupStart());
+      for (int peer = 0; peer < ranks; ++peer) {
+        BENCH_CHECK(ncclSend(static_cast<char*>(from.data_ptr()) + sendOffset, out[peer] * options.hidden,
+                             ncclBfloat16, peer, raw, nullptr));
+        BENCH_CHECK(ncclRecv(static_cast<char*>(to.data_ptr()) + recvOffset, in[peer] * options.hidden,
+                             ncclBfloat16, peer, raw, nullptr));
+        sendOffset += out[peer] * row;
+        recvOffset += in[peer] * row;
+      }
+      BENCH_CHECK(ncclGroupEnd());
+    };
+    auto rawRoundTrip = [&] {
+      exchange(sendRows, recvRows, plan.sendSplits, plan.recvSplits);
+      exchange(recvRows, sendRows, plan.recvSplits, plan.sendSplits);
+    };
+    for (int i = 0; i < 3; ++i) rawRoundTrip();
+    const double rawMs = medianMs(options.iterations, rawRoundTrip);
+    BENCH_CHECK(ncclCommDestroy(raw));
+
+    const double bytes = static_cast<double>(sent + received) * options.hidden * 2;
+    if (me == 0) {
+      fmt::print("MODE {}\n", options.perSlot ? "per-slot" : "once-per-rank");
+      fmt::print("STEP_MS {:.3f}\n", stepMs);
+      fmt::print("ROWS_SENT {}\n", sent);
+      fmt::print("DISPATCH_COMBINE_MS {:.3f}\n", oursMs);
+      fmt::print("RAW_ALLTOALL_MS {:.3f}\n", rawMs);
+      fmt::print("DISPATCH_COMBINE_GBPS {:.1f}\n", bytes / oursMs / 1e6);
+      fmt::print("RAW_ALLTOALL_GBPS {:.1f}\n", bytes / rawMs / 1e6);
+      fmt::print("MAX_REL_DIFF_VS_EP1 {:.4g}\n", relative);
+    }
+    runtime->shutdown();
+    return 0;
+  });
+}
