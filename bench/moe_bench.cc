@@ -9,6 +9,7 @@
 //
 // This program includes nccl.h on purpose: the raw calls are the reference.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <nccl.h>
@@ -106,7 +107,7 @@ int main(int argc, char** argv) {
     moe::MoELayer reference(layerOptions, local, tensorOptions);
     double relative = 0;
     {
-      at::NoGradGuard noGrad;
+      c10::NoGradGuard noGrad;
       at::Tensor ours = layer.forward(input).output.to(at::kFloat);
       at::Tensor theirs = reference.forward(input).output.to(at::kFloat);
       relative = ((ours - theirs).abs().max() / theirs.abs().max()).item<double>();
@@ -118,7 +119,7 @@ int main(int argc, char** argv) {
     moe::Routing routing = layer.router().route(tokens);
     moe::DispatchPlan plan = dispatcher.dispatch(tokens, routing);
     auto roundTrip = [&] {
-      at::NoGradGuard noGrad;
+      c10::NoGradGuard noGrad;
       moe::DispatchPlan p = dispatcher.dispatch(tokens, routing);
       dispatcher.combine(p, p.expertInput);
     };

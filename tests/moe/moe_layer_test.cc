@@ -2,6 +2,7 @@
 // computes the same function as a reference layer that holds all experts,
 // run locally on every shard of the global input.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <fmt/format.h>
 
@@ -182,7 +183,7 @@ TEST_CASE("the layer's gradients match finite differences of the global loss", "
   at::Tensor tokens = shardTokens(world.rank()).requires_grad_(true);
   at::Tensor projection = shardProjection(world.rank());
   auto globalLoss = [&]() {
-    at::NoGradGuard noGrad;
+    c10::NoGradGuard noGrad;
     MoEOutput out = layer.forward(tokens);
     at::Tensor loss = ((out.output * projection).sum() + out.auxLoss + out.zLoss).reshape({1}).clone();
     world.allReduce(loss)->wait();
@@ -244,7 +245,7 @@ TEST_CASE("the layer's gradients match finite differences of the global loss", "
       return view;
     };
     auto nudge = [&](double delta) {
-      at::NoGradGuard noGrad;
+      c10::NoGradGuard noGrad;
       if (holds) element().add_(delta);
     };
     nudge(step);
