@@ -4,9 +4,11 @@
 
 #include <fmt/format.h>
 
+#include <numeric>
 #include <utility>
 
 #include "moe/differentiable.h"
+#include "moe/gather_sum.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::moe {
@@ -14,53 +16,66 @@ namespace {
 
 // What this rank sends: one row per (token, destination) pair or per slot.
 // meta[row, c] is the local expert (at the destination) of column c, -1 for
-// none; weight[row, c] its combine weight (0 for none).
+// none; weight[row, c] its combine weight.
 struct SendRows {
-  at::Tensor rowToken;  // [S] int64
-  at::Tensor meta;      // [S, m] int64
-  at::Tensor weight;    // [S, m] (autograd)
+  Grouping grouping;  // over the [T, m'] grid of (token, rank) pairs or (token, slot)
+  at::Tensor rowToken, meta, weight;
   std::vector<int64_t> splits;
+  at::Tensor counts;  // [ranks, 1 + localExperts]: rows, then entries per local expert
 };
 
-std::vector<int64_t> toHost(const at::Tensor& counts) {
-  at::Tensor host = counts.to(at::kCPU, at::kLong).contiguous();
+std::vector<int64_t> toHost(const at::Tensor& values) {
+  at::Tensor host = values.to(at::kCPU, at::kLong).contiguous();
   return {host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel()};
+}
+
+int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
+
+// Rows per destination and entries per (destination, local expert), read to
+// the host in one copy: the only device sync on the sending side.
+void countRows(SendRows& rows, const at::Tensor& rowRank, const at::Tensor& keptExperts, int localExperts,
+               int ranks) {
+  at::Tensor perRank = at::bincount(rowRank, {}, ranks).view({ranks, 1});
+  at::Tensor perExpert = at::bincount(keptExperts, {}, ranks * localExperts).view({ranks, localExperts});
+  rows.counts = at::cat({perRank, perExpert}, 1);
+  std::vector<int64_t> host = toHost(rows.counts);
+  for (int rank = 0; rank < ranks; ++rank) rows.splits.push_back(host[rank * (1 + localExperts)]);
 }
 
 // One row per kept slot, grouped by destination rank (slots keep token order).
 SendRows perSlotRows(const Routing& routing, int localExperts, int ranks) {
   const int64_t k = routing.indices.size(1);
-  at::Tensor experts = routing.indices.reshape(-1);
-  at::Tensor slots = routing.keep.reshape(-1).nonzero().squeeze(1);
-  at::Tensor destination = experts.index_select(0, slots).div(localExperts, "floor");
-  at::Tensor order = std::get<1>(at::sort(destination, /*stable=*/true, 0, false));
-  at::Tensor sorted = slots.index_select(0, order);
+  at::Tensor destination = routing.indices.div(localExperts, "floor");
+  at::Tensor group = at::where(routing.keep, destination, at::full_like(destination, -1));
   SendRows rows;
-  rows.rowToken = sorted.div(k, "floor");
-  rows.meta = experts.index_select(0, sorted).remainder(localExperts).unsqueeze(1);
-  rows.weight = routing.weights.reshape(-1).index_select(0, sorted).unsqueeze(1);
-  rows.splits = toHost(at::bincount(destination, {}, ranks));
+  countRows(rows, group.masked_select(routing.keep), routing.indices.masked_select(routing.keep), localExperts, ranks);
+  rows.grouping = groupEntries(group, ranks, sum(rows.splits));
+  rows.rowToken = rows.grouping.order.div(k, "floor");
+  rows.meta = routing.indices.reshape(-1).index_select(0, rows.grouping.order).remainder(localExperts).unsqueeze(1);
+  rows.weight = routing.weights.reshape(-1).index_select(0, rows.grouping.order).unsqueeze(1);
   return rows;
 }
 
-// One row per (token, destination rank) that has any kept slot, grouped by
-// rank; each row lists the token's local experts at that rank.
+// One row per (token, destination rank) with any kept slot, grouped by rank;
+// each row lists the token's local experts at that rank.
 SendRows perRankRows(const Routing& routing, int localExperts, int ranks) {
   const int64_t numTokens = routing.indices.size(0);
   at::Tensor destination = routing.indices.div(localExperts, "floor");  // [T, k]
   at::Tensor keptToRank = at::zeros({numTokens, ranks}, destination.options());
   keptToRank.scatter_add_(1, destination, routing.keep.to(at::kLong));
-  at::Tensor pairs = keptToRank.t().gt(0).nonzero();  // (rank, token), by rank then token
-  at::Tensor rowRank = pairs.select(1, 0);
+  at::Tensor paired = keptToRank.gt(0);
+  at::Tensor rankOf = at::arange(ranks, destination.options()).expand({numTokens, ranks});
+  at::Tensor group = at::where(paired, rankOf, at::full_like(rankOf, -1));
   SendRows rows;
-  rows.rowToken = pairs.select(1, 1).contiguous();
+  countRows(rows, rankOf.masked_select(paired), routing.indices.masked_select(routing.keep), localExperts, ranks);
+  rows.grouping = groupEntries(group, ranks, sum(rows.splits));
+  rows.rowToken = rows.grouping.order.div(ranks, "floor");
+  at::Tensor rowRank = rows.grouping.order.remainder(ranks);
   at::Tensor valid = destination.index_select(0, rows.rowToken).eq(rowRank.unsqueeze(1)) &
                      routing.keep.index_select(0, rows.rowToken);
   at::Tensor local = routing.indices.index_select(0, rows.rowToken).remainder(localExperts);
   rows.meta = at::where(valid, local, at::full_like(local, -1));
-  at::Tensor weights = routing.weights.index_select(0, rows.rowToken);
-  rows.weight = weights * valid.to(weights.scalar_type());
-  rows.splits = toHost(at::bincount(rowRank, {}, ranks));
+  rows.weight = routing.weights.index_select(0, rows.rowToken);
   return rows;
 }
 
@@ -82,51 +97,57 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
                                        : perSlotRows(routing, localExperts_, ranks);
   DispatchPlan plan;
   plan.numTokens = tokens.size(0);
-  plan.sendRowToken = rows.rowToken;
+  plan.sendTable = rows.grouping.table;
   plan.sendSplits = rows.splits;
 
-  // Counts first: every other exchange's splits depend on them.
-  at::Tensor sendCounts = at::tensor(rows.splits, at::TensorOptions(at::kLong)).to(tokens.device());
-  at::Tensor recvCounts = at::empty_like(sendCounts);
-  ep_->allToAll(sendCounts, recvCounts, {}, {})->wait();
-  plan.recvSplits = toHost(recvCounts);
+  // Counts first: every other exchange's splits depend on them. The second
+  // and last device sync of a dispatch.
+  at::Tensor received = at::empty_like(rows.counts);
+  ep_->allToAll(rows.counts, received, {}, {})->wait();
+  std::vector<int64_t> counts = toHost(received);
+  plan.tokensPerLocalExpert.assign(localExperts_, 0);
+  for (int rank = 0; rank < ranks; ++rank) {
+    plan.recvSplits.push_back(counts[rank * (1 + localExperts_)]);
+    for (int expert = 0; expert < localExperts_; ++expert)
+      plan.tokensPerLocalExpert[expert] += counts[rank * (1 + localExperts_) + 1 + expert];
+  }
+  plan.tokensPerLocalExpertDevice = at::tensor(plan.tokensPerLocalExpert, at::kLong).to(tokens.device());
 
   at::Tensor meta = exchangeRows(*ep_, rows.meta, plan.sendSplits, plan.recvSplits);
-  at::Tensor weight = allToAll(ep_, rows.weight, plan.sendSplits, plan.recvSplits);
-  at::Tensor received = allToAll(ep_, permuteTokens(tokens, rows.rowToken), plan.sendSplits, plan.recvSplits);
-  plan.receivedRows = received.size(0);
+  plan.recvWeights = allToAll(ep_, rows.weight, plan.sendSplits, plan.recvSplits);
+  at::Tensor arrived = allToAll(ep_, permuteTokens(tokens, rows.grouping), plan.sendSplits, plan.recvSplits);
 
-  // Expand received rows into one row per (row, local expert), ordered by
-  // local expert (stable: rows keep their arrival order within an expert).
-  const int64_t columns = meta.size(1);
-  at::Tensor flatMeta = meta.reshape(-1);
-  at::Tensor entries = flatMeta.ge(0).nonzero().squeeze(1);  // flat (row, column) positions
-  at::Tensor expertOf = flatMeta.index_select(0, entries);
-  at::Tensor order = std::get<1>(at::sort(expertOf, /*stable=*/true, 0, false));
-  at::Tensor chosen = entries.index_select(0, order);
-  plan.expertRow = chosen.div(columns, "floor");
-  plan.expertWeight = weight.reshape(-1).index_select(0, chosen);
-  plan.expertInput = received.index_select(0, plan.expertRow);
-  plan.tokensPerLocalExpertDevice = at::bincount(expertOf, {}, localExperts_);
-  plan.tokensPerLocalExpert = toHost(plan.tokensPerLocalExpertDevice);
+  // One expert row per (received row, local expert), ordered by local expert.
+  Grouping byExpert = groupEntries(meta, localExperts_, sum(plan.tokensPerLocalExpert));
+  plan.recvTable = byExpert.table;
+  plan.expertInput = arrived.index_select(0, byExpert.order.div(meta.size(1), "floor"));
   return plan;
 }
 
 at::Tensor TokenDispatcher::combine(const DispatchPlan& plan, const at::Tensor& expertOutput) const {
-  at::Tensor weighted = expertOutput * plan.expertWeight.to(expertOutput.scalar_type()).unsqueeze(1);
-  at::Tensor rowsOut = unpermuteTokens(weighted, plan.expertRow, plan.receivedRows);
+  at::Tensor rowsOut = gatherSum(expertOutput, plan.recvTable, plan.recvWeights);
   at::Tensor returned = allToAll(ep_, rowsOut, plan.recvSplits, plan.sendSplits);
-  return unpermuteTokens(returned, plan.sendRowToken, plan.numTokens);
+  return gatherSum(returned, plan.sendTable, at::Tensor());
 }
 
-at::Tensor permuteTokens(const at::Tensor& tokens, const at::Tensor& rowToken) {
-  return tokens.index_select(0, rowToken);
+Grouping groupEntries(const at::Tensor& group, int groups, int64_t count) {
+  at::Tensor flat = group.reshape(-1);
+  at::Tensor key = at::where(flat.ge(0), flat, at::full_like(flat, groups));
+  at::Tensor sorted = std::get<1>(at::sort(key, /*stable=*/true, 0, false));
+  Grouping grouping;
+  grouping.order = sorted.narrow(0, 0, count);
+  grouping.table = at::full_like(flat, -1)
+                       .index_put_({grouping.order}, at::arange(count, flat.options()))
+                       .view(group.sizes());
+  return grouping;
 }
 
-at::Tensor unpermuteTokens(const at::Tensor& rows, const at::Tensor& rowToken, int64_t numTokens) {
-  std::vector<int64_t> shape = rows.sizes().vec();
-  shape[0] = numTokens;
-  return at::zeros(shape, rows.options()).index_add(0, rowToken, rows);
+at::Tensor permuteTokens(const at::Tensor& tokens, const Grouping& grouping) {
+  return tokens.index_select(0, grouping.order.div(grouping.table.size(1), "floor"));
+}
+
+at::Tensor unpermuteTokens(const at::Tensor& rows, const Grouping& grouping) {
+  return gatherSum(rows, grouping.table, at::Tensor());
 }
 
 }  // namespace bulkhead::moe

@@ -41,13 +41,11 @@ struct DispatchPlan {
   at::Tensor expertInput;                     // [N, H] ordered by local expert
   std::vector<int64_t> tokensPerLocalExpert;  // host copy, E/ep entries
   at::Tensor tokensPerLocalExpertDevice;      // same counts, on the tokens' device
-  // Internal: rows sent and received, and how expert rows map to received rows.
-  at::Tensor sendRowToken;      // [S] token of each sent row, in send order
-  std::vector<int64_t> sendSplits, recvSplits;
-  at::Tensor expertRow;         // [N] received row of each expert input row
-  at::Tensor expertWeight;      // [N] combine weight (autograd)
+  std::vector<int64_t> sendSplits, recvSplits;  // rows to / from each ep rank
+  // How results come back: received row p sums expert rows recvTable[p, c]
+  // (weights recvWeights[p, c]); token t sums returned rows sendTable[t, c].
+  at::Tensor recvTable, recvWeights, sendTable;
   int64_t numTokens = 0;
-  int64_t receivedRows = 0;
 };
 
 class TokenDispatcher {
@@ -67,9 +65,19 @@ class TokenDispatcher {
   int localExperts_;
 };
 
-// Rows of `tokens` in the order of `rowToken`, and back: unpermute sums the
-// rows of each token (rows [S, H] -> [numTokens, H]).
-at::Tensor permuteTokens(const at::Tensor& tokens, const at::Tensor& rowToken);
-at::Tensor unpermuteTokens(const at::Tensor& rows, const at::Tensor& rowToken, int64_t numTokens);
+// Entries of a [P, m] grid assigned to groups 0..groups-1 (-1: none), listed
+// group by group and, within a group, in grid order; `count` is the number of
+// assigned entries (known on the host, so no device sync is needed). table
+// [P, m] gives each entry's position in that list, -1 for none.
+struct Grouping {
+  at::Tensor order;  // [count] flat grid positions
+  at::Tensor table;  // [P, m] int64
+};
+Grouping groupEntries(const at::Tensor& group, int groups, int64_t count);
+
+// Rows of `tokens` in grouping order (row i is token order[i] / m), and back:
+// unpermute sums each token's rows (exact when every token has one).
+at::Tensor permuteTokens(const at::Tensor& tokens, const Grouping& grouping);
+at::Tensor unpermuteTokens(const at::Tensor& rows, const Grouping& grouping);
 
 }  // namespace bulkhead::moe

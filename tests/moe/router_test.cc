@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "moe/dispatcher.h"
+#include "moe/gather_sum.h"
 #include "moe/router.h"
 #include "tests/catch_compat.h"
 #include "tests/support/inputs.h"
@@ -120,11 +121,33 @@ TEST_CASE("the expert bias steers selection but not the combine weights", "[moe]
 }
 
 TEST_CASE("permute then unpermute returns the input exactly", "[moe][dispatcher]") {
+  // 13 tokens, 3 columns each (say, destination ranks); one entry per token.
   at::Tensor tokens = gaussian(7, {13, 8});
-  at::Tensor order = at::randperm(13, testing::sharedGenerator(8), at::kLong);
-  at::Tensor rows = permuteTokens(tokens, order);
+  at::Tensor column = at::randint(3, {13}, testing::sharedGenerator(8), at::kLong);
+  at::Tensor group = at::full({13, 3}, -1, at::kLong);
+  group.scatter_(1, column.unsqueeze(1), column.unsqueeze(1));
+  Grouping grouping = groupEntries(group, 3, 13);
+  at::Tensor rows = permuteTokens(tokens, grouping);
   CHECK(!at::equal(rows, tokens));
-  CHECK(at::equal(unpermuteTokens(rows, order, 13), tokens));
+  // Grouped by column, stable within a column.
+  at::Tensor groupOfRow = column.index_select(0, grouping.order.div(3, "floor"));
+  CHECK(at::equal(groupOfRow, std::get<0>(at::sort(column))));
+  CHECK(at::equal(unpermuteTokens(rows, grouping), tokens));
+}
+
+TEST_CASE("gather-sum sums the named rows with their weights, and its gradients", "[moe][dispatcher]") {
+  at::Tensor source = gaussian(9, {5, 4}).requires_grad_(true);
+  at::Tensor table = at::tensor({3, -1, 0, -1, -1, -1, 4, 1, 2}, at::kLong).view({3, 3});
+  at::Tensor weights = gaussian(10, {3, 3}).requires_grad_(true);
+  at::Tensor out = gatherSum(source, table, weights);
+  at::Tensor expected = at::stack({weights[0][0] * source[3] + weights[0][2] * source[0], at::zeros({4}, at::kDouble),
+                                   weights[2][0] * source[4] + weights[2][1] * source[1] + weights[2][2] * source[2]});
+  CHECK(at::allclose(out, expected, 1e-15, 1e-15));
+  at::Tensor grad = gaussian(11, {3, 4});
+  out.backward(grad);
+  CHECK(at::allclose(source.grad()[3], weights[0][0].detach() * grad[0], 1e-15, 1e-15));
+  CHECK(at::allclose(weights.grad()[2][1], (grad[2] * source[1].detach()).sum(), 1e-15, 1e-15));
+  CHECK(weights.grad()[0][1].item<double>() == 0);
 }
 
 }  // namespace

@@ -1,0 +1,101 @@
+#include "moe/gather_sum.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <memory>
+#include <string>
+
+#if BULKHEAD_MOE_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "moe/cuda/gather_sum_kernels.h"
+#endif
+
+namespace bulkhead::moe {
+
+at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights) {
+  const int64_t outputs = table.size(0), columns = table.size(1);
+  // A zero row at the end stands in for the empty entries.
+  at::Tensor padded = at::cat({source, at::zeros({1, source.size(1)}, source.options())});
+  at::Tensor valid = table.ge(0);
+  at::Tensor index = at::where(valid, table, at::full_like(table, source.size(0)));
+  at::Tensor gathered = padded.index_select(0, index.reshape(-1)).view({outputs, columns, source.size(1)});
+  if (!weights.defined()) return gathered.sum(1);
+  return (gathered * weights.to(source.scalar_type()).unsqueeze(-1)).sum(1);
+}
+
+#if BULKHEAD_MOE_KERNELS
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+cuda::Dtype kernelType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return cuda::Dtype::Float32;
+    case at::kDouble: return cuda::Dtype::Float64;
+    case at::kBFloat16: return cuda::Dtype::BFloat16;
+    case at::kHalf: return cuda::Dtype::Float16;
+    default: throw std::invalid_argument("gatherSum: unsupported dtype");
+  }
+}
+
+cuda::GatherSumArgs kernelArgs(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights) {
+  cuda::GatherSumArgs args;
+  args.rowType = kernelType(source.scalar_type());
+  args.weightType = weights.defined() && weights.scalar_type() == at::kDouble ? cuda::Dtype::Float64
+                                                                               : cuda::Dtype::Float32;
+  args.outputs = table.size(0);
+  args.columns = table.size(1);
+  args.width = source.size(1);
+  args.table = table.data_ptr<int64_t>();
+  args.weights = weights.defined() ? weights.data_ptr() : nullptr;
+  args.stream = c10::cuda::getCurrentCUDAStream(source.device().index()).stream();
+  return args;
+}
+
+struct GatherSumBackward : Node {
+  at::Tensor source, table, weights;  // weights: float32 or float64, or undefined
+  std::string name() const override { return "bulkhead::GatherSumBackward"; }
+  variable_list apply(variable_list&& grads) override {
+    at::Tensor gradOut = grads[0].defined() ? grads[0].contiguous()
+                                            : at::zeros({table.size(0), source.size(1)}, source.options());
+    at::Tensor gradSource = at::zeros_like(source);
+    at::Tensor gradWeights = weights.defined() ? at::empty_like(weights) : at::Tensor();
+    cuda::gatherSumBackward(kernelArgs(source, table, weights), source.data_ptr(), gradOut.data_ptr(),
+                            gradSource.data_ptr(), weights.defined() ? gradWeights.data_ptr() : nullptr);
+    return {gradSource, gradWeights};
+  }
+};
+
+}  // namespace
+#endif
+
+at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights) {
+#if BULKHEAD_MOE_KERNELS
+  const bool floating = weights.defined() ? (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kDouble)
+                                          : true;
+  if (source.is_cuda() && floating && table.size(1) <= 64) {
+    at::Tensor src = source.contiguous(), index = table.contiguous();
+    at::Tensor w = weights.defined() ? weights.contiguous() : at::Tensor();
+    at::Tensor out = at::empty({index.size(0), src.size(1)}, src.options());
+    cuda::gatherSumForward(kernelArgs(src, index, w), src.detach().data_ptr(), out.data_ptr());
+    const bool tracked = torch::autograd::GradMode::is_enabled() &&
+                         (source.requires_grad() || (w.defined() && w.requires_grad()));
+    if (!tracked) return out;
+    auto node = std::shared_ptr<GatherSumBackward>(new GatherSumBackward(), torch::autograd::deleteNode);
+    node->source = src.detach();
+    node->table = index;
+    node->weights = w.defined() ? w.detach() : at::Tensor();
+    node->set_next_edges(torch::autograd::collect_next_edges(source, weights));
+    torch::autograd::set_history(out, node);
+    return out;
+  }
+#endif
+  return gatherSumReference(source, table, weights);
+}
+
+}  // namespace bulkhead::moe
