@@ -125,6 +125,16 @@ int main(int argc, char** argv) {
     };
     for (int i = 0; i < 3; ++i) roundTrip();
     const double oursMs = medianMs(options.iterations, roundTrip);
+    // Where a step's time goes (each phase alone, synced): printed for study.
+    const double routeMs = medianMs(options.iterations, [&] { layer.router().route(tokens); });
+    const double dispatchMs = medianMs(options.iterations, [&] {
+      c10::NoGradGuard noGrad;
+      dispatcher.dispatch(tokens, routing);
+    });
+    const double forwardMs = medianMs(options.iterations, [&] {
+      c10::NoGradGuard noGrad;
+      layer.forward(input);
+    });
 
     ncclUniqueId id;
     at::Tensor idBytes = at::empty({static_cast<int64_t>(sizeof(id))}, at::kByte);
@@ -174,6 +184,8 @@ int main(int argc, char** argv) {
       fmt::print("DISPATCH_COMBINE_GBPS {:.1f}\n", bytes / oursMs / 1e6);
       fmt::print("RAW_ALLTOALL_GBPS {:.1f}\n", bytes / rawMs / 1e6);
       fmt::print("MAX_REL_DIFF_VS_EP1 {:.4g}\n", relative);
+      fmt::print("PHASES_MS route {:.3f} dispatch {:.3f} combine {:.3f} forward {:.3f} backward {:.3f}\n", routeMs,
+                 dispatchMs, oursMs - dispatchMs, forwardMs, stepMs - forwardMs);
     }
     runtime->shutdown();
     return 0;

@@ -26,6 +26,7 @@ for tokens in $token_counts; do
     r=${!run}
     s=$(value STEP_MS "$r")
     [ -n "$s" ] || { echo "bulkhead-moe-bench failed:"; echo "$r" | tail -20; exit 1; }
+    echo "$tokens $(value MODE "$r"): $(grep PHASES_MS <<<"$r")" >&2
     rows+=("| $tokens | $(value MODE "$r") | $s | $t | $(ratio "$t" "$s") | $(value ROWS_SENT "$r") | $(value DISPATCH_COMBINE_MS "$r") | $(value RAW_ALLTOALL_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value DISPATCH_COMBINE_MS "$r")") | $(value MAX_REL_DIFF_VS_EP1 "$r") |")
   done
 done

@@ -32,14 +32,22 @@ std::vector<int64_t> toHost(const at::Tensor& values) {
 int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
 
 // Rows per destination and entries per (destination, local expert), read to
-// the host in one copy: the only device sync on the sending side.
-void countRows(SendRows& rows, const at::Tensor& rowRank, const at::Tensor& keptExperts, int localExperts,
-               int ranks) {
-  at::Tensor perRank = at::bincount(rowRank, {}, ranks).view({ranks, 1});
-  at::Tensor perExpert = at::bincount(keptExperts, {}, ranks * localExperts).view({ranks, localExperts});
+// the host in one copy: the only device sync on the sending side. `rowRank`
+// and `slotExpert` hold -1 for entries that are not sent.
+void countRows(SendRows& rows, const at::Tensor& rowRank, const at::Tensor& slotExpert, int localExperts, int ranks) {
+  // bincount takes no negatives: shift by one and drop bin 0 (no device sync).
+  auto histogram = [](const at::Tensor& values, int64_t bins) {
+    return at::bincount(values.reshape(-1) + 1, {}, bins + 1).narrow(0, 1, bins);
+  };
+  at::Tensor perRank = histogram(rowRank, ranks).view({ranks, 1});
+  at::Tensor perExpert = histogram(slotExpert, int64_t{ranks} * localExperts).view({ranks, localExperts});
   rows.counts = at::cat({perRank, perExpert}, 1);
   std::vector<int64_t> host = toHost(rows.counts);
   for (int rank = 0; rank < ranks; ++rank) rows.splits.push_back(host[rank * (1 + localExperts)]);
+}
+
+at::Tensor keptExperts(const Routing& routing) {
+  return at::where(routing.keep, routing.indices, at::full_like(routing.indices, -1));
 }
 
 // One row per kept slot, grouped by destination rank (slots keep token order).
@@ -48,7 +56,7 @@ SendRows perSlotRows(const Routing& routing, int localExperts, int ranks) {
   at::Tensor destination = routing.indices.div(localExperts, "floor");
   at::Tensor group = at::where(routing.keep, destination, at::full_like(destination, -1));
   SendRows rows;
-  countRows(rows, group.masked_select(routing.keep), routing.indices.masked_select(routing.keep), localExperts, ranks);
+  countRows(rows, group, keptExperts(routing), localExperts, ranks);
   rows.grouping = groupEntries(group, ranks, sum(rows.splits));
   rows.rowToken = rows.grouping.order.div(k, "floor");
   rows.meta = routing.indices.reshape(-1).index_select(0, rows.grouping.order).remainder(localExperts).unsqueeze(1);
@@ -67,7 +75,7 @@ SendRows perRankRows(const Routing& routing, int localExperts, int ranks) {
   at::Tensor rankOf = at::arange(ranks, destination.options()).expand({numTokens, ranks});
   at::Tensor group = at::where(paired, rankOf, at::full_like(rankOf, -1));
   SendRows rows;
-  countRows(rows, rankOf.masked_select(paired), routing.indices.masked_select(routing.keep), localExperts, ranks);
+  countRows(rows, group, keptExperts(routing), localExperts, ranks);
   rows.grouping = groupEntries(group, ranks, sum(rows.splits));
   rows.rowToken = rows.grouping.order.div(ranks, "floor");
   at::Tensor rowRank = rows.grouping.order.remainder(ranks);
