@@ -76,6 +76,16 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   }
   at::Tensor tokens = input.reshape({-1, options_.hidden});
   Routing routing = router_.route(tokens);
+  if (options_.globalAuxLoss && options_.router.auxLossCoeff != 0) {
+    // Slot counts and the token count, summed over every replica's batch.
+    at::Tensor counts = at::cat({routing.tokensPerExpert, at::full({1}, tokens.size(0), routing.tokensPerExpert.options())});
+    auto work = dpCp_->allReduce(counts);
+    if (!counts.is_cuda()) work->wait();
+    at::Tensor slots = counts.narrow(0, 0, options_.router.numExperts);
+    at::Tensor total = counts.narrow(0, options_.router.numExperts, 1).to(routing.meanProb.scalar_type()) *
+                       options_.router.topK;
+    routing.auxLoss = router_.switchLoss(slots, 1.0, routing.meanProb) / total.squeeze(0);
+  }
   DispatchPlan plan = dispatcher_.dispatch(tokens, routing);
   at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.tokensPerLocalExpertDevice);
   at::Tensor output = dispatcher_.combine(plan, expertOutput);

@@ -18,6 +18,7 @@
 //   "<name>.shared.w1|w2|w3"; expert ones are Expert parameters whose
 //   gradients sum over the expert-dp group, the others Dense.
 // - The caller adds auxLoss and zLoss to its loss (coefficients applied).
+//   Both are means over this rank's tokens (see globalAuxLoss for the counts).
 
 #include <ATen/core/Tensor.h>
 
@@ -40,6 +41,10 @@ struct MoEOptions {
   int ffnHidden = 128;           // per expert, global (before etp)
   RouterOptions router;          // numExperts, topK, losses, capacity, bias
   bool oncePerRank = true;       // dispatch a token once per destination rank
+  // Aux loss from slot counts summed over the dp x cp group (one small
+  // all-reduce per step) instead of this rank's alone: the data-parallel mean
+  // of the loss is then the global batch's, whatever the layout.
+  bool globalAuxLoss = false;
   int sharedExpertHidden = 0;    // 0: no shared expert
   double initStd = 0.02;
   uint64_t seed = 1234;

@@ -57,20 +57,27 @@ Routing Router::route(const at::Tensor& tokens) const {
     routing.keep = at::ones_like(indices, indices.options().dtype(at::kBool));
   }
 
-  if (options_.auxLossCoeff != 0 && numTokens > 0) {
+  if (numTokens > 0) {
     at::Tensor probs = options_.scoreFunction == ScoreFunction::Softmax ? scores : scores / scores.sum(-1, true);
-    at::Tensor meanProb = probs.mean(0);  // P_i
-    at::Tensor fraction = routing.tokensPerExpert.to(scoreType) / static_cast<double>(numTokens * options_.topK);
-    routing.auxLoss = options_.auxLossCoeff * numExperts * (fraction * meanProb).sum();
+    routing.meanProb = probs.mean(0);
   } else {
-    routing.auxLoss = at::zeros({}, logits.options());
+    routing.meanProb = at::zeros({numExperts}, logits.options());
   }
+  routing.auxLoss = numTokens > 0 ? switchLoss(routing.tokensPerExpert, static_cast<double>(numTokens * options_.topK),
+                                               routing.meanProb)
+                                  : at::zeros({}, logits.options());
   if (options_.zLossCoeff != 0 && numTokens > 0) {
     routing.zLoss = options_.zLossCoeff * at::logsumexp(logits, -1).pow(2).mean();
   } else {
     routing.zLoss = at::zeros({}, logits.options());
   }
   return routing;
+}
+
+at::Tensor Router::switchLoss(const at::Tensor& slotsPerExpert, double totalSlots, const at::Tensor& meanProb) const {
+  if (options_.auxLossCoeff == 0 || totalSlots == 0) return at::zeros({}, meanProb.options());
+  at::Tensor fraction = slotsPerExpert.to(meanProb.scalar_type()) / totalSlots;
+  return options_.auxLossCoeff * options_.numExperts * (fraction * meanProb).sum();
 }
 
 void Router::updateBias(const at::Tensor& loads) {

@@ -49,6 +49,7 @@ struct Routing {
   at::Tensor auxLoss;    // scalar, coefficient applied
   at::Tensor zLoss;      // scalar, coefficient applied
   at::Tensor tokensPerExpert;  // [E] int64: slots selected per expert, before dropping
+  at::Tensor meanProb;         // [E] P_i over this rank's tokens (autograd; zeros without tokens)
   int64_t droppedSlots = 0;
 };
 
@@ -58,6 +59,10 @@ class Router {
   Router(RouterOptions options, at::Tensor gateWeight);
 
   Routing route(const at::Tensor& tokens) const;  // tokens [T, H]
+
+  // coeff * E * sum_i (slots_i / totalSlots) * meanProb_i: the aux loss from
+  // slot counts gathered over any set of ranks (see MoEOptions::globalAuxLoss).
+  at::Tensor switchLoss(const at::Tensor& slotsPerExpert, double totalSlots, const at::Tensor& meanProb) const;
 
   // loads: [E] slot counts summed over the data-parallel group.
   void updateBias(const at::Tensor& loads);
