@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "optim/parameter_checks.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::optim {
@@ -33,10 +34,8 @@ void adamwUpdate(at::Tensor master, const at::Tensor& grad, at::Tensor expAvg, a
 AdamW::AdamW(std::vector<parallel::Parameter> params, AdamWOptions options, int worldRank)
     : params_(std::move(params)), options_(std::move(options)), worldRank_(worldRank) {
   at::NoGradGuard noGrad;
+  if (!params_.empty()) detail::checkParameters(params_, params_.front().tensor.device(), worldRank_, "AdamW");
   for (const parallel::Parameter& param : params_) {
-    if (!param.tensor.defined() || !param.tensor.is_contiguous())
-      throw ConfigError(fmt::format("AdamW: parameter {} must be a defined, contiguous tensor", param.name),
-                        {.rank = worldRank_, .expected = "contiguous parameters"});
     at::ScalarType type = masterType(param.tensor.scalar_type());
     at::Tensor master = type == param.tensor.scalar_type() ? param.tensor.detach() : param.tensor.detach().to(type);
     masters_.push_back(master);

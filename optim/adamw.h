@@ -56,9 +56,15 @@ void adamwUpdate(at::Tensor master, const at::Tensor& grad, at::Tensor expAvg, a
 // advance), as the distributed optimizer does.
 class AdamW {
  public:
-  // `worldRank`: only world rank 0 exports optim.step as replica 0. The
-  // parameter tensors must be contiguous.
+  // `worldRank`: only world rank 0 exports optim.step as replica 0.
+  // Parameters: contiguous, on one device, each with its ShardInfo, names
+  // unique (ConfigError otherwise).
   AdamW(std::vector<parallel::Parameter> params, AdamWOptions options = {}, int worldRank = 0);
+  // The state lives in tensors; a copy would share it.
+  AdamW(const AdamW&) = delete;
+  AdamW& operator=(const AdamW&) = delete;
+  AdamW(AdamW&&) = default;
+  AdamW& operator=(AdamW&&) = default;
 
   void step(double lr);
   // Zeroes every defined gradient in place.

@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <map>
-#include <set>
 
 #include "optim/clip.h"
+#include "optim/parameter_checks.h"
 #include "parallel/grad_sync.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
@@ -38,25 +38,10 @@ DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const 
   at::NoGradGuard noGrad;
   const CommunicatorPtr& world = groups_.world();
   int me = world->rank();
-  std::set<std::string> names;
+  detail::checkParameters(params_, world->device(), me, "DistributedOptimizer");
   std::map<std::pair<int, int>, std::vector<size_t>> members;  // (group, dtype) -> parameters
   for (size_t i = 0; i < params_.size(); ++i) {
     const Parameter& p = params_[i];
-    ErrorContext context{.rank = me, .expected = "defined, contiguous parameters on the groups' device, with a "
-                                                 "ShardInfo of one offset per dimension and unique names"};
-    if (!p.tensor.defined() || !p.tensor.is_contiguous() || p.tensor.device() != world->device())
-      throw ConfigError(fmt::format("DistributedOptimizer: parameter {} must be a defined, contiguous tensor on {}",
-                                    p.name, world->device().str()),
-                        context);
-    if (p.shard.globalShape.size() != static_cast<size_t>(p.tensor.dim()) ||
-        p.shard.offsets.size() != p.shard.globalShape.size())
-      throw ConfigError(fmt::format("DistributedOptimizer: parameter {} has {} dimensions but its ShardInfo has a "
-                                    "global shape of {} and {} offsets; set shard (ShardInfo::whole for an unsplit "
-                                    "tensor)",
-                                    p.name, p.tensor.dim(), p.shard.globalShape.size(), p.shard.offsets.size()),
-                        context);
-    if (!names.insert(p.name).second)
-      throw ConfigError(fmt::format("DistributedOptimizer: parameter name {} appears twice", p.name), context);
     decay_.push_back(weightDecayFor(p, options_.adamw));
     members[{static_cast<int>(p.group), static_cast<int>(p.tensor.scalar_type())}].push_back(i);
   }

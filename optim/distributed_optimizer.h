@@ -60,6 +60,11 @@ class DistributedOptimizer {
   // (ConfigError naming the ranks that differ).
   DistributedOptimizer(std::vector<parallel::Parameter> params, const parallel::ProcessGroups& groups,
                        DistributedOptimizerOptions options = {});
+  // The state lives in tensors; a copy would share it.
+  DistributedOptimizer(const DistributedOptimizer&) = delete;
+  DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
+  DistributedOptimizer(DistributedOptimizer&&) = default;
+  DistributedOptimizer& operator=(DistributedOptimizer&&) = default;
 
   // Steps 1-4 above with learning rate `lr`. Returns the global gradient norm
   // before clipping.

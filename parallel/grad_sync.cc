@@ -38,10 +38,10 @@ void syncGradients(const std::vector<Parameter>& params, const ProcessGroups& gr
     if (!grad.defined()) grad = at::zeros_like(param.tensor, at::MemoryFormat::Contiguous);
     bool expert = param.group == ParamGroup::Expert;
     const CommunicatorPtr& comm = expert ? groups.expertDp() : groups.dpCp();
-    if (!grad.is_contiguous() || grad.device() != comm->device())
-      throw ConfigError(fmt::format("syncGradients: the gradient of {} must be contiguous and on {} (it is on {})",
-                                    param.name, comm->device().str(), grad.device().str()),
-                        {.rank = comm->rank(), .group = comm->name(), .expected = "contiguous gradients on the device"});
+    if (grad.device() != comm->device())
+      throw ConfigError(fmt::format("syncGradients: the gradient of {} must be on {} (it is on {})", param.name,
+                                    comm->device().str(), grad.device().str()),
+                        {.rank = comm->rank(), .group = comm->name(), .expected = "gradients on the device"});
     auto& list = buckets[{expert ? 1 : 0, static_cast<int>(grad.scalar_type())}];
     int64_t bytes = grad.numel() * static_cast<int64_t>(grad.element_size());
     if (list.empty() || (list.back().bytes > 0 && list.back().bytes + bytes > options.bucketBytes))

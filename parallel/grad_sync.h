@@ -41,8 +41,8 @@ struct GradSyncOptions {
 // Collective over the dp x cp group (dense) and the expert-dp group (expert):
 // every rank of those groups passes the same parameters (names, shapes and
 // dtypes) in the same order. A parameter without a gradient gets a zero one
-// first, so every rank issues the same all-reduces. Gradients must be
-// contiguous and on the groups' device.
+// first, so every rank issues the same all-reduces. Gradients must be on
+// the groups' device.
 void syncGradients(const std::vector<Parameter>& params, const ProcessGroups& groups, GradSyncOptions options = {});
 
 }  // namespace bulkhead::parallel

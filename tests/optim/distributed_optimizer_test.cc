@@ -8,6 +8,7 @@
 #include "optim/adamw.h"
 #include "optim/distributed_optimizer.h"
 #include "optim/lr_schedule.h"
+#include "runtime/errors.h"
 #include "tests/catch_compat.h"
 #include "tests/mpi/helpers.h"
 #include "tests/optim/helpers.h"
@@ -173,4 +174,26 @@ TEST_CASE("distributed optimizer keeps float32 master weights for bf16 parameter
     CHECK(at::equal(local[i].tensor, globals["optim." + specs[i].name + ".master"].to(at::kBFloat16)));
     CHECK(local[i].tensor.scalar_type() == at::kBFloat16);
   }
+}
+
+TEST_CASE("replicas passing different parameters fail on every rank before any step") {
+  if (world().size() < 2) return;
+  ProcessGroups groups = makeGroups({});
+  // World rank 1 names its parameter differently.
+  std::string name = world().rank() == 1 ? "w.renamed" : "w";
+  std::vector<Parameter> params{{.name = name,
+                                 .tensor = seeded({3, 2}, 700).set_requires_grad(true),
+                                 .shard = ShardInfo::whole({3, 2}, groups.dpCp()->rank())}};
+  try {
+    DistributedOptimizer optimizer(params, groups);
+    FAIL("no ConfigError");
+  } catch (const ConfigError& e) {
+    std::string message = e.what();
+    INFO(message);
+    CHECK(message.find(world().rank() == 1 ? "world ranks 0" : "world ranks 1") != std::string::npos);
+    CHECK(message.find("dp-cp[0]") != std::string::npos);
+  }
+  // A parameter without its ShardInfo is refused before any communication.
+  std::vector<Parameter> bare{{.name = "x", .tensor = seeded({2}, 701).set_requires_grad(true)}};
+  CHECK_THROWS_AS(DistributedOptimizer(bare, groups), ConfigError);
 }
