@@ -207,6 +207,7 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
                   decay_[bucket.members[piece.param]], options_.adamw);
 
   allGatherParameters(deadline);
+  for (Bucket& bucket : buckets_) bucket.gradShard = at::Tensor();  // not held between steps
   return norm;
 }
 
