@@ -1,0 +1,258 @@
+#include "optim/distributed_optimizer.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
+
+#include "optim/clip.h"
+#include "optim/parameter_checks.h"
+#include "parallel/grad_sync.h"
+#include "parallel/tensor_parallel.h"
+#include "runtime/errors.h"
+
+namespace bulkhead::optim {
+namespace {
+
+using parallel::ParamGroup;
+using parallel::Parameter;
+
+const char* groupName(ParamGroup group) { return group == ParamGroup::Expert ? "expert" : "dense"; }
+
+// A stable hash (FNV-1a) of what every replica must agree on: the names,
+// shapes and dtypes of one group's parameters, in bucket order.
+void mix(uint64_t& hash, uint64_t value) {
+  for (int i = 0; i < 8; ++i) {
+    hash ^= (value >> (8 * i)) & 0xff;
+    hash *= 1099511628211ULL;
+  }
+}
+
+}  // namespace
+
+DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const parallel::ProcessGroups& groups,
+                                           DistributedOptimizerOptions options)
+    : params_(std::move(params)), groups_(groups), options_(std::move(options)) {
+  at::NoGradGuard noGrad;
+  const CommunicatorPtr& world = groups_.world();
+  int me = world->rank();
+  detail::checkParameters(params_, world->device(), me, "DistributedOptimizer");
+  std::map<std::pair<int, int>, std::vector<size_t>> members;  // (group, dtype) -> parameters
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Parameter& p = params_[i];
+    decay_.push_back(weightDecayFor(p, options_.adamw));
+    members[{static_cast<int>(p.group), static_cast<int>(p.tensor.scalar_type())}].push_back(i);
+  }
+
+  Deadline deadline = parallel::collectiveDeadline(options_.timeout);
+  checkReplicasAgree(ParamGroup::Dense, groups_.dpCp(), deadline);
+  checkReplicasAgree(ParamGroup::Expert, groups_.expertDp(), deadline);
+
+  int64_t divisor = parallel::gradientDivisor(groups_);
+  for (auto& [key, indices] : members) {  // dense before expert: every rank issues them in this order
+    Bucket bucket;
+    bucket.group = static_cast<ParamGroup>(key.first);
+    bucket.paramType = static_cast<at::ScalarType>(key.second);
+    bucket.masterType = masterType(bucket.paramType);
+    bucket.comm = bucket.group == ParamGroup::Expert ? groups_.expertDp() : groups_.dpCp();
+    bucket.divisor = bucket.group == ParamGroup::Expert ? options_.expertDivisor.value_or(divisor) : divisor;
+    std::sort(indices.begin(), indices.end(), [&](size_t a, size_t b) { return params_[a].name < params_[b].name; });
+    bucket.members = indices;
+    std::vector<std::vector<int64_t>> shapes;
+    for (size_t i : indices) shapes.push_back(params_[i].tensor.sizes().vec());
+    bucket.layout = ShardLayout::create(shapes, bucket.comm->size());
+    for (int r = 0; r < bucket.comm->size(); ++r) bucket.pieces.push_back(bucket.layout.pieces(r));
+
+    int64_t length = bucket.layout.shardLength(bucket.comm->rank());
+    auto stateOptions = at::TensorOptions().dtype(bucket.masterType).device(world->device());
+    bucket.expAvg = at::zeros({length}, stateOptions);
+    bucket.expAvgSq = at::zeros({length}, stateOptions);
+    if (bucket.masterType != bucket.paramType) {
+      bucket.master = at::empty({length}, stateOptions);
+      for (const auto& piece : bucket.pieces[bucket.comm->rank()])
+        bucket.master.narrow(0, piece.shardOffset, piece.numel).copy_(paramRows(bucket, piece));
+    }
+    buckets_.push_back(std::move(bucket));
+  }
+  stepTensor_ = at::zeros({1}, at::kLong);
+}
+
+void DistributedOptimizer::checkReplicasAgree(ParamGroup group, const CommunicatorPtr& comm, Deadline deadline) const {
+  if (comm->size() == 1) return;
+  std::vector<const Parameter*> mine;
+  for (const Parameter& p : params_)
+    if (p.group == group) mine.push_back(&p);
+  std::sort(mine.begin(), mine.end(), [](const Parameter* a, const Parameter* b) { return a->name < b->name; });
+  uint64_t hash = 1469598103934665603ULL;
+  int64_t elements = 0;
+  for (const Parameter* p : mine) {
+    for (unsigned char c : p->name) mix(hash, c);
+    for (int64_t extent : p->tensor.sizes()) mix(hash, static_cast<uint64_t>(extent));
+    mix(hash, static_cast<uint64_t>(p->tensor.scalar_type()));
+    elements += p->tensor.numel();
+  }
+  auto options = at::TensorOptions().dtype(at::kLong).device(comm->device());
+  at::Tensor fingerprint =
+      at::tensor({static_cast<int64_t>(mine.size()), elements, static_cast<int64_t>(hash)}, at::kLong).to(options);
+  at::Tensor all = at::empty({comm->size(), 3}, options);
+  comm->allGather(fingerprint, all, {.deadline = deadline})->wait(deadline);
+  all = all.cpu();
+  std::vector<int> differ;
+  for (int r = 0; r < comm->size(); ++r)
+    if (!at::equal(all[r], all[comm->rank()])) differ.push_back(comm->members()[r]);
+  if (!differ.empty())
+    throw ConfigError(
+        fmt::format("DistributedOptimizer: the {} parameters of world ranks {} differ from this rank's ({} "
+                    "parameters, {} elements) in names, shapes or dtypes: every replica in {} must pass the "
+                    "same parameters",
+                    groupName(group), fmt::join(differ, ","), mine.size(), elements, comm->name()),
+        {.rank = groups_.world()->rank(), .group = comm->name(), .expected = "identical parameters on every replica"});
+}
+
+at::Tensor DistributedOptimizer::paramRows(const Bucket& bucket, const ShardLayout::Piece& piece) const {
+  const at::Tensor& tensor = params_[bucket.members[piece.param]].tensor;
+  int64_t rowElems = bucket.layout.params[piece.param].rowElems;
+  return tensor.detach().view({-1}).narrow(0, piece.rowBegin * rowElems, piece.numel);
+}
+
+at::Tensor DistributedOptimizer::masterPiece(const Bucket& bucket, const ShardLayout::Piece& piece) const {
+  return bucket.distinctMaster() ? bucket.master.narrow(0, piece.shardOffset, piece.numel) : paramRows(bucket, piece);
+}
+
+void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
+  std::vector<WorkPtr> works;
+  for (Bucket& bucket : buckets_) {
+    const ShardLayout& layout = bucket.layout;
+    auto options = at::TensorOptions().dtype(bucket.masterType).device(groups_.world()->device());
+    std::vector<at::Tensor> flats;
+    for (size_t i : bucket.members) {
+      const at::Tensor& grad = params_[i].tensor.grad();
+      flats.push_back(grad.defined() ? grad.reshape({-1}).to(bucket.masterType)
+                                     : at::zeros({params_[i].tensor.numel()}, options));
+    }
+    at::Tensor flat = flats.empty() ? at::zeros({0}, options) : at::cat(flats);
+    int ranks = layout.ranks();
+    if (ranks == 1) {
+      bucket.gradShard = flat;
+      continue;
+    }
+    // Rank r's region of the padded input starts at r * shardMax.
+    at::Tensor padded = at::zeros({ranks * layout.shardMax}, options);
+    for (int r = 0; r < ranks; ++r)
+      padded.narrow(0, r * layout.shardMax, layout.shardLength(r)).copy_(flat.narrow(0, layout.cuts[r], layout.shardLength(r)));
+    bucket.gradShard = at::empty({layout.shardMax}, options);
+    works.push_back(bucket.comm->reduceScatter(padded, bucket.gradShard, {.op = ReduceOp::Sum, .deadline = deadline}));
+  }
+  for (const WorkPtr& work : works) work->wait(deadline);
+  for (Bucket& bucket : buckets_)
+    if (bucket.divisor != 1) bucket.gradShard.div_(bucket.divisor);
+}
+
+void DistributedOptimizer::allGatherParameters(Deadline deadline) {
+  std::vector<at::Tensor> gathered(buckets_.size());
+  std::vector<WorkPtr> works;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    int ranks = bucket.layout.ranks(), me = bucket.comm->rank();
+    if (ranks == 1) continue;
+    auto options = at::TensorOptions().dtype(bucket.paramType).device(groups_.world()->device());
+    at::Tensor send = at::zeros({bucket.layout.shardMax}, options);
+    for (const auto& piece : bucket.pieces[me])
+      send.narrow(0, piece.shardOffset, piece.numel).copy_(masterPiece(bucket, piece));
+    gathered[b] = at::empty({ranks * bucket.layout.shardMax}, options);
+    works.push_back(bucket.comm->allGather(send, gathered[b], {.deadline = deadline}));
+  }
+  for (const WorkPtr& work : works) work->wait(deadline);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    int ranks = bucket.layout.ranks(), me = bucket.comm->rank();
+    for (int r = 0; r < ranks; ++r) {
+      // This rank's own rows already hold the update when the parameter is the master.
+      if (r == me && !bucket.distinctMaster()) continue;
+      for (const auto& piece : bucket.pieces[r]) {
+        at::Tensor rows = paramRows(bucket, piece);
+        if (ranks == 1)
+          rows.copy_(masterPiece(bucket, piece));
+        else
+          rows.copy_(gathered[b].narrow(0, r * bucket.layout.shardMax + piece.shardOffset, piece.numel));
+      }
+    }
+  }
+}
+
+double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
+  at::NoGradGuard noGrad;
+  Deadline deadline = stepOptions.deadline.value_or(parallel::collectiveDeadline(options_.timeout));
+  reduceScatterGradients(deadline);
+
+  at::Tensor partial = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(groups_.world()->device()));
+  for (const Bucket& bucket : buckets_)
+    for (const auto& piece : bucket.pieces[bucket.comm->rank()])
+      if (countsOnThisTpRank(params_[bucket.members[piece.param]], groups_))
+        addSquares(partial, bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
+  double norm = worldNorm(partial, groups_, deadline);
+  double scale = clipScale(norm, stepOptions.maxGradNorm);
+  if (scale < 1.0)
+    for (Bucket& bucket : buckets_) bucket.gradShard.mul_(scale);
+
+  ++step_;
+  stepTensor_.fill_(step_);
+  for (Bucket& bucket : buckets_)
+    for (const auto& piece : bucket.pieces[bucket.comm->rank()])
+      adamwUpdate(masterPiece(bucket, piece), bucket.gradShard.narrow(0, piece.shardOffset, piece.numel),
+                  bucket.expAvg.narrow(0, piece.shardOffset, piece.numel),
+                  bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel), step_, lr,
+                  decay_[bucket.members[piece.param]], options_.adamw);
+
+  allGatherParameters(deadline);
+  for (Bucket& bucket : buckets_) bucket.gradShard = at::Tensor();  // not held between steps
+  return norm;
+}
+
+void DistributedOptimizer::zeroGrad() {
+  for (const Parameter& param : params_)
+    if (param.tensor.grad().defined()) param.tensor.mutable_grad().zero_();
+}
+
+int64_t DistributedOptimizer::stateElements() const {
+  int64_t elements = 0;
+  for (const Bucket& bucket : buckets_)
+    elements += bucket.expAvg.numel() * (bucket.distinctMaster() ? 3 : 2);
+  return elements;
+}
+
+std::vector<parallel::ShardedTensor> DistributedOptimizer::state() {
+  std::vector<parallel::ShardedTensor> state;
+  for (const Bucket& bucket : buckets_) {
+    for (const auto& piece : bucket.pieces[bucket.comm->rank()]) {
+      const Parameter& p = params_[bucket.members[piece.param]];
+      std::vector<int64_t> shape = p.tensor.sizes().vec();
+      parallel::ShardInfo shard{p.shard.globalShape, p.shard.offsets, 0};
+      if (!shape.empty()) {
+        shape[0] = piece.rows;
+        shard.offsets[0] += piece.rowBegin;
+      }
+      if (p.tpReplicated)
+        shard.replicaId = (p.group == ParamGroup::Expert ? groups_.expertTp() : groups_.tp())->rank();
+      std::string prefix = "optim." + p.name;
+      auto view = [&](const at::Tensor& flat) { return flat.narrow(0, piece.shardOffset, piece.numel).view(shape); };
+      if (bucket.distinctMaster()) state.push_back({prefix + ".master", view(bucket.master), shard});
+      state.push_back({prefix + ".exp_avg", view(bucket.expAvg), shard});
+      state.push_back({prefix + ".exp_avg_sq", view(bucket.expAvgSq), shard});
+    }
+  }
+  state.push_back({"optim.step", stepTensor_, {{1}, {0}, groups_.world()->rank()}});
+  return state;
+}
+
+void DistributedOptimizer::afterLoad() {
+  step_ = stepTensor_.item<int64_t>();
+  if (step_ < 0)
+    throw CheckpointError(
+        fmt::format("DistributedOptimizer: the loaded optim.step is {}; a step count cannot be negative", step_),
+        {.rank = groups_.world()->rank(), .expected = "optim.step >= 0"});
+}
+
+}  // namespace bulkhead::optim

@@ -1,0 +1,115 @@
+#pragma once
+// The distributed optimizer (ZeRO-1 / Megatron-LM's distributed optimizer):
+// AdamW whose state is sharded across data-parallel replicas. Dense
+// parameters shard over the dp x cp group, expert parameters over the
+// expert-dp group. Each step:
+//   1. reduce-scatter the gradients (every replica's full gradient in, this
+//      rank's shard of the sum out), divided by parallel::gradientDivisor:
+//      the dense dp x cp size for both groups (parallel/grad_sync.h says why);
+//   2. the global gradient norm (optim/clip.h) over the shards, and clipping;
+//   3. AdamW (optim::adamwUpdate, the plain optimizer's function) on this
+//      rank's shard of the master weights and moments;
+//   4. all-gather the updated parameters into every replica's tensors.
+//
+// Sharding (optim/shard_layout.h): parameters of one group and dtype form a
+// bucket, ordered by name; its flat buffer is cut on dim-0 row boundaries, so
+// each rank's state of a parameter is a block of whole rows and exports as
+// one ShardedTensor under the keys of optim/adamw.h, with the parameter's
+// global shape, its offsets plus the first row, and replicaId 0 (for a
+// tpReplicated parameter: the tp rank, expert-tp for experts; optim.step:
+// the world rank). A state saved under one layout (or by the plain AdamW)
+// loads into another.
+//
+// Contract: collective over dp x cp, expert dp and (for the norm) the world.
+// Every replica passes the same parameters (names, shapes, dtypes; any order)
+// and calls step() together. Parameter tensors are contiguous, on the groups'
+// device, and hold the same values on every replica at construction. A
+// parameter without a gradient steps with a zero gradient.
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <optional>
+#include <vector>
+
+#include "optim/adamw.h"
+#include "optim/shard_layout.h"
+#include "parallel/parameter.h"
+#include "parallel/process_groups.h"
+
+namespace bulkhead::optim {
+
+struct DistributedOptimizerOptions {
+  AdamWOptions adamw;
+  // Covers a whole step (and construction's check); unset:
+  // BULKHEAD_COLLECTIVE_TIMEOUT from the call.
+  std::optional<std::chrono::milliseconds> timeout;
+  // Expert gradients summed over expert dp are divided by this; unset:
+  // parallel::gradientDivisor(groups) (the dense dp x cp size).
+  std::optional<int64_t> expertDivisor;
+};
+
+struct StepOptions {
+  double maxGradNorm = 0.0;          // > 0: clip the global gradient norm to this
+  std::optional<Deadline> deadline;  // unset: options.timeout from the call
+};
+
+class DistributedOptimizer {
+ public:
+  // Checks, collectively, that every replica passed the same parameters
+  // (ConfigError naming the ranks that differ).
+  DistributedOptimizer(std::vector<parallel::Parameter> params, const parallel::ProcessGroups& groups,
+                       DistributedOptimizerOptions options = {});
+  // The state lives in tensors; a copy would share it.
+  DistributedOptimizer(const DistributedOptimizer&) = delete;
+  DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
+  DistributedOptimizer(DistributedOptimizer&&) = default;
+  DistributedOptimizer& operator=(DistributedOptimizer&&) = default;
+
+  // Steps 1-4 above with learning rate `lr`. Returns the global gradient norm
+  // before clipping.
+  double step(double lr, StepOptions options = {});
+  void zeroGrad();
+  int64_t stepCount() const { return step_; }
+  const std::vector<parallel::Parameter>& parameters() const { return params_; }
+  // Elements of master weights (when distinct) and moments this rank holds.
+  int64_t stateElements() const;
+
+  // Views of the live state of this rank's shards (keys in optim/adamw.h).
+  // Save: read them (copy first if the save outlives the next step). Load:
+  // use them as targets, filled in place, then call afterLoad().
+  std::vector<parallel::ShardedTensor> state();
+  // Takes in the loaded step count.
+  void afterLoad();
+
+ private:
+  struct Bucket {
+    parallel::ParamGroup group;
+    at::ScalarType paramType, masterType;
+    CommunicatorPtr comm;
+    int64_t divisor = 1;
+    std::vector<size_t> members;  // indices into params_, in bucket order
+    ShardLayout layout;
+    std::vector<std::vector<ShardLayout::Piece>> pieces;  // per rank of comm
+    at::Tensor master;             // this rank's shard, when distinct from the parameters
+    at::Tensor expAvg, expAvgSq;   // this rank's shard
+    at::Tensor gradShard;          // the reduced gradient, during a step (shardMax long)
+    bool distinctMaster() const { return master.defined(); }
+  };
+
+  void checkReplicasAgree(parallel::ParamGroup group, const CommunicatorPtr& comm, Deadline deadline) const;
+  at::Tensor paramRows(const Bucket& bucket, const ShardLayout::Piece& piece) const;
+  at::Tensor masterPiece(const Bucket& bucket, const ShardLayout::Piece& piece) const;
+  void reduceScatterGradients(Deadline deadline);
+  void allGatherParameters(Deadline deadline);
+
+  std::vector<parallel::Parameter> params_;
+  parallel::ProcessGroups groups_;
+  DistributedOptimizerOptions options_;
+  std::vector<double> decay_;
+  std::vector<Bucket> buckets_;
+  int64_t step_ = 0;
+  at::Tensor stepTensor_;
+};
+
+}  // namespace bulkhead::optim
