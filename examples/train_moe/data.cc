@@ -1,0 +1,77 @@
+#include "examples/train_moe/data.h"
+
+#include <ATen/ATen.h>
+
+#include <fmt/format.h>
+
+#include <array>
+#include <vector>
+
+#include "runtime/errors.h"
+
+namespace bulkhead::examples {
+namespace {
+
+// splitmix64: a well-mixed 64-bit value from any 64-bit input.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+std::string generateCorpus(uint64_t seed, size_t bytes) {
+  const std::array<const char*, 8> subjects{"the cat", "a dog", "the old man", "my sister", "the robot", "a bird",
+                                            "the teacher", "our neighbour"};
+  const std::array<const char*, 8> verbs{"sees", "likes", "follows", "paints", "finds", "carries", "hears", "greets"};
+  const std::array<const char*, 8> objects{"the red ball", "a small house", "the river", "a green apple",
+                                           "the moon", "an open door", "the garden", "a quiet song"};
+  const std::array<const char*, 4> endings{" today.", " every morning.", " again.", "."};
+  std::string text;
+  uint64_t state = seed;
+  while (text.size() < bytes) {
+    auto pick = [&](size_t n) { return (state = mix(state)) % n; };
+    text += subjects[pick(subjects.size())];
+    text += ' ';
+    text += verbs[pick(verbs.size())];
+    text += ' ';
+    text += objects[pick(objects.size())];
+    text += endings[pick(endings.size())];
+    text += pick(5) == 0 ? '\n' : ' ';
+  }
+  text.resize(bytes);
+  return text;
+}
+
+Batches::Batches(std::string text, int sequence, int globalBatch, uint64_t seed)
+    : text_(std::move(text)), sequence_(sequence), globalBatch_(globalBatch), seed_(seed) {
+  if (static_cast<int64_t>(text_.size()) <= sequence_ + 1) {
+    throw ConfigError(fmt::format("data: a corpus of {} bytes is too short for sequences of {}", text_.size(),
+                                  sequence_),
+                      {.expected = "corpus longer than the sequence length + 1"});
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> Batches::batch(int64_t step, int rank, int ranks, c10::Device device) const {
+  if (globalBatch_ % ranks != 0) {
+    throw ConfigError(fmt::format("data: a global batch of {} sequences does not split over {} data-parallel ranks",
+                                  globalBatch_, ranks),
+                      {.rank = rank, .expected = "global batch a multiple of dp"});
+  }
+  const int local = globalBatch_ / ranks;
+  at::Tensor window = at::empty({local, sequence_ + 1}, at::kLong);
+  auto data = window.accessor<int64_t, 2>();
+  const uint64_t span = text_.size() - sequence_ - 1;
+  for (int row = 0; row < local; ++row) {
+    const uint64_t sequenceIndex = static_cast<uint64_t>(step) * globalBatch_ + rank * local + row;
+    const uint64_t start = mix(seed_ ^ mix(sequenceIndex)) % span;
+    for (int position = 0; position <= sequence_; ++position)
+      data[row][position] = static_cast<unsigned char>(text_[start + position]);
+  }
+  window = window.to(device);
+  return {window.narrow(1, 0, sequence_).contiguous(), window.narrow(1, 1, sequence_).contiguous()};
+}
+
+}  // namespace bulkhead::examples

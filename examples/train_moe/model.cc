@@ -1,0 +1,135 @@
+#include "examples/train_moe/model.h"
+
+#include <ATen/ATen.h>
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "runtime/errors.h"
+
+namespace bulkhead::examples {
+namespace {
+
+// Fixed sinusoidal positions [sequence, hidden]: no parameters to shard.
+at::Tensor positions(int64_t sequence, int64_t hidden, const at::TensorOptions& options) {
+  at::Tensor position = at::arange(sequence, options.dtype(at::kDouble)).unsqueeze(1);
+  at::Tensor frequency = at::exp(at::arange(0, hidden, 2, options.dtype(at::kDouble)) * (-std::log(10000.0) / hidden));
+  at::Tensor table = at::zeros({sequence, hidden}, options.dtype(at::kDouble));
+  table.slice(1, 0, hidden, 2).copy_(at::sin(position * frequency));
+  table.slice(1, 1, hidden, 2).copy_(at::cos(position * frequency));
+  return table.to(options.dtype());
+}
+
+}  // namespace
+
+MoETransformer::MoETransformer(const ModelConfig& config, const parallel::ProcessGroups& groups)
+    : config_(config),
+      tp_(parallel::TpGroup::dense(groups)),
+      embedding_("embed", config.vocab, config.hidden, tp_, {.initStd = 0.02, .seed = config.seed, .dtype = config.dtype}) {
+  if (config.heads % tp_.size() != 0 || config.hidden % config.heads != 0) {
+    throw ConfigError(fmt::format("model: {} heads of hidden size {} do not split over tp {}", config.heads,
+                                  config.hidden, tp_.size()),
+                      {.rank = groups.world()->rank(), .expected = "heads a multiple of tp, hidden of heads"});
+  }
+  const auto device = tp_.comm->device();
+  auto normWeight = [&](std::string name) {
+    return Norm{std::move(name), at::ones({config.hidden}, at::TensorOptions(config.dtype).device(device))
+                                     .set_requires_grad(true)};
+  };
+  const double projectionStd = 0.02 / std::sqrt(2.0 * config.layers);
+  for (int layer = 0; layer < config.layers; ++layer) {
+    const std::string prefix = fmt::format("layers.{}", layer);
+    const parallel::ColumnParallelOptions column{.bias = false, .seed = config.seed, .dtype = config.dtype};
+    q_.emplace_back(prefix + ".attn.q", config.hidden, config.hidden, tp_, column);
+    k_.emplace_back(prefix + ".attn.k", config.hidden, config.hidden, tp_, column);
+    v_.emplace_back(prefix + ".attn.v", config.hidden, config.hidden, tp_, column);
+    out_.emplace_back(prefix + ".attn.out", config.hidden, config.hidden, tp_,
+                      parallel::RowParallelOptions{.bias = false, .initStd = projectionStd, .seed = config.seed,
+                                                   .dtype = config.dtype});
+    attentionNorm_.push_back(normWeight(prefix + ".attn_norm.weight"));
+    moeNorm_.push_back(normWeight(prefix + ".moe_norm.weight"));
+    moe::MoEOptions options{.name = prefix + ".moe",
+                            .hidden = config.hidden,
+                            .ffnHidden = config.ffn,
+                            .router = {.numExperts = config.experts,
+                                       .topK = config.topK,
+                                       .auxLossCoeff = config.auxLossCoeff,
+                                       .zLossCoeff = config.zLossCoeff,
+                                       .capacityFactor = config.capacityFactor},
+                            .oncePerRank = config.oncePerRank,
+                            .globalAuxLoss = true,
+                            .sharedExpertHidden = config.sharedFfn,
+                            .initStd = projectionStd,
+                            .seed = config.seed * 1000 + static_cast<uint64_t>(layer)};
+    moe_.push_back(std::make_unique<moe::MoELayer>(options, groups, at::TensorOptions(config.dtype).device(device)));
+  }
+  finalNorm_ = normWeight("final_norm.weight");
+}
+
+at::Tensor MoETransformer::norm(const Norm& n, const at::Tensor& x) const {
+  return x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-6) * n.weight;
+}
+
+at::Tensor MoETransformer::attention(int layer, const at::Tensor& x) const {
+  const int64_t batch = x.size(0), sequence = x.size(1);
+  const int64_t localHeads = config_.heads / tp_.size(), headDim = config_.hidden / config_.heads;
+  auto heads = [&](const at::Tensor& t) { return t.view({batch, sequence, localHeads, headDim}).transpose(1, 2); };
+  at::Tensor q = heads(q_[layer].forward(x)), k = heads(k_[layer].forward(x)), v = heads(v_[layer].forward(x));
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
+  at::Tensor future = at::ones({sequence, sequence}, x.options().dtype(at::kBool)).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  const auto softmaxType = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor weights = at::softmax(scores, -1, softmaxType).to(x.scalar_type());
+  at::Tensor mixed = at::matmul(weights, v).transpose(1, 2).reshape({batch, sequence, localHeads * headDim});
+  return out_[layer].forward(mixed);
+}
+
+ModelOutput MoETransformer::forward(const at::Tensor& ids, const at::Tensor& targets) {
+  at::Tensor x = embedding_.forward(ids) + positions(ids.size(1), config_.hidden, embedding_.weight().options());
+  at::Tensor aux = at::zeros({}, x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+  for (int layer = 0; layer < config_.layers; ++layer) {
+    x = x + attention(layer, norm(attentionNorm_[layer], x));
+    moe::MoEOutput out = moe_[layer]->forward(norm(moeNorm_[layer], x));
+    x = x + out.output;
+    aux = aux + out.auxLoss + out.zLoss;
+  }
+  at::Tensor logits = embedding_.logits(norm(finalNorm_, x));
+  at::Tensor loss = parallel::vocabParallelCrossEntropy(logits, targets, embedding_.vocabRange().begin, tp_).mean();
+  return {loss, aux};
+}
+
+std::vector<parallel::Parameter> MoETransformer::parameters() const {
+  std::vector<parallel::Parameter> all = embedding_.parameters();
+  auto append = [&](std::vector<parallel::Parameter> more) { all.insert(all.end(), more.begin(), more.end()); };
+  auto appendNorm = [&](const Norm& n) {
+    all.push_back({.name = n.name,
+                   .tensor = n.weight,
+                   .shard = parallel::ShardInfo::whole(n.weight.sizes(), tp_.replicaId(true)),
+                   .group = parallel::ParamGroup::Dense,
+                   .tpReplicated = true});
+  };
+  for (int layer = 0; layer < config_.layers; ++layer) {
+    appendNorm(attentionNorm_[layer]);
+    append(q_[layer].parameters());
+    append(k_[layer].parameters());
+    append(v_[layer].parameters());
+    append(out_[layer].parameters());
+    appendNorm(moeNorm_[layer]);
+    append(moe_[layer]->parameters());
+  }
+  appendNorm(finalNorm_);
+  return all;
+}
+
+std::vector<parallel::ShardedTensor> MoETransformer::buffers() const {
+  std::vector<parallel::ShardedTensor> all;
+  for (const auto& layer : moe_) {
+    const at::Tensor& bias = layer->router().bias();
+    all.push_back({layer->options().name + ".router.bias", bias,
+                   parallel::ShardInfo::whole(bias.sizes(), tp_.replicaId(true))});
+  }
+  return all;
+}
+
+}  // namespace bulkhead::examples

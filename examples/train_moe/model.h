@@ -1,0 +1,76 @@
+#pragma once
+// A small MoE transformer language model on Bulkhead's layers: a vocabulary-
+// parallel byte embedding (tied with the output layer), then per layer
+// RMSNorm -> causal self-attention (heads split over tp: column-parallel q, k,
+// v, row-parallel output) -> RMSNorm -> MoE feed-forward (experts over ep,
+// expert-tp = tp), and a final RMSNorm. Every weight starts from a seeded
+// slice of its global tensor, so every layout trains the same model.
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "moe/moe_layer.h"
+#include "parallel/linear.h"
+#include "parallel/parameter.h"
+#include "parallel/process_groups.h"
+#include "parallel/vocab_parallel.h"
+
+namespace bulkhead::examples {
+
+struct ModelConfig {
+  int64_t vocab = 256;  // bytes
+  int hidden = 64;
+  int layers = 2;
+  int heads = 4;
+  int ffn = 96;          // per expert
+  int experts = 8;
+  int topK = 2;
+  int sharedFfn = 0;     // 0: no shared expert
+  double auxLossCoeff = 1e-2;
+  double zLossCoeff = 1e-3;
+  double capacityFactor = 0;  // 0: dropless
+  bool oncePerRank = true;
+  uint64_t seed = 1;
+  at::ScalarType dtype = at::kFloat;
+};
+
+struct ModelOutput {
+  at::Tensor loss;     // mean next-byte cross-entropy over this rank's tokens
+  at::Tensor auxLoss;  // MoE aux + z losses of all layers (coefficients applied)
+};
+
+class MoETransformer {
+ public:
+  MoETransformer(const ModelConfig& config, const parallel::ProcessGroups& groups);
+  MoETransformer(const MoETransformer&) = delete;
+  MoETransformer& operator=(const MoETransformer&) = delete;
+
+  // ids, targets: [batch, sequence] int64 on the groups' device.
+  ModelOutput forward(const at::Tensor& ids, const at::Tensor& targets);
+
+  std::vector<parallel::Parameter> parameters() const;
+  // State that is not trained by gradients (the routers' expert biases).
+  std::vector<parallel::ShardedTensor> buffers() const;
+  const std::vector<std::unique_ptr<moe::MoELayer>>& moeLayers() const { return moe_; }
+
+ private:
+  struct Norm {
+    std::string name;
+    at::Tensor weight;
+  };
+  at::Tensor norm(const Norm& n, const at::Tensor& x) const;
+  at::Tensor attention(int layer, const at::Tensor& x) const;
+
+  ModelConfig config_;
+  parallel::TpGroup tp_;
+  parallel::VocabParallelEmbedding embedding_;
+  std::vector<parallel::ColumnParallelLinear> q_, k_, v_;
+  std::vector<parallel::RowParallelLinear> out_;
+  std::vector<Norm> attentionNorm_, moeNorm_;
+  Norm finalNorm_;
+  std::vector<std::unique_ptr<moe::MoELayer>> moe_;
+};
+
+}  // namespace bulkhead::examples

@@ -1,0 +1,190 @@
+// train_moe: trains a small MoE transformer language model on generated text,
+// with periodic async checkpoints, exact resume, and a clean stop on SIGTERM or
+// SIGINT (it saves, then exits). The README's main job.
+//
+//   mpirun -np 4 train_moe --ep 2 --steps 200 --ckpt-dir /tmp/ckpt --ckpt-interval 50
+//   mpirun -np 4 train_moe --ep 2 --steps 400 --ckpt-dir /tmp/ckpt --resume latest
+//
+// Flags: see usage() below. Rank 0 prints one line per logging interval: step,
+// loss, tokens/s, step time, grad norm, expert load imbalance, dropped slots.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "checkpoint/checkpointer.h"
+#include "examples/train_moe/data.h"
+#include "examples/train_moe/model.h"
+#include "examples/train_moe/train_options.h"
+#include "launch/init.h"
+#include "optim/distributed_optimizer.h"
+#include "optim/lr_schedule.h"
+#include "parallel/process_groups.h"
+#include "runtime/env.h"
+#include "runtime/log.h"
+
+using namespace bulkhead;
+using examples::TrainOptions;
+
+namespace {
+
+std::atomic<int> stopSignal{0};
+extern "C" void onStopSignal(int signal) { stopSignal.store(signal); }
+
+// Every rank learns whether any rank was asked to stop (an all-reduce on the
+// CPU world, so a signal that reached one rank stops all at the same step).
+bool agreeToStop(Runtime& runtime) {
+  at::Tensor flag = at::full({1}, stopSignal.load() != 0 ? 1 : 0, at::kInt);
+  runtime.cpuWorld().allReduce(flag, {.op = ReduceOp::Max})->wait();
+  return flag.item<int>() != 0;
+}
+
+checkpoint::StateDict stateOf(const examples::MoETransformer& model, optim::DistributedOptimizer& optimizer,
+                              const parallel::Layout& layout, int64_t step) {
+  checkpoint::StateDict state;
+  for (const auto& parameter : model.parameters()) state.add(parameter.name, parameter.tensor.detach(), parameter.shard);
+  for (auto& buffer : model.buffers()) state.add(buffer.key, buffer.local, buffer.shard);
+  for (auto& slice : optimizer.state()) state.add(slice.key, slice.local, slice.shard);
+  state.dataPosition = std::to_string(step);
+  state.layout = checkpoint::LayoutRecord::of(layout);
+  return state;
+}
+
+// Rank 0's view of the job: the dp-mean loss, and a bar when on a terminal.
+struct Reporter {
+  bool leader, terminal;
+  std::ofstream lossLog;
+  void line(const std::string& text) const {
+    if (!leader) return;
+    if (terminal) std::fputs("\r\033[K", stdout);
+    std::fputs((text + "\n").c_str(), stdout);
+    std::fflush(stdout);
+  }
+  void progress(int64_t step, int64_t total, double loss) const {
+    if (!leader || !terminal) return;
+    const int width = 30, done = static_cast<int>(width * step / std::max<int64_t>(total, 1));
+    fmt::print("\r[{}{}] step {}/{} loss {:.4f}", std::string(done, '#'), std::string(width - done, '.'), step, total,
+               loss);
+    std::fflush(stdout);
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return guardedMain([&] {
+    TrainOptions options = examples::parseTrainOptions(argc, argv);
+    auto runtime = init({.backend = options.backend});
+    auto groups = parallel::ProcessGroups::create(
+        runtime->worldPtr(), parallel::LayoutOptions{.tp = options.tp, .ep = options.ep, .etp = options.tp},
+        {.localSize = runtime->info().localSize});
+    const auto& layout = groups.layout();
+    const int rank = runtime->world().rank();
+    const c10::Device device = runtime->device();
+    if (options.model.dtype == at::kBFloat16 && !device.is_cuda())
+      log::warn("train", "bf16 on CPU is slow; float32 or float64 are the CPU dtypes");
+
+    examples::MoETransformer model(options.model, groups);
+    optim::DistributedOptimizer optimizer(model.parameters(), groups, {.adamw = {.weightDecay = 0.01}});
+    const optim::LrSchedule schedule{.peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup,
+                                     .totalSteps = options.steps};
+    schedule.validate();
+    examples::Batches batches(examples::generateCorpus(options.model.seed, 1 << 20), options.sequence,
+                              options.globalBatch, options.model.seed);
+
+    std::unique_ptr<checkpoint::Checkpointer> checkpointer;
+    if (!options.checkpointDir.empty()) {
+      checkpointer = checkpoint::Checkpointer::create({.dir = options.checkpointDir, .keep = options.keep},
+                                                      runtime->store(), rank, runtime->world().size());
+    }
+    int64_t step = 0;
+    if (!options.resume.empty()) {
+      if (!checkpointer) throw ConfigError("--resume needs --ckpt-dir", {.rank = rank, .expected = "--ckpt-dir DIR"});
+      checkpoint::StateDict targets = stateOf(model, optimizer, layout, 0);
+      checkpoint::LoadOptions load;
+      if (options.resume != "latest") load.step = std::stoll(options.resume);
+      auto loaded = checkpointer->load(targets, load);
+      optimizer.afterLoad();
+      step = std::stoll(loaded.dataPosition);
+      if (rank == 0) {
+        log::info("train", "resumed from {} (step {}, saved as {}) in {:.2f} s", loaded.path, step,
+                  loaded.layout ? loaded.layout->text() : "?", loaded.seconds);
+      }
+    }
+
+    std::signal(SIGTERM, onStopSignal);
+    std::signal(SIGINT, onStopSignal);
+    Reporter reporter{.leader = rank == 0, .terminal = rank == 0 && isatty(STDOUT_FILENO) != 0};
+    if (rank == 0 && !options.lossLog.empty()) reporter.lossLog.open(options.lossLog, std::ios::app);
+    reporter.line(fmt::format("train_moe: {} ranks ({}), {} on {}, {} steps from step {}", runtime->world().size(),
+                              layout.describe(), c10::toString(options.model.dtype), device.str(), options.steps,
+                              step));
+
+    auto save = [&](int64_t completed) {
+      auto start = std::chrono::steady_clock::now();
+      checkpointer->save(completed, stateOf(model, optimizer, layout, completed));
+      const double blocked = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      reporter.line(fmt::format("checkpoint step {}: training blocked {:.1f} ms (writing continues in the background)",
+                                completed, blocked * 1e3));
+    };
+
+    const auto& dp = groups.dpCp();
+    double windowSeconds = 0;
+    int64_t windowSteps = 0;
+    for (; step < options.steps; ++step) {
+      auto start = std::chrono::steady_clock::now();
+      auto [ids, targets] = batches.batch(step, dp->rank(), dp->size(), device);
+      examples::ModelOutput out = model.forward(ids, targets);
+      (out.loss + out.auxLoss).backward();
+      const double gradNorm = optimizer.step(schedule.at(step), {.maxGradNorm = options.clip});
+      optimizer.zeroGrad();
+
+      // The data-parallel mean of the loss (every rank's batch is the same size).
+      at::Tensor loss = out.loss.detach().to(at::kDouble).reshape({1}).clone();
+      dp->allReduce(loss)->wait();
+      const double meanLoss = loss.item<double>() / dp->size();
+      windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      ++windowSteps;
+      if (reporter.lossLog.is_open()) reporter.lossLog << fmt::format("{} {:.17g} {:.17g}\n", step, meanLoss, gradNorm);
+
+      const bool last = step + 1 == options.steps;
+      if ((step + 1) % options.logInterval == 0 || last) {
+        moe::MoEStats stats = model.moeLayers().front()->stats();
+        reporter.line(fmt::format(
+            "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms | grad norm {:.3f} | imbalance {:.2f} | "
+            "dropped {}",
+            step + 1, meanLoss, batches.tokensPerStep() * windowSteps / windowSeconds, 1e3 * windowSeconds / windowSteps,
+            gradNorm, stats.imbalance, stats.droppedSlots));
+        windowSeconds = 0;
+        windowSteps = 0;
+      } else {
+        reporter.progress(step + 1, options.steps, meanLoss);
+      }
+      if (checkpointer && options.checkpointInterval > 0 && (step + 1) % options.checkpointInterval == 0 && !last)
+        save(step + 1);
+      if (agreeToStop(*runtime)) {
+        reporter.line(fmt::format("signal {} received: saving step {} and stopping", stopSignal.load(), step + 1));
+        ++step;
+        break;
+      }
+    }
+    if (checkpointer) {
+      save(step);
+      auto result = checkpointer->wait(Deadline::afterSeconds(env::kCheckpointTimeout.seconds() + 10));
+      reporter.line(result.ok ? fmt::format("checkpoint step {} committed in {:.2f} s: {}", result.step,
+                                            result.totalSeconds, result.path)
+                              : fmt::format("checkpoint step {} failed ({}): {}", result.step, result.errorKind,
+                                            result.error));
+    }
+    if (options.printDigest) reporter.line(examples::parameterDigest(model.parameters(), runtime->cpuWorld()));
+    runtime->shutdown();
+    return 0;
+  });
+}

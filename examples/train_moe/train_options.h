@@ -1,0 +1,41 @@
+#pragma once
+// train_moe's command line, and the parameter digest its resume tests compare.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "examples/train_moe/model.h"
+#include "launch/init.h"
+#include "parallel/parameter.h"
+#include "runtime/communicator.h"
+
+namespace bulkhead::examples {
+
+struct TrainOptions {
+  Backend backend = Backend::Auto;
+  int tp = 1, ep = 1;
+  ModelConfig model;
+  int sequence = 64;
+  int globalBatch = 16;  // sequences per step, over all data-parallel ranks
+  int64_t steps = 200;
+  double lr = 3e-3;
+  int64_t warmup = 20;
+  double clip = 1.0;
+  int logInterval = 25;
+  std::string checkpointDir;
+  int64_t checkpointInterval = 0;  // 0: only at the end
+  int keep = 3;
+  std::string resume;              // "latest", a step number, or empty
+  std::string lossLog;             // rank 0 appends "step loss grad_norm" per step
+  bool printDigest = false;
+};
+
+// ConfigError for an unknown flag or a bad value, with the usage text.
+TrainOptions parseTrainOptions(int argc, char** argv);
+
+// "parameter digest: <hex per rank>": an FNV-1a hash of every local parameter's
+// bytes, in name order, gathered over `cpuWorld` (collective).
+std::string parameterDigest(const std::vector<parallel::Parameter>& parameters, Communicator& cpuWorld);
+
+}  // namespace bulkhead::examples
