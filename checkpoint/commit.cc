@@ -12,10 +12,17 @@ namespace {
 constexpr size_t kPartBytes = 256 << 10;
 constexpr size_t kPartsPerFetch = 16;  // keeps one multiGet reply near 4 MiB
 
+// One store round trip inside a wait bounded by the caller's deadline.
+Deadline roundTrip() { return Deadline::afterSeconds(5); }
+
 }  // namespace
 
 Failure Failure::of(const std::exception& error) {
-  if (const auto* typed = dynamic_cast<const Error*>(&error)) return {typed->kind(), typed->what()};
+  if (const auto* typed = dynamic_cast<const Error*>(&error)) {
+    std::string where = typed->rank() >= 0 ? fmt::format("on rank {}: ", typed->rank()) : "";
+    std::string expected = typed->expected().empty() ? "" : fmt::format(" (expected: {})", typed->expected());
+    return {typed->kind(), where + typed->message() + expected};
+  }
   return {"Error", error.what()};
 }
 
@@ -30,7 +37,7 @@ std::optional<Failure> Failure::decode(const std::string& text) {
 }
 
 void Failure::raise(int rank) const {
-  ErrorContext context{.rank = rank, .expected = "every rank to write and report its part of the checkpoint"};
+  ErrorContext context{.rank = rank};
   if (kind == "IoError") throw IoError(message, context);
   if (kind == "TimeoutError") throw TimeoutError(message, context);
   if (kind == "ConfigError") throw ConfigError(message, context);
@@ -57,7 +64,7 @@ std::optional<Failure> Exchange::gather(std::vector<std::string>& reports, Deadl
   auto started = Deadline::Clock::now();
   Backoff backoff(std::chrono::milliseconds(20));
   for (;;) {
-    auto values = store_->multiGet({key("count"), key("failure")}, deadline);
+    auto values = store_->multiGet({key("count"), key("failure")}, roundTrip());
     if (values[1]) {
       // "<rank> failed <kind> <message>"
       size_t space = values[1]->find(' ');
@@ -70,7 +77,7 @@ std::optional<Failure> Exchange::gather(std::vector<std::string>& reports, Deadl
     if (deadline.expired()) {
       std::vector<std::string> keys;
       for (int r = 0; r < worldSize_; ++r) keys.push_back(key(fmt::format("status/{}", r)));
-      auto statuses = store_->multiGet(keys, Deadline::afterSeconds(2));
+      auto statuses = store_->multiGet(keys, roundTrip());
       std::vector<int> missing;
       for (int r = 0; r < worldSize_; ++r)
         if (!statuses[r]) missing.push_back(r);
@@ -85,7 +92,7 @@ std::optional<Failure> Exchange::gather(std::vector<std::string>& reports, Deadl
   }
   std::vector<std::string> statusKeys;
   for (int r = 0; r < worldSize_; ++r) statusKeys.push_back(key(fmt::format("status/{}", r)));
-  auto statuses = store_->multiGet(statusKeys, deadline);
+  auto statuses = store_->multiGet(statusKeys, roundTrip());
   reportKeys_.clear();
   std::vector<std::pair<int, std::string>> parts;  // (rank, key)
   for (int r = 0; r < worldSize_; ++r) {
@@ -99,7 +106,7 @@ std::optional<Failure> Exchange::gather(std::vector<std::string>& reports, Deadl
   for (size_t begin = 0; begin < parts.size(); begin += kPartsPerFetch) {
     std::vector<std::string> keys;
     for (size_t i = begin; i < std::min(parts.size(), begin + kPartsPerFetch); ++i) keys.push_back(parts[i].second);
-    auto values = store_->multiGet(keys, deadline);
+    auto values = store_->multiGet(keys, roundTrip());
     for (size_t i = 0; i < keys.size(); ++i) {
       if (!values[i]) return Failure{"CheckpointError", fmt::format("the report part {} is missing", keys[i])};
       reports[parts[begin + i].first] += *values[i];

@@ -27,7 +27,7 @@ namespace bulkhead::checkpoint::commit {
 // between ranks as text and raised again with its type.
 struct Failure {
   std::string kind;  // "IoError", "TimeoutError", "CheckpointError", "ConfigError", "CommError", "Error"
-  std::string message;
+  std::string message;  // "on rank 3: <what happened> (expected: ...)"
 
   static Failure of(const std::exception& error);
   std::string encode() const;                            // "failed <kind> <escaped message>"

@@ -24,6 +24,12 @@ std::recursive_mutex& libraryMutex() {
 class Guard {
  public:
   Guard() : lock_(libraryMutex()) {
+    // Before the library's first use: no clean-up of HDF5 at process exit. A
+    // file whose close failed (a full disk) stays in HDF5's tables half torn
+    // down, and the library's exit handler crashes closing it again (seen
+    // with 1.10.8); the operating system reclaims everything anyway.
+    static const bool noExitHandler = (H5dont_atexit(), true);
+    (void)noExitHandler;
     thread_local bool silenced = false;
     if (!silenced) {
       H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
@@ -120,7 +126,6 @@ std::unique_ptr<Id> fileType(c10::ScalarType dtype, const Where& where) {
       check(H5Tset_fields(type->get(), 15, 10, 5, 0, 10), "H5Tset_fields", "a float16 type", where, Mode::Write);
       check(H5Tset_size(type->get(), 2), "H5Tset_size", "a float16 type", where, Mode::Write);
       check(H5Tset_ebias(type->get(), 15), "H5Tset_ebias", "a float16 type", where, Mode::Write);
-      check(H5Tpack(type->get()), "H5Tpack", "a float16 type", where, Mode::Write);
       return type;
     }
     default: dtypeName(dtype);  // raises ConfigError naming the dtype

@@ -107,6 +107,7 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
   commit::Exchange exchange(store_, fmt::format("{}load/{}/", prefix_, loads_++), rank_, worldSize_);
   LoadResult result;
   std::optional<commit::Failure> failure;
+  std::exception_ptr own;
   try {
     validate(targets, rank_);
     if (rank_ == 0) {
@@ -186,15 +187,14 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
       addDestination(target.key, target.local, target.shard.offsets, index);
     }
     std::vector<std::pair<std::string, at::Tensor>> blobs;  // (reserved key, its bytes)
-    if (rank_ < manifest.worldSize)
-      for (size_t t = 0; t < manifest.tensors.size(); ++t) {
-        const std::string& key = manifest.tensors[t].key;
-        bool mine = key.rfind(rngKey(rank_, ""), 0) == 0 || key == dataPositionKey(rank_);
-        if (!mine && key.rfind(userKey(""), 0) != 0) continue;
-        at::Tensor bytes = at::empty(manifest.tensors[t].globalShape, at::kByte);
-        blobs.emplace_back(key, bytes);
-        addDestination(key, bytes, {0}, static_cast<int>(t));
-      }
+    for (size_t t = 0; t < manifest.tensors.size(); ++t) {
+      const std::string& key = manifest.tensors[t].key;
+      bool mine = key.rfind(rngKey(rank_, ""), 0) == 0 || key == dataPositionKey(rank_);  // none if the saved world was smaller
+      if (!mine && key.rfind(userKey(""), 0) != 0) continue;
+      at::Tensor bytes = at::empty(manifest.tensors[t].globalShape, at::kByte);
+      blobs.emplace_back(key, bytes);
+      addDestination(key, bytes, {0}, static_cast<int>(t));
+    }
 
     // Pieces: the chunks of saved slices that overlap each destination.
     std::vector<CheckpointReader::Piece> pieces;
@@ -270,11 +270,12 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
     result.bytesRead = reader.bytesRead();
   } catch (const std::exception& error) {
     failure = commit::Failure::of(error);
+    own = std::current_exception();
   }
 
   // Every rank learns every rank's outcome: a failure anywhere fails the load everywhere.
   exchange.store().set(exchange.key(fmt::format("result/{}", rank_)), failure ? failure->encode() : "ok", deadline);
-  if (failure) failure->raise(rank_);
+  if (own) std::rethrow_exception(own);
   std::vector<std::string> keys;
   for (int r = 0; r < worldSize_; ++r) keys.push_back(exchange.key(fmt::format("result/{}", r)));
   exchange.store().wait(keys, deadline);
@@ -282,8 +283,7 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
   for (int r = 0; r < worldSize_; ++r) {
     if (*outcomes[r] == "ok") continue;
     auto other = commit::Failure::decode(*outcomes[r]).value_or(commit::Failure{"CheckpointError", *outcomes[r]});
-    commit::Failure{other.kind, fmt::format("loading step {} failed on rank {}: {}", result.step, r, other.message)}
-        .raise(rank_);
+    commit::Failure{other.kind, fmt::format("loading step {} failed {}", result.step, other.message)}.raise(rank_);
   }
   result.seconds = secondsSince(started);
   if (rank_ == 0)

@@ -210,7 +210,8 @@ int Manifest::findTensor(const std::string& key) const {
 }
 
 const std::vector<std::vector<int>>& Manifest::slicesByTensor() const {
-  if (byTensor_.size() != tensors.size()) {
+  if (byTensor_.size() != tensors.size() || indexedSlices_ != slices.size()) {
+    indexedSlices_ = slices.size();
     byTensor_.assign(tensors.size(), {});
     for (size_t i = 0; i < slices.size(); ++i) byTensor_[slices[i].tensor].push_back(static_cast<int>(i));
   }

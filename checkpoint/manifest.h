@@ -64,15 +64,18 @@ struct Manifest {
   // `path` and `rank` name the file and the reader in errors.
   static Manifest parse(const std::string& text, const std::string& path, int rank);
 
-  // Index of the tensor with `key`, or -1. Built on first use.
+  // Index of the tensor with `key`, or -1. Built on first use, rebuilt when
+  // the number of tensors changes.
   int findTensor(const std::string& key) const;
-  // Slices of each tensor, by tensor index. Built on first use.
+  // Slices of each tensor, by tensor index. Built on first use, rebuilt when
+  // the number of tensors or slices changes.
   const std::vector<std::vector<int>>& slicesByTensor() const;
   int64_t totalBytes() const;
 
  private:
   mutable std::unordered_map<std::string, int> byKey_;
   mutable std::vector<std::vector<int>> byTensor_;
+  mutable size_t indexedSlices_ = 0;
 };
 
 // Percent-escaping of strings in the manifest and reports: every byte outside

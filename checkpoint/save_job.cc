@@ -96,6 +96,12 @@ Manifest buildManifest(const std::vector<std::string>& reports, const SaveJob& j
 
 double commitGraceSeconds(double timeoutSeconds) { return std::clamp(timeoutSeconds * 0.1, 0.5, 10.0); }
 
+namespace {
+// One store round trip (a set, a compare-and-set, a peek), which may come
+// after the save's deadline (to report that it passed).
+Deadline roundTrip() { return Deadline::afterSeconds(5); }
+}  // namespace
+
 Deadline SaveJob::graceDeadline(int multiple) const {
   auto grace = std::chrono::duration<double>(commitGraceSeconds(timeoutSeconds) * multiple);
   return Deadline::at(deadline.when() + std::chrono::duration_cast<Deadline::Clock::duration>(grace));
@@ -111,7 +117,7 @@ std::optional<Failure> SaveJob::writeOwn(commit::Exchange& exchange, SaveResult&
       std::this_thread::sleep_for(std::chrono::duration<double>(fault->stallSeconds));
     }
     // A save that another rank already gave up is not written at all.
-    if (auto verdict = exchange.peekVerdict(graceDeadline(1)); verdict && *verdict != "commit") {
+    if (auto verdict = exchange.peekVerdict(roundTrip()); verdict && *verdict != "commit") {
       auto failure = Failure::decode(*verdict);
       return failure.value_or(Failure{"CheckpointError", *verdict});
     }
@@ -125,12 +131,16 @@ std::optional<Failure> SaveJob::writeOwn(commit::Exchange& exchange, SaveResult&
     result.bytes = writeRankFile(fs::join(folder, name), {job, step, rank, worldSize}, slices, threads,
                                  fault::at(rank, step));
     fs::sync(folder, rank);
-    exchange.publish(encodeReport(name, result.bytes, slices), deadline);
+    exchange.publish(encodeReport(name, result.bytes, slices), roundTrip());
     return std::nullopt;
   } catch (const std::exception& error) {
     Failure failure = early ? *early : Failure::of(error);
     try {
-      exchange.publishFailure(failure, graceDeadline(1));
+      // A failure that follows from another rank's (our folder removed after its
+      // verdict) is reported as that one.
+      if (auto verdict = exchange.peekVerdict(roundTrip()); verdict && *verdict != "commit")
+        if (auto first = Failure::decode(*verdict)) return first;
+      exchange.publishFailure(failure, roundTrip());
     } catch (const std::exception& also) {
       log::warn("checkpoint", "could not report the failure of step {} through the store: {}", step, also.what());
     }
@@ -142,7 +152,12 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
   std::string folder = fs::join(dir, temporaryFolderName(step, job));
   std::string final = fs::join(dir, stepFolderName(step));
   std::vector<std::string> reports;
-  std::optional<Failure> failure = exchange.gather(reports, deadline);
+  std::optional<Failure> failure;
+  try {
+    failure = exchange.gather(reports, deadline);
+  } catch (const std::exception& error) {
+    failure = Failure::of(error);
+  }
   if (!failure) {
     try {
       Manifest manifest = buildManifest(reports, *this);
@@ -168,10 +183,10 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
     }
   }
   if (!failure) {
-    std::string holds = exchange.claim("commit", graceDeadline(1));
+    std::string holds = exchange.claim("commit", roundTrip());
     if (holds != "commit") failure = Failure::decode(holds).value_or(Failure{"CheckpointError", holds});
   } else {
-    exchange.claim(failure->encode(), graceDeadline(1));
+    exchange.claim(failure->encode(), roundTrip());
   }
   if (failure) {
     fs::removeTree(folder);
@@ -188,23 +203,24 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
   } catch (const std::exception& error) {
     fs::removeTree(folder);
     Failure renameFailure = Failure::of(error);
-    exchange.setCommitted(renameFailure.encode(), graceDeadline(2));
+    exchange.setCommitted(renameFailure.encode(), roundTrip());
     throw renameFailure;
   }
   try {
-    fs::FolderLock lock(dir, graceDeadline(1), rank);
+    Deadline lockDeadline = graceDeadline(1).when() > roundTrip().when() ? graceDeadline(1) : roundTrip();
+    fs::FolderLock lock(dir, lockDeadline, rank);
     writeLatest(dir, step, job, rank);
     cleanFolder(dir, keep, step, job, "", 2 * timeoutSeconds, rank);
   } catch (const std::exception& error) {
     Failure latestFailure{Failure::of(error).kind,
                           fmt::format("step {} is complete in {}, but `latest` could not be updated: {}", step, final,
                                       error.what())};
-    exchange.setCommitted(latestFailure.encode(), graceDeadline(2));
+    exchange.setCommitted(latestFailure.encode(), roundTrip());
     throw latestFailure;
   }
-  exchange.setCommitted("ok", graceDeadline(2));
+  exchange.setCommitted("ok", roundTrip());
   try {
-    exchange.eraseReports(graceDeadline(2));
+    exchange.eraseReports(roundTrip());
   } catch (const std::exception& error) {
     log::debug("checkpoint", "could not erase the reports of step {}: {}", step, error.what());
   }
@@ -219,7 +235,7 @@ void SaveJob::follow(commit::Exchange& exchange, SaveResult& result) {
                    fmt::format("rank {} saw no verdict on step {} from rank 0 within the checkpoint deadline ({:.1f} s) "
                                "plus {:.1f} s: rank 0 may be stalled or dead",
                                rank, step, timeoutSeconds, commitGraceSeconds(timeoutSeconds))};
-    verdict = exchange.claim(gaveUp.encode(), graceDeadline(2));
+    verdict = exchange.claim(gaveUp.encode(), roundTrip());
   }
   if (*verdict != "commit") throw Failure::decode(*verdict).value_or(Failure{"CheckpointError", *verdict});
   auto outcome = exchange.committed(graceDeadline(3));
