@@ -22,6 +22,10 @@ const Knob kInitTimeout{"BULKHEAD_INIT_TIMEOUT", "120",
 const Knob kCollectiveTimeout{"BULKHEAD_COLLECTIVE_TIMEOUT", "300",
                               "seconds a collective or point-to-point operation may take before TimeoutError"};
 const Knob kCheckpointTimeout{"BULKHEAD_CHECKPOINT_TIMEOUT", "600", "seconds for a checkpoint save or load"};
+const Knob kCheckpointThreads{"BULKHEAD_CHECKPOINT_THREADS", "4",
+                               "threads per rank that checksum, copy and read checkpoint chunks"};
+const Knob kCheckpointFault{"BULKHEAD_CHECKPOINT_FAULT", "",
+                            "tests only: rank=R[,step=S],action=exit|stall:S|write-error|commit-exit while saving"};
 const Knob kShutdownTimeout{"BULKHEAD_SHUTDOWN_TIMEOUT", "30", "seconds for the final barrier and finalize"};
 const Knob kAbortGrace{"BULKHEAD_ABORT_GRACE", "1",
                        "seconds an abort may take (ncclCommAbort runs on a helper thread and is abandoned after it), "
@@ -47,10 +51,12 @@ const Knob kFault{"BULKHEAD_FAULT", "",
 
 const std::vector<const Knob*>& all() {
   static const std::vector<const Knob*> knobs = {&kLogLevel,         &kBackend,          &kInitTimeout,
-                                                 &kCollectiveTimeout, &kCheckpointTimeout, &kShutdownTimeout,
+                                                 &kCollectiveTimeout, &kCheckpointTimeout, &kCheckpointThreads,
+                                                 &kShutdownTimeout,
                                                  &kAbortGrace,       &kLedgerCapacity,   &kStoreToken,
                                                  &kStoreMaxMessage,  &kStoreHost,        &kHeartbeat,
-                                                 &kStrict,           &kLedgerDump,       &kFault};
+                                                 &kStrict,           &kLedgerDump,       &kFault,
+                                                 &kCheckpointFault};
   return knobs;
 }
 

@@ -47,6 +47,8 @@ extern const Knob kStrict;
 extern const Knob kLedgerDump;
 extern const Knob kFault;
 extern const Knob kStoreMaxMessage;
+extern const Knob kCheckpointThreads;
+extern const Knob kCheckpointFault;
 
 // Every knob, in the order the README lists them.
 const std::vector<const Knob*>& all();

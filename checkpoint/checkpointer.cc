@@ -1,0 +1,256 @@
+#include "checkpoint/checkpointer.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+#include "checkpoint/checksum.h"
+#include "checkpoint/dtype.h"
+#include "checkpoint/fs.h"
+#include "checkpoint/hdf5.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/save_job.h"
+#include "runtime/env.h"
+#include "runtime/errors.h"
+#include "runtime/log.h"
+
+namespace bulkhead::checkpoint {
+namespace {
+
+std::string drawNonce() {
+  std::random_device device;
+  uint64_t bits = (uint64_t{device()} << 32) ^ device();
+  bits ^= static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  bits ^= static_cast<uint64_t>(::getpid()) << 17;
+  return hex64(Hash64().add(bits).value());
+}
+
+at::Tensor bytesTensor(const std::string& bytes) {
+  at::Tensor tensor = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  if (!bytes.empty()) std::memcpy(tensor.data_ptr(), bytes.data(), bytes.size());
+  return tensor;
+}
+
+}  // namespace
+
+// ---- SaveHandle ----
+
+int64_t SaveHandle::step() const { return state_ ? state_->step : -1; }
+
+bool SaveHandle::isCompleted() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->done;
+}
+
+SaveResult SaveHandle::wait(Deadline deadline) const {
+  if (!state_) return {};
+  auto started = Deadline::Clock::now();
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  auto done = [&] { return state_->done; };
+  if (deadline.isNever()) state_->changed.wait(lock, done);
+  else if (!state_->changed.wait_until(lock, deadline.when(), done))
+    throw TimeoutError(fmt::format("the save of step {} was still running after {:.1f} s of waiting; it goes on in "
+                                   "the background, bounded by its own deadline",
+                                   state_->step, secondsSince(started)),
+                       {.expected = "the save to end before the deadline given to wait()"});
+  return state_->result;
+}
+
+// ---- Checkpointer ----
+
+Checkpointer::Checkpointer(CheckpointOptions options, std::shared_ptr<Store> store, int rank, int worldSize,
+                           std::string prefix, std::string job)
+    : options_(std::move(options)),
+      store_(std::move(store)),
+      rank_(rank),
+      worldSize_(worldSize),
+      prefix_(std::move(prefix)),
+      job_(std::move(job)),
+      buffer_(std::make_shared<HostBuffer>()) {}
+
+std::unique_ptr<Checkpointer> Checkpointer::create(CheckpointOptions options, std::shared_ptr<Store> store, int rank,
+                                                   int worldSize) {
+  auto bad = [&](const std::string& what) {
+    return ConfigError(fmt::format("checkpoint options: {}", what), {.rank = rank, .expected = "valid options"});
+  };
+  if (options.dir.empty()) throw bad("dir is empty; give the folder the checkpoints go to");
+  if (!store) throw bad("no store; pass the runtime's rendezvous store (runtime->store())");
+  if (worldSize < 1 || rank < 0 || rank >= worldSize) throw bad(fmt::format("rank {} of {}", rank, worldSize));
+  if (options.keep < 0) throw bad(fmt::format("keep is {}; 0 keeps every checkpoint", options.keep));
+  if (options.chunkBytes < 4096 || options.chunkBytes > (int64_t{1} << 31))
+    throw bad(fmt::format("chunkBytes {} is outside [4 KiB, 2 GiB]", options.chunkBytes));
+  if (options.timeoutSeconds && !(*options.timeoutSeconds > 0))
+    throw bad(fmt::format("timeoutSeconds {} is not positive", *options.timeoutSeconds));
+  if (options.threads && *options.threads < 1) throw bad(fmt::format("threads {} is below 1", *options.threads));
+  double timeout = options.timeoutSeconds.value_or(env::kCheckpointTimeout.seconds());
+  Deadline deadline = Deadline::afterSeconds(timeout);
+  fs::makeDirectories(options.dir, rank);
+  // Checkpointers are created collectively, so the n-th one for a folder has
+  // the same n on every rank: it names their keys in the store.
+  static std::mutex mutex;
+  static std::map<std::string, int> created;
+  int instance;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    instance = created[options.dir]++;
+  }
+  std::string prefix = fmt::format("ckpt/{}/{}/", hex64(Hash64().add(options.dir).value()), instance);
+  std::string job;
+  if (rank == 0) {
+    job = drawNonce();
+    store->set(prefix + "job", job, deadline);
+  } else {
+    job = store->get(prefix + "job", deadline);
+  }
+  return std::unique_ptr<Checkpointer>(
+      new Checkpointer(std::move(options), std::move(store), rank, worldSize, std::move(prefix), std::move(job)));
+}
+
+Checkpointer::~Checkpointer() {
+  if (!current_.valid()) return;
+  try {
+    auto& state = *current_.state();
+    double grace = commitGraceSeconds(timeoutSeconds());
+    Deadline until = Deadline::at(state.deadline.when() +
+                                  std::chrono::duration_cast<Deadline::Clock::duration>(
+                                      std::chrono::duration<double>(3 * grace + 1)));
+    SaveResult result = current_.wait(until);
+    if (worker_.joinable()) worker_.join();
+  } catch (const std::exception& e) {
+    log::error("checkpoint", "{}; leaving the save thread behind", e.what());
+    if (worker_.joinable()) worker_.detach();
+  }
+}
+
+double Checkpointer::timeoutSeconds() const {
+  return options_.timeoutSeconds.value_or(env::kCheckpointTimeout.seconds());
+}
+
+int Checkpointer::threads() const {
+  return options_.threads.value_or(static_cast<int>(std::max<int64_t>(1, env::kCheckpointThreads.integer())));
+}
+
+void Checkpointer::settlePrevious(Deadline deadline) {
+  if (!current_.valid()) return;
+  SaveResult result = current_.wait(deadline);
+  if (worker_.joinable()) worker_.join();
+  auto& state = *current_.state();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (result.ok || options_.continueOnFailure || state.raised) return;
+  state.raised = true;
+  commit::Failure{result.errorKind, result.error}.raise(rank_);
+}
+
+SaveResult Checkpointer::wait(Deadline deadline) {
+  if (!current_.valid()) return {};
+  settlePrevious(deadline);
+  return current_.wait(deadline);
+}
+
+SaveHandle Checkpointer::save(int64_t step, const StateDict& state) {
+  auto called = Deadline::Clock::now();
+  double timeout = timeoutSeconds();
+  Deadline deadline = Deadline::afterSeconds(timeout);
+  if (step < 0)
+    throw ConfigError(fmt::format("save of step {}: steps are non-negative", step), {.rank = rank_});
+  settlePrevious(deadline);
+
+  auto handleState = std::make_shared<SaveHandle::State>();
+  handleState->step = step;
+  handleState->deadline = deadline;
+  SaveJob job;
+  job.step = step;
+  job.dir = options_.dir;
+  job.job = job_;
+  job.prefix = fmt::format("{}save/{}/", prefix_, saves_++);
+  job.rank = rank_;
+  job.worldSize = worldSize_;
+  job.threads = threads();
+  job.keep = options_.keep;
+  job.timeoutSeconds = timeout;
+  job.deadline = deadline;
+  job.started = called;
+  job.store = store_;
+  job.buffer = buffer_;
+  job.layout = state.layout;
+  job.state = handleState;
+  std::optional<commit::Failure> rejected;  // a ConfigError: raised here too
+  try {
+    validate(state, rank_);
+    // What this rank writes: replica 0 of its slices, then its own state.
+    struct Entry {
+      std::string key;
+      at::Tensor tensor;
+      std::vector<int64_t> global, offsets;
+    };
+    std::vector<Entry> entries;
+    for (const auto& tensor : state.tensors)
+      if (tensor.shard.replicaId == 0)
+        entries.push_back({tensor.key, tensor.local.contiguous(), tensor.shard.globalShape, tensor.shard.offsets});
+    auto addBytes = [&](std::string key, const std::string& bytes) {
+      int64_t size = static_cast<int64_t>(bytes.size());
+      entries.push_back({std::move(key), bytesTensor(bytes), {size}, {0}});
+    };
+    for (const auto& [name, bytes] : state.rng) addBytes(rngKey(rank_, name), bytes);
+    addBytes(dataPositionKey(rank_), state.dataPosition);
+    if (rank_ == 0)
+      for (const auto& [name, bytes] : state.user) addBytes(userKey(name), bytes);
+
+    std::unordered_map<std::string, int> names;
+    int64_t total = 0;
+    std::vector<at::Tensor> tensors;
+    for (const auto& entry : entries) {
+      StagedSlice slice;
+      slice.key = entry.key;
+      slice.dtype = entry.tensor.scalar_type();
+      slice.globalShape = entry.global;
+      slice.offsets = entry.offsets;
+      slice.shape = entry.tensor.sizes().vec();
+      slice.dataset = h5::datasetName(entry.key);
+      if (names[slice.dataset]++ > 0) slice.dataset += "@" + formatDims(entry.offsets);
+      slice.plan = ChunkPlan::make(slice.shape, dtypeSize(slice.dtype), options_.chunkBytes);
+      total += slice.plan.count * slice.plan.stagedBytes();
+      job.slices.push_back(std::move(slice));
+      tensors.push_back(entry.tensor);
+    }
+    uint8_t* base = buffer_->reserve(static_cast<size_t>(total), Stager::anyCuda(tensors), rank_);
+    Stager stager(job.threads);
+    int64_t offset = 0;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      StagedSlice& slice = job.slices[i];
+      const ChunkPlan& plan = slice.plan;
+      slice.staged = base + offset;
+      for (int64_t c = 0; c < plan.count; ++c) {
+        uint8_t* chunk = slice.staged + c * plan.stagedBytes();
+        int64_t valid = plan.validElements(c) * plan.elementSize;
+        stager.copy(entries[i].tensor, plan.firstElement(c) * plan.elementSize, valid, chunk);
+        if (valid < plan.chunkBytes()) std::memset(chunk + valid, 0, plan.chunkBytes() - valid);
+      }
+      offset += plan.count * plan.stagedBytes();
+    }
+    stager.finish(deadline, rank_);
+  } catch (const std::exception& error) {
+    // Published by the background part, so no rank waits for this one until the deadline.
+    job.early = commit::Failure::of(error);
+    if (dynamic_cast<const ConfigError*>(&error)) {
+      rejected = job.early;
+      handleState->raised = true;
+    }
+  }
+  job.blockingSeconds = secondsSince(called);
+  worker_ = std::thread([job = std::move(job)]() mutable { job.run(); });
+  current_ = SaveHandle(handleState);
+  if (rejected) rejected->raise(rank_);
+  return current_;
+}
+
+}  // namespace bulkhead::checkpoint

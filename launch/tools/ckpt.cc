@@ -1,0 +1,210 @@
+// bulkhead-ckpt: look at and check a checkpoint folder without a job.
+//
+//   bulkhead-ckpt list DIR                                  committed steps, `latest`, partial (.tmp) folders
+//   bulkhead-ckpt inspect DIR [--step N|latest] [--slices] [--json]
+//                                                           step, layout, tensors (dtype, shape, slices, bytes)
+//   bulkhead-ckpt verify DIR [--step N|latest|all] [--threads N]
+//                                                           every checksum, digest, file and the coverage
+//
+// Exit codes: 0 fine; 1 verify found a fault (each is printed); otherwise the
+// error's code (2 usage, 6 I/O, 7 checkpoint: missing or unreadable).
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <string>
+#include <vector>
+
+#include "checkpoint/inspect.h"
+#include "checkpoint/state_dict.h"
+#include "checkpoint/dtype.h"
+#include "launch/init.h"
+#include "runtime/env.h"
+#include "runtime/errors.h"
+
+using namespace bulkhead;
+using namespace bulkhead::checkpoint;
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: bulkhead-ckpt list DIR | inspect DIR [--step N|latest] [--slices] [--json] | "
+    "verify DIR [--step N|latest|all] [--threads N]";
+
+std::string bytesText(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int unit = 0;
+  while (bytes >= 1024 && unit < 4) {
+    bytes /= 1024;
+    ++unit;
+  }
+  return unit == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.1f} {}", bytes, units[unit]);
+}
+
+std::string ageText(double seconds) {
+  if (seconds < 120) return fmt::format("{:.0f} s", seconds);
+  if (seconds < 7200) return fmt::format("{:.0f} min", seconds / 60);
+  return fmt::format("{:.1f} h", seconds / 3600);
+}
+
+std::string json(const std::string& text) {
+  std::string out = "\"";
+  for (unsigned char c : text) {
+    if (c == '"' || c == '\\') out += '\\', out += static_cast<char>(c);
+    else if (c < 0x20) out += fmt::format("\\u{:04x}", c);
+    else out += static_cast<char>(c);
+  }
+  return out + "\"";
+}
+
+// A progress bar on stderr when it is a terminal, at most ten updates a second.
+class Progress {
+ public:
+  explicit Progress(std::string label) : label_(std::move(label)), tty_(::isatty(2)) {}
+  void operator()(int64_t done, int64_t total) {
+    if (!tty_) return;
+    auto now = std::chrono::steady_clock::now();
+    if (done < total && now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
+    int width = 30, filled = total > 0 ? static_cast<int>(width * done / total) : width;
+    std::fprintf(stderr, "\r%s [%s%s] %3d%% %s / %s", label_.c_str(), std::string(filled, '#').c_str(),
+                 std::string(width - filled, '-').c_str(), total > 0 ? static_cast<int>(100 * done / total) : 100,
+                 bytesText(done).c_str(), bytesText(total).c_str());
+    if (done >= total) std::fprintf(stderr, "\n");
+    std::fflush(stderr);
+  }
+
+ private:
+  std::string label_;
+  bool tty_;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+int list(const std::string& dir) {
+  auto steps = listCheckpoints(dir);
+  if (steps.empty()) {
+    fmt::print("{}: no checkpoints\n", dir);
+    return 0;
+  }
+  fmt::print("{:<32} {:>10} {:<36} {:>6} {:>11} {:>8}  {}\n", "folder", "step", "state", "files", "size", "age", "job");
+  for (const auto& step : steps)
+    fmt::print("{:<32} {:>10} {:<36} {:>6} {:>11} {:>8}  {}\n", step.name, step.step,
+               step.latest ? step.state + " (latest)" : step.state, step.files, bytesText(step.bytes),
+               ageText(step.ageSeconds), step.job);
+  return 0;
+}
+
+int inspect(const std::string& dir, const std::string& which, bool slices, bool asJson) {
+  std::string folder = resolveStepFolder(dir, which);
+  Manifest manifest = readManifest(folder);
+  const auto& byTensor = manifest.slicesByTensor();
+  auto tensorBytes = [&](size_t t) { return volume(manifest.tensors[t].globalShape) * dtypeSize(manifest.tensors[t].dtype); };
+  if (asJson) {
+    std::string out = fmt::format("{{\"step\": {}, \"path\": {}, \"job\": {}, \"world_size\": {}, \"created\": {:.3f}, "
+                                  "\"layout\": {}, \"bytes\": {}, \"files\": [",
+                                  manifest.step, json(folder), json(manifest.job), manifest.worldSize, manifest.created,
+                                  manifest.layout ? json(manifest.layout->text()) : "null", manifest.totalBytes());
+    for (size_t i = 0; i < manifest.files.size(); ++i)
+      out += fmt::format("{}{{\"rank\": {}, \"name\": {}, \"bytes\": {}}}", i ? ", " : "", manifest.files[i].rank,
+                         json(manifest.files[i].name), manifest.files[i].bytes);
+    out += "], \"tensors\": [";
+    for (size_t t = 0; t < manifest.tensors.size(); ++t) {
+      const auto& tensor = manifest.tensors[t];
+      out += fmt::format("{}{{\"key\": {}, \"dtype\": {}, \"shape\": [{}], \"bytes\": {}, \"internal\": {}, \"slices\": [",
+                         t ? ", " : "", json(tensor.key), json(checkpoint::dtypeName(tensor.dtype)),
+                         fmt::join(tensor.globalShape, ", "), tensorBytes(t), isReservedKey(tensor.key) ? "true" : "false");
+      for (size_t i = 0; i < byTensor[t].size(); ++i) {
+        const auto& slice = manifest.slices[byTensor[t][i]];
+        out += fmt::format("{}{{\"rank\": {}, \"offsets\": [{}], \"shape\": [{}], \"dataset\": {}, \"digest\": \"{:016x}\"}}",
+                           i ? ", " : "", slice.rank, fmt::join(slice.offsets, ", "), fmt::join(slice.shape, ", "),
+                           json(slice.dataset), slice.digest);
+      }
+      out += "]}";
+    }
+    out += "]}\n";
+    fmt::print("{}", out);
+    return 0;
+  }
+  std::time_t created = static_cast<std::time_t>(manifest.created);
+  char when[64];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&created));
+  fmt::print("step {}  ({})\nsaved {} by job {}, world size {}\nlayout: {}\n{} files, {}\n\n", manifest.step, folder,
+             when, manifest.job, manifest.worldSize, manifest.layout ? manifest.layout->text() : "not recorded",
+             manifest.files.size(), bytesText(manifest.totalBytes()));
+  fmt::print("{:<48} {:<9} {:<22} {:>6} {:>11}\n", "tensor", "dtype", "shape", "slices", "size");
+  size_t internal = 0;
+  for (size_t t = 0; t < manifest.tensors.size(); ++t) {
+    const auto& tensor = manifest.tensors[t];
+    if (isReservedKey(tensor.key)) {
+      ++internal;
+      continue;
+    }
+    fmt::print("{:<48} {:<9} {:<22} {:>6} {:>11}\n", tensor.key, checkpoint::dtypeName(tensor.dtype),
+               fmt::format("[{}]", fmt::join(tensor.globalShape, ", ")), byTensor[t].size(),
+               bytesText(tensorBytes(t)));
+    if (slices)
+      for (int s : byTensor[t])
+        fmt::print("    rank {:<5} offsets [{}]  shape [{}]\n", manifest.slices[s].rank,
+                   fmt::join(manifest.slices[s].offsets, ", "), fmt::join(manifest.slices[s].shape, ", "));
+  }
+  fmt::print("\nnon-tensor state: {} entries (per-rank RNG states and data positions, user blob)\n", internal);
+  if (slices)
+    for (const auto& tensor : manifest.tensors)
+      if (isReservedKey(tensor.key))
+        fmt::print("    {:<44} {:>11}\n", tensor.key, bytesText(volume(tensor.globalShape)));
+  return 0;
+}
+
+int verify(const std::string& dir, const std::string& which, int threads) {
+  std::vector<std::string> folders;
+  if (which == "all") {
+    for (const auto& step : listCheckpoints(dir))
+      if (step.state == "committed") folders.push_back(fmt::format("{}/{}", dir, step.name));
+    if (folders.empty()) throw CheckpointError(fmt::format("{} holds no committed checkpoint", dir));
+  } else {
+    folders.push_back(resolveStepFolder(dir, which));
+  }
+  int faulty = 0;
+  for (const auto& folder : folders) {
+    auto started = std::chrono::steady_clock::now();
+    Progress progress(fmt::format("verifying {}", folder));
+    VerifyReport report = verifyCheckpoint(folder, threads, std::ref(progress));
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (report.ok()) {
+      fmt::print("{}: ok (step {}, {} slices, {} chunks, {} read and verified in {:.2f} s)\n", folder, report.step,
+                 report.slicesChecked, report.chunksChecked, bytesText(report.bytesChecked), seconds);
+      continue;
+    }
+    ++faulty;
+    fmt::print("{}: {} fault{} found\n", folder, report.problems.size(), report.problems.size() == 1 ? "" : "s");
+    for (const auto& problem : report.problems) fmt::print("  - {}\n", problem);
+  }
+  return faulty == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return guardedMain([&] {
+    std::vector<std::string> args(argv + 1, argv + argc);
+    if (args.size() < 2) throw ConfigError(kUsage);
+    std::string command = args[0], dir = args[1], step = "latest";
+    bool slices = false, asJson = false;
+    int threads = static_cast<int>(std::max<int64_t>(1, env::kCheckpointThreads.integer()));
+    for (size_t i = 2; i < args.size(); ++i) {
+      if (args[i] == "--slices") slices = true;
+      else if (args[i] == "--json") asJson = true;
+      else if (args[i] == "--step" && i + 1 < args.size()) step = args[++i];
+      else if (args[i] == "--threads" && i + 1 < args.size()) threads = std::max(1, std::atoi(args[++i].c_str()));
+      else throw ConfigError(fmt::format("unknown argument '{}'; {}", args[i], kUsage));
+    }
+    if (command == "list") return list(dir);
+    if (command == "inspect") return inspect(dir, step, slices, asJson);
+    if (command == "verify") return verify(dir, step, threads);
+    throw ConfigError(fmt::format("unknown command '{}'; {}", command, kUsage));
+  });
+}

@@ -1,0 +1,60 @@
+// Multi-rank checkpoint tests: run under mpirun (MPI backend). Every rank runs
+// every test case in the same order; the job fails if any rank fails.
+#define CATCH_CONFIG_RUNNER
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <cstdlib>
+
+#include "tests/catch_compat.h"
+#include "tests/checkpoint/support.h"
+
+namespace bulkhead::testing::ckpt {
+namespace {
+std::unique_ptr<Runtime> instance;
+int sharedDirs = 0;
+}  // namespace
+
+Runtime& runtime() { return *instance; }
+int rank() { return instance->world().rank(); }
+int worldSize() { return instance->world().size(); }
+void barrier() { instance->world().barrier({.deadline = Deadline::afterSeconds(120)})->wait(); }
+
+SharedDir::SharedDir(const std::string& stem) {
+  std::string key = fmt::format("test/shared-dir/{}", sharedDirs++);
+  auto deadline = Deadline::afterSeconds(60);
+  if (rank() == 0) {
+    owned_ = std::make_unique<TempDir>(stem);
+    path_ = owned_->path();
+    runtime().store()->set(key, path_, deadline);
+  } else {
+    path_ = runtime().store()->get(key, deadline);
+  }
+}
+
+SharedDir::~SharedDir() {
+  try {
+    barrier();
+  } catch (const std::exception&) {
+  }
+}
+
+int run(const std::string& command) {
+  int status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+}
+
+}  // namespace bulkhead::testing::ckpt
+
+int main(int argc, char** argv) {
+  return bulkhead::guardedMain([&] {
+    using namespace bulkhead::testing::ckpt;
+    instance = bulkhead::init({.backend = bulkhead::Backend::Mpi});
+    int failed = Catch::Session().run(argc, argv);
+    at::Tensor verdict = at::tensor({failed}, at::kInt);
+    instance->world().allReduce(verdict, {.op = bulkhead::ReduceOp::Max})->wait();
+    instance->shutdown();
+    instance.reset();
+    return verdict.item<int>() == 0 ? 0 : 1;
+  });
+}

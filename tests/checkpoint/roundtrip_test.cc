@@ -1,0 +1,132 @@
+// Round trips under mpirun: what is saved loads back bitwise, with its
+// non-tensor state; a save copies the tensors before it returns; old
+// checkpoints beyond `keep` are removed; an incompatible state dict fails the
+// load on every rank.
+
+#include <fmt/format.h>
+
+#include "checkpoint/checkpointer.h"
+#include "runtime/errors.h"
+#include "checkpoint/folder.h"
+#include "checkpoint/inspect.h"
+#include "tests/catch_compat.h"
+#include "tests/checkpoint/model.h"
+#include "tests/checkpoint/support.h"
+
+using namespace bulkhead;
+using namespace bulkhead::checkpoint;
+using namespace bulkhead::testing::ckpt;
+
+namespace {
+
+std::unique_ptr<Checkpointer> open(const std::string& dir, CheckpointOptions options = {}) {
+  options.dir = dir;
+  if (!options.timeoutSeconds) options.timeoutSeconds = 60;
+  return Checkpointer::create(options, runtime().store(), rank(), worldSize());
+}
+
+parallel::Layout layout(parallel::LayoutOptions options) { return parallel::Layout::create(worldSize(), options); }
+
+}  // namespace
+
+TEST_CASE("a saved state dict loads back bitwise, with its rng, data position, layout and user blob") {
+  SharedDir dir("ckpt-roundtrip");
+  auto ckpt = open(dir.path());
+  ModelShape shape;
+  auto saved = layout({.tp = 2, .ep = 2});
+  auto state = build(shape, saved, rank(), 11);
+  SaveHandle handle = ckpt->save(100, state);
+  // The save copied the tensors before returning: changing them now does not change the checkpoint.
+  for (auto& entry : state.tensors) entry.local.zero_();
+  SaveResult result = handle.wait(Deadline::afterSeconds(60));
+  INFO(result.error);
+  REQUIRE(result.ok);
+  CHECK(result.path == dir.path() + "/step_000100");
+  CHECK(result.bytes > 0);
+
+  auto targets = build(shape, saved, rank(), 12);
+  REQUIRE(!mismatches(targets, shape, 11).empty());  // the targets start different
+  LoadResult loaded = ckpt->load(targets);
+  CHECK(loaded.step == 100);
+  CHECK(mismatches(targets, shape, 11).empty());
+  CHECK(loaded.rankStateFound);
+  CHECK(loaded.dataPosition == dataPositionOf(rank(), 11));
+  CHECK(loaded.rng.size() == 2);
+  CHECK(loaded.rng["torch.cpu"] == rngOf(rank(), 11));
+  CHECK(loaded.rng["cuda:0"] == rngOf(rank(), 12));
+  CHECK(loaded.user["blob"] == userBlobOf(11));
+  CHECK(loaded.user["config"] == "seed=11 layers=2");
+  REQUIRE(loaded.layout);
+  CHECK(loaded.layout->text() == LayoutRecord::of(saved).text());
+  CHECK(loaded.savedWorldSize == worldSize());
+  if (rank() == 0) CHECK(run(fmt::format("{} verify {} > /dev/null", BULKHEAD_CKPT_TOOL, dir.path())) == 0);
+}
+
+TEST_CASE("each save commits a new step and moves latest; checkpoints beyond keep are removed") {
+  SharedDir dir("ckpt-keep");
+  auto ckpt = open(dir.path(), {.keep = 2});
+  ModelShape shape{.layers = 1};
+  auto saved = layout({.ep = 2});
+  for (int step : {10, 20, 30, 40}) {
+    ckpt->save(step, build(shape, saved, rank(), step));
+    SaveResult result = ckpt->wait(Deadline::afterSeconds(60));
+    INFO(result.error);
+    REQUIRE(result.ok);
+    CHECK(readLatest(dir.path(), rank()) == step);
+  }
+  barrier();
+  std::vector<int64_t> committed;
+  for (const auto& step : listCheckpoints(dir.path())) {
+    CHECK(step.state == "committed");
+    committed.push_back(step.step);
+  }
+  CHECK(committed == std::vector<int64_t>{30, 40});
+  auto targets = build(shape, saved, rank(), 1);
+  CHECK(ckpt->load(targets, {.step = 30}).step == 30);
+  CHECK(mismatches(targets, shape, 30).empty());
+  CHECK(ckpt->load(targets).step == 40);
+  CHECK(mismatches(targets, shape, 40).empty());
+}
+
+TEST_CASE("a key missing from the checkpoint or of another shape fails the load on every rank") {
+  SharedDir dir("ckpt-incompatible");
+  auto ckpt = open(dir.path());
+  ModelShape shape{.layers = 1};
+  auto saved = layout({.tp = 2});
+  ckpt->save(5, build(shape, saved, rank(), 5));
+  REQUIRE(ckpt->wait(Deadline::afterSeconds(60)).ok);
+
+  auto targets = build(shape, saved, rank(), 6);
+  if (rank() == 1) targets.addWhole("layers.9.new_weight", at::ones({4}));
+  try {
+    ckpt->load(targets);
+    FAIL("the load succeeded");
+  } catch (const CheckpointError& error) {
+    std::string text = error.what();
+    INFO(text);
+    CHECK(text.find("layers.9.new_weight") != std::string::npos);
+    if (rank() != 1) CHECK(text.find("failed on rank 1") != std::string::npos);
+  }
+  LoadResult lenient = ckpt->load(targets, {.allowMissing = true});
+  CHECK(lenient.missingKeys == (rank() == 1 ? std::vector<std::string>{"layers.9.new_weight"}
+                                            : std::vector<std::string>{}));
+  CHECK(mismatches(targets, shape, 5).empty());
+
+  ModelShape wider{.layers = 1, .hidden = 32};
+  auto other = build(wider, saved, rank(), 7);
+  try {
+    ckpt->load(other);
+    FAIL("the load succeeded");
+  } catch (const CheckpointError& error) {
+    INFO(error.what());
+    CHECK(std::string(error.what()).find("the checkpoint holds") != std::string::npos);
+  }
+}
+
+TEST_CASE("loading from a folder without checkpoints, or a step never committed, is a CheckpointError") {
+  SharedDir dir("ckpt-empty");
+  auto ckpt = open(dir.path());
+  auto targets = build(ModelShape{.layers = 1}, layout({}), rank(), 1);
+  CHECK_THROWS_AS(ckpt->load(targets), CheckpointError);
+  CHECK_THROWS_AS(ckpt->load(targets, {.step = 7}), CheckpointError);
+}
