@@ -24,7 +24,13 @@ case "${1:-}" in
   build) build ;;
   run)
     build
-    mpirun --oversubscribe -np 4 "$build_dir/bin/bulkhead-collectives"
+    # The main job: a MoE transformer on 4 ranks (ep 2, dp 2), checkpointed
+    # at step 60 and 120, stopped, then resumed from the latest checkpoint.
+    ckpt=${BULKHEAD_CKPT_DIR:-$build_dir/train_moe_ckpt}
+    rm -rf "$ckpt"
+    mpirun --oversubscribe -np 4 "$build_dir/bin/train_moe" --ep 2 --steps 200 --stop-after 120 \
+      --ckpt-dir "$ckpt" --ckpt-interval 60
+    mpirun --oversubscribe -np 4 "$build_dir/bin/train_moe" --ep 2 --steps 200 --ckpt-dir "$ckpt" --resume latest
     ;;
   test)
     build

@@ -14,6 +14,7 @@
 #include "optim/distributed_optimizer.h"
 #include "optim/lr_schedule.h"
 #include "parallel/process_groups.h"
+#include "runtime/errors.h"
 
 using namespace bulkhead;
 

@@ -86,7 +86,10 @@ at::Tensor MoETransformer::attention(int layer, const at::Tensor& x) const {
 }
 
 ModelOutput MoETransformer::forward(const at::Tensor& ids, const at::Tensor& targets) {
-  at::Tensor x = embedding_.forward(ids) + positions(ids.size(1), config_.hidden, embedding_.weight().options());
+  // Token embeddings scaled up to unit size, positions kept smaller, so the
+  // token identity is not drowned by the position signal after each norm.
+  at::Tensor x = embedding_.forward(ids) * std::sqrt(static_cast<double>(config_.hidden)) +
+                 0.1 * positions(ids.size(1), config_.hidden, embedding_.weight().options());
   at::Tensor aux = at::zeros({}, x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
   for (int layer = 0; layer < config_.layers; ++layer) {
     x = x + attention(layer, norm(attentionNorm_[layer], x));

@@ -12,9 +12,11 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -28,6 +30,7 @@
 #include "optim/lr_schedule.h"
 #include "parallel/process_groups.h"
 #include "runtime/env.h"
+#include "runtime/errors.h"
 #include "runtime/log.h"
 
 using namespace bulkhead;
@@ -119,13 +122,18 @@ int main(int argc, char** argv) {
       }
     }
 
+    const int64_t lastStep = options.stopAfter > 0 ? std::min(options.steps, options.stopAfter) : options.steps;
     std::signal(SIGTERM, onStopSignal);
     std::signal(SIGINT, onStopSignal);
-    Reporter reporter{.leader = rank == 0, .terminal = rank == 0 && isatty(STDOUT_FILENO) != 0};
+    // mpirun hands ranks a pseudo-terminal even under CI: a bar only for a person at a terminal.
+    const char* term = std::getenv("TERM");
+    const bool terminal = isatty(STDOUT_FILENO) != 0 && term != nullptr && std::string(term) != "dumb" &&
+                          std::getenv("CI") == nullptr;
+    Reporter reporter{.leader = rank == 0, .terminal = rank == 0 && terminal};
     if (rank == 0 && !options.lossLog.empty()) reporter.lossLog.open(options.lossLog, std::ios::app);
-    reporter.line(fmt::format("train_moe: {} ranks ({}), {} on {}, {} steps from step {}", runtime->world().size(),
-                              layout.describe(), c10::toString(options.model.dtype), device.str(), options.steps,
-                              step));
+    reporter.line(fmt::format("train_moe: {} ranks (tp {} ep {} dp {} expert-dp {}), {} on {}, steps {}..{} of {}",
+                              runtime->world().size(), layout.tp(), layout.ep(), layout.dp(), layout.edp(),
+                              c10::toString(options.model.dtype), device.str(), step, lastStep, options.steps));
 
     auto save = [&](int64_t completed) {
       auto start = std::chrono::steady_clock::now();
@@ -138,7 +146,7 @@ int main(int argc, char** argv) {
     const auto& dp = groups.dpCp();
     double windowSeconds = 0;
     int64_t windowSteps = 0;
-    for (; step < options.steps; ++step) {
+    for (; step < lastStep; ++step) {
       auto start = std::chrono::steady_clock::now();
       auto [ids, targets] = batches.batch(step, dp->rank(), dp->size(), device);
       examples::ModelOutput out = model.forward(ids, targets);
@@ -154,7 +162,7 @@ int main(int argc, char** argv) {
       ++windowSteps;
       if (reporter.lossLog.is_open()) reporter.lossLog << fmt::format("{} {:.17g} {:.17g}\n", step, meanLoss, gradNorm);
 
-      const bool last = step + 1 == options.steps;
+      const bool last = step + 1 == lastStep;
       if ((step + 1) % options.logInterval == 0 || last) {
         moe::MoEStats stats = model.moeLayers().front()->stats();
         reporter.line(fmt::format(
@@ -165,7 +173,7 @@ int main(int argc, char** argv) {
         windowSeconds = 0;
         windowSteps = 0;
       } else {
-        reporter.progress(step + 1, options.steps, meanLoss);
+        reporter.progress(step + 1, lastStep, meanLoss);
       }
       if (checkpointer && options.checkpointInterval > 0 && (step + 1) % options.checkpointInterval == 0 && !last)
         save(step + 1);

@@ -19,7 +19,7 @@ constexpr const char* kUsage = R"(usage: train_moe [flags]
   model:       --layers N --hidden N --heads N --ffn N --experts N --topk N --shared-ffn N
                --aux-coeff X --z-coeff X --capacity X --per-slot --dtype float32|float64|bfloat16 --seed N
   data:        --seq N --batch N (global sequences per step)
-  training:    --steps N --lr X --warmup N --clip X --log-interval N
+  training:    --steps N --stop-after N --lr X --warmup N --clip X --log-interval N
   checkpoints: --ckpt-dir DIR --ckpt-interval N --keep N --resume latest|STEP
   tests:       --loss-log FILE --digest)";
 
@@ -54,6 +54,7 @@ TrainOptions parseTrainOptions(int argc, char** argv) {
       {"--seq", [&](const std::string& v) { o.sequence = std::stoi(v); }},
       {"--batch", [&](const std::string& v) { o.globalBatch = std::stoi(v); }},
       {"--steps", [&](const std::string& v) { o.steps = std::stoll(v); }},
+      {"--stop-after", [&](const std::string& v) { o.stopAfter = std::stoll(v); }},
       {"--lr", [&](const std::string& v) { o.lr = std::stod(v); }},
       {"--warmup", [&](const std::string& v) { o.warmup = std::stoll(v); }},
       {"--clip", [&](const std::string& v) { o.clip = std::stod(v); }},

@@ -18,8 +18,9 @@ struct TrainOptions {
   ModelConfig model;
   int sequence = 64;
   int globalBatch = 16;  // sequences per step, over all data-parallel ranks
-  int64_t steps = 200;
-  double lr = 3e-3;
+  int64_t steps = 200;             // the schedule's length
+  int64_t stopAfter = 0;           // > 0: stop (and save) after this step, as a job time limit would
+  double lr = 2e-3;
   int64_t warmup = 20;
   double clip = 1.0;
   int logInterval = 25;
