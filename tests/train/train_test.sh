@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The training example end to end, under mpirun (MPI backend, CPU):
+#   falls    the loss of the README's run falls well below its start
+#   resume   2N steps straight == N steps, stop, resume for N (bitwise: losses
+#            and every rank's parameter digest); resuming at another ep or dp
+#            matches within 1e-9 relative (float64)
+#   layouts  (ep1,dp1) (ep2,dp2) (ep4) (tp2,ep2): the same 20-step loss curve
+# usage: train_test.sh falls|resume|layouts <train_moe> <mpirun>
+set -euo pipefail
+mode=$1 train=$2 mpirun=$3
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+run() {  # run <ranks> <loss-log> [flags...]
+  local ranks=$1 log=$2
+  shift 2
+  "$mpirun" --oversubscribe -np "$ranks" "$train" --loss-log "$log" "$@" > "$work/out.txt" 2>&1 ||
+    { tail -30 "$work/out.txt"; echo "FAIL: train_moe $* exited non-zero"; exit 1; }
+}
+# compare <a> <b> <relative tolerance>: same steps, losses within tolerance (0: bitwise).
+compare() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import sys
+def read(path):
+    return {int(s): l for s, l, _ in (line.split() for line in open(path))}
+a, b, tol = read(sys.argv[1]), read(sys.argv[2]), float(sys.argv[3])
+assert a.keys() == b.keys() and a, f"steps differ: {sorted(a)} vs {sorted(b)}"
+worst = 0.0
+for step in sorted(a):
+    if tol == 0:
+        assert a[step] == b[step], f"step {step}: loss {a[step]} != {b[step]}"
+    else:
+        x, y = float(a[step]), float(b[step])
+        worst = max(worst, abs(x - y) / abs(y))
+        assert abs(x - y) <= tol * abs(y), f"step {step}: loss {x} vs {y} (relative {abs(x - y) / abs(y):.3g})"
+print(f"{len(a)} steps agree: {sys.argv[1]} vs {sys.argv[2]} (worst relative difference {worst:.3g})")
+PY
+}
+small=(--layers 2 --hidden 32 --heads 4 --ffn 48 --experts 8 --topk 2 --seq 32 --batch 8 --dtype float64 --warmup 4)
+
+case "$mode" in
+  falls)
+    run 4 "$work/loss.txt" --ep 2 --steps 200 --stop-after 120
+    python3 - "$work/loss.txt" <<'PY'
+import sys
+losses = [float(line.split()[1]) for line in open(sys.argv[1])]
+first, last = losses[0], sum(losses[-10:]) / 10
+print(f"loss {first:.3f} at step 0, {last:.3f} over the last 10 of {len(losses)} steps")
+assert last < 0.5 * first, "the loss did not fall below half its starting value"
+PY
+    ;;
+  resume)
+    run 4 "$work/straight.txt" --ep 2 --steps 16 "${small[@]}" --digest
+    grep -a "parameter digest" "$work/out.txt" | tr -d '\r' | sed 's/.*parameter digest/parameter digest/' > "$work/straight.digest"
+    run 4 "$work/resumed.txt" --ep 2 --steps 16 --stop-after 8 --ckpt-dir "$work/ckpt" "${small[@]}"
+    run 4 "$work/resumed.txt" --ep 2 --steps 16 --ckpt-dir "$work/ckpt" --resume latest "${small[@]}" --digest
+    grep -a "parameter digest" "$work/out.txt" | tr -d '\r' | sed 's/.*parameter digest/parameter digest/' > "$work/resumed.digest"
+    compare "$work/resumed.txt" "$work/straight.txt" 0
+    diff "$work/straight.digest" "$work/resumed.digest" && echo "parameters bitwise equal: $(cat "$work/straight.digest")"
+    # The same checkpoint (step 8) resumed at ep 4 on 4 ranks, and at ep 1 on 2 ranks (dp 2).
+    cp -r "$work/ckpt" "$work/ckpt2"
+    head -8 "$work/straight.txt" > "$work/ep4.txt"
+    run 4 "$work/ep4.txt" --ep 4 --steps 16 --ckpt-dir "$work/ckpt" --resume 8 "${small[@]}"
+    compare "$work/ep4.txt" "$work/straight.txt" 1e-9
+    head -8 "$work/straight.txt" > "$work/dp2.txt"
+    run 2 "$work/dp2.txt" --ep 1 --steps 16 --ckpt-dir "$work/ckpt2" --resume 8 "${small[@]}"
+    compare "$work/dp2.txt" "$work/straight.txt" 1e-9
+    ;;
+  layouts)
+    run 1 "$work/ep1.txt" --steps 20 "${small[@]}"
+    run 4 "$work/ep2.txt" --ep 2 --steps 20 "${small[@]}"
+    run 4 "$work/ep4.txt" --ep 4 --steps 20 "${small[@]}"
+    run 4 "$work/tp2ep2.txt" --tp 2 --ep 2 --steps 20 "${small[@]}"
+    for layout in ep2 ep4 tp2ep2; do compare "$work/$layout.txt" "$work/ep1.txt" 1e-9; done
+    ;;
+  *) echo "usage: $0 falls|resume|layouts <train_moe> <mpirun>" >&2; exit 2 ;;
+esac
