@@ -30,12 +30,6 @@ std::vector<int64_t> rowShape(const at::Tensor& tensor, int64_t rows) {
 
 int64_t total(const std::vector<int64_t>& splits) { return std::accumulate(splits.begin(), splits.end(), int64_t{0}); }
 
-at::Tensor allReduced(Communicator& group, const at::Tensor& input) {
-  at::Tensor result = input.contiguous().clone();
-  if (group.size() > 1) settle(group.allReduce(result), result);
-  return result;
-}
-
 // A gradient that never arrived (an unused output) still takes part in the
 // backward collective, as zeros.
 at::Tensor materialize(const at::Tensor& grad, const std::vector<int64_t>& shape, const at::TensorOptions& options) {
@@ -61,23 +55,6 @@ struct AllToAllBackward : Node {
   }
 };
 
-struct CopyToGroupBackward : Node {
-  CommunicatorPtr group;
-  std::vector<int64_t> shape;
-  at::TensorOptions options;
-  std::string name() const override { return "bulkhead::CopyToGroupBackward"; }
-  variable_list apply(variable_list&& grads) override {
-    return {allReduced(*group, materialize(grads[0], shape, options))};
-  }
-};
-
-struct ReduceFromGroupBackward : Node {
-  std::vector<int64_t> shape;
-  at::TensorOptions options;
-  std::string name() const override { return "bulkhead::ReduceFromGroupBackward"; }
-  variable_list apply(variable_list&& grads) override { return {materialize(grads[0], shape, options)}; }
-};
-
 template <typename T>
 std::shared_ptr<T> makeNode() {
   return std::shared_ptr<T>(new T(), torch::autograd::deleteNode);
@@ -101,25 +78,6 @@ at::Tensor allToAll(const CommunicatorPtr& group, const at::Tensor& input, const
   node->sendSplits = sendSplits;
   node->recvSplits = recvSplits;
   node->outputShape = output.sizes().vec();
-  node->options = output.options();
-  return attach(std::move(node), input, std::move(output));
-}
-
-at::Tensor copyToGroup(const CommunicatorPtr& group, const at::Tensor& input) {
-  if (group->size() == 1) return input;
-  at::Tensor output = input.detach().clone();
-  auto node = makeNode<CopyToGroupBackward>();
-  node->group = group;
-  node->shape = output.sizes().vec();
-  node->options = output.options();
-  return attach(std::move(node), input, std::move(output));
-}
-
-at::Tensor reduceFromGroup(const CommunicatorPtr& group, const at::Tensor& input) {
-  if (group->size() == 1) return input;
-  at::Tensor output = allReduced(*group, input.detach());
-  auto node = makeNode<ReduceFromGroupBackward>();
-  node->shape = output.sizes().vec();
   node->options = output.options();
   return attach(std::move(node), input, std::move(output));
 }

@@ -1,6 +1,7 @@
 #pragma once
-// The collectives of the MoE layer as autograd operations. Each one's backward
-// is itself a collective on the same communicator, so forward and backward run
+// The all-to-all of the MoE layer as an autograd operation (the expert-tp
+// collectives are parallel/tensor_parallel.h's). Its backward is itself a
+// collective on the same communicator, so forward and backward run
 // the same collectives on every rank of the group, whatever it holds (zero
 // rows included, and outputs whose gradient never arrives, which count as
 // zeros).
@@ -24,14 +25,6 @@ namespace bulkhead::moe {
 // recvSplits[r] from rank r. Backward: the same exchange with splits swapped.
 at::Tensor allToAll(const CommunicatorPtr& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
                     const std::vector<int64_t>& recvSplits);
-
-// Identity forward; backward sums the gradient over the group. For an input
-// every rank holds identically that feeds rank-local (sharded) weights.
-at::Tensor copyToGroup(const CommunicatorPtr& group, const at::Tensor& input);
-
-// Sums over the group forward; identity backward. For partial results of
-// sharded weights whose sum every rank then uses identically.
-at::Tensor reduceFromGroup(const CommunicatorPtr& group, const at::Tensor& input);
 
 // The same exchange without autograd (counts, routing metadata).
 at::Tensor exchangeRows(Communicator& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,

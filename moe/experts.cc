@@ -15,7 +15,7 @@
 #include <numeric>
 #include <utility>
 
-#include "moe/differentiable.h"
+#include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::moe {
@@ -60,11 +60,12 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
 
 at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
                                    const at::Tensor& deviceCounts) const {
-  at::Tensor x = copyToGroup(expertTp_, tokens);
+  const parallel::TpGroup etp{.comm = expertTp_, .paramGroup = parallel::ParamGroup::Expert};
+  at::Tensor x = parallel::copyToTensorParallel(tokens, etp);
   at::Tensor gate = groupedLinear(x, w1_, counts, deviceCounts, options_.groupedMm);
   at::Tensor up = groupedLinear(x, w3_, counts, deviceCounts, options_.groupedMm);
   at::Tensor partial = groupedLinear(at::silu(gate) * up, w2_, counts, deviceCounts, options_.groupedMm);
-  return reduceFromGroup(expertTp_, partial);
+  return parallel::reduceFromTensorParallel(partial, etp);
 }
 
 std::vector<parallel::Parameter> GroupedExperts::parameters(const std::string& prefix, int replicaId) const {
