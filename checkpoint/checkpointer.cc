@@ -39,6 +39,46 @@ at::Tensor bytesTensor(const std::string& bytes) {
   return tensor;
 }
 
+// What a rank writes: replica 0 of its slices, then its own state (and rank
+// 0 the user blob), each with its chunk plan; `total` bytes of staging.
+struct Planned {
+  std::vector<at::Tensor> tensors;
+  std::vector<StagedSlice> slices;
+  int64_t total = 0;
+};
+
+Planned plan(const StateDict& state, int rank, int64_t chunkBytes) {
+  validate(state, rank);
+  Planned planned;
+  std::unordered_map<std::string, int> names;
+  auto add = [&](const std::string& key, const at::Tensor& tensor, const std::vector<int64_t>& global,
+                 const std::vector<int64_t>& offsets) {
+    StagedSlice slice;
+    slice.key = key;
+    slice.dtype = tensor.scalar_type();
+    slice.globalShape = global;
+    slice.offsets = offsets;
+    slice.shape = tensor.sizes().vec();
+    slice.dataset = h5::datasetName(key);
+    if (names[slice.dataset]++ > 0) slice.dataset += "@" + formatDims(offsets);
+    slice.plan = ChunkPlan::make(slice.shape, dtypeSize(slice.dtype), chunkBytes);
+    planned.total += slice.plan.count * slice.plan.stagedBytes();
+    planned.slices.push_back(std::move(slice));
+    planned.tensors.push_back(tensor);
+  };
+  for (const auto& tensor : state.tensors)
+    if (tensor.shard.replicaId == 0) add(tensor.key, tensor.local, tensor.shard.globalShape, tensor.shard.offsets);
+  auto addBytes = [&](const std::string& key, const std::string& bytes) {
+    int64_t size = static_cast<int64_t>(bytes.size());
+    add(key, bytesTensor(bytes), {size}, {0});
+  };
+  for (const auto& [name, bytes] : state.rng) addBytes(rngKey(rank, name), bytes);
+  addBytes(dataPositionKey(rank), state.dataPosition);
+  if (rank == 0)
+    for (const auto& [name, bytes] : state.user) addBytes(userKey(name), bytes);
+  return planned;
+}
+
 }  // namespace
 
 // ---- SaveHandle ----
@@ -150,6 +190,15 @@ void Checkpointer::settlePrevious(Deadline deadline) {
   commit::Failure{result.errorKind, result.error}.raise(rank_);
 }
 
+void Checkpointer::reserve(const StateDict& state) {
+  settlePrevious(Deadline::afterSeconds(timeoutSeconds()));
+  Planned planned = plan(state, rank_, options_.chunkBytes);
+  uint8_t* before = buffer_->data();
+  uint8_t* base = buffer_->reserve(static_cast<size_t>(planned.total), Stager::anyCuda(planned.tensors), rank_);
+  // Touch fresh pageable memory now, so the first save does not pay its page faults.
+  if (base != before && !buffer_->pinned()) std::memset(base, 0, buffer_->capacity());
+}
+
 SaveResult Checkpointer::wait(Deadline deadline) {
   if (!current_.valid()) return {};
   settlePrevious(deadline);
@@ -186,53 +235,23 @@ SaveHandle Checkpointer::save(int64_t step, const StateDict& state) {
   std::optional<commit::Failure> rejected;  // a ConfigError: raised here too
   try {
     validate(state, rank_);
-    // What this rank writes: replica 0 of its slices, then its own state.
-    struct Entry {
-      std::string key;
-      at::Tensor tensor;
-      std::vector<int64_t> global, offsets;
-    };
-    std::vector<Entry> entries;
-    for (const auto& tensor : state.tensors)
-      if (tensor.shard.replicaId == 0)
-        entries.push_back({tensor.key, tensor.local.contiguous(), tensor.shard.globalShape, tensor.shard.offsets});
-    auto addBytes = [&](std::string key, const std::string& bytes) {
-      int64_t size = static_cast<int64_t>(bytes.size());
-      entries.push_back({std::move(key), bytesTensor(bytes), {size}, {0}});
-    };
-    for (const auto& [name, bytes] : state.rng) addBytes(rngKey(rank_, name), bytes);
-    addBytes(dataPositionKey(rank_), state.dataPosition);
-    if (rank_ == 0)
-      for (const auto& [name, bytes] : state.user) addBytes(userKey(name), bytes);
-
-    std::unordered_map<std::string, int> names;
-    int64_t total = 0;
-    std::vector<at::Tensor> tensors;
-    for (const auto& entry : entries) {
-      StagedSlice slice;
-      slice.key = entry.key;
-      slice.dtype = entry.tensor.scalar_type();
-      slice.globalShape = entry.global;
-      slice.offsets = entry.offsets;
-      slice.shape = entry.tensor.sizes().vec();
-      slice.dataset = h5::datasetName(entry.key);
-      if (names[slice.dataset]++ > 0) slice.dataset += "@" + formatDims(entry.offsets);
-      slice.plan = ChunkPlan::make(slice.shape, dtypeSize(slice.dtype), options_.chunkBytes);
-      total += slice.plan.count * slice.plan.stagedBytes();
-      job.slices.push_back(std::move(slice));
-      tensors.push_back(entry.tensor);
-    }
+    Planned planned = plan(state, rank_, options_.chunkBytes);
+    job.slices = std::move(planned.slices);
+    // Contiguous copies first (CUDA: queued on the current stream before the staging copies wait for it).
+    for (auto& tensor : planned.tensors) tensor = tensor.contiguous();
+    std::vector<at::Tensor>& tensors = planned.tensors;
+    int64_t total = planned.total;
     uint8_t* base = buffer_->reserve(static_cast<size_t>(total), Stager::anyCuda(tensors), rank_);
     Stager stager(job.threads);
     int64_t offset = 0;
-    for (size_t i = 0; i < entries.size(); ++i) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
       StagedSlice& slice = job.slices[i];
       const ChunkPlan& plan = slice.plan;
       slice.staged = base + offset;
       for (int64_t c = 0; c < plan.count; ++c) {
         uint8_t* chunk = slice.staged + c * plan.stagedBytes();
         int64_t valid = plan.validElements(c) * plan.elementSize;
-        stager.copy(entries[i].tensor, plan.firstElement(c) * plan.elementSize, valid, chunk);
+        stager.copy(tensors[i], plan.firstElement(c) * plan.elementSize, valid, chunk);
         if (valid < plan.chunkBytes()) std::memset(chunk + valid, 0, plan.chunkBytes() - valid);
       }
       offset += plan.count * plan.stagedBytes();

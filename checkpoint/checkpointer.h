@@ -131,6 +131,9 @@ class Checkpointer {
 
   // Collective. Returns once this rank's slices are in host memory.
   SaveHandle save(int64_t step, const StateDict& state);
+  // Allocates (page-locked for CUDA tensors) and touches the host memory that
+  // saving `state` needs, so the first save() does not pay for it; local, optional.
+  void reserve(const StateDict& state);
   // Waits for the last save. With continueOnFailure false, a failed save
   // raises its error here (IoError, TimeoutError or CheckpointError).
   SaveResult wait(Deadline deadline);

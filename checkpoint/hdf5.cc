@@ -4,6 +4,8 @@
 #include <fmt/ranges.h>
 #include <hdf5.h>
 
+#include <fcntl.h>
+
 #include <mutex>
 
 #include "checkpoint/dtype.h"
@@ -376,6 +378,18 @@ Dataset File::openDataset(const std::string& name, const std::string& key) {
   hid_t dataset = check(H5Dopen2(id_->get(), name.c_str(), H5P_DEFAULT), "H5Dopen2",
                         fmt::format("opening dataset '{}'", name), where, Mode::Read);
   return Dataset(owned(dataset, H5Dclose), where, Mode::Read);
+}
+
+void File::startWriteback() {
+#ifdef __linux__
+  Guard guard;
+  void* handle = nullptr;
+  if (H5Fget_vfd_handle(id_->get(), H5P_DEFAULT, &handle) < 0 || handle == nullptr) {
+    H5Eclear2(H5E_DEFAULT);
+    return;
+  }
+  ::sync_file_range(*static_cast<int*>(handle), 0, 0, SYNC_FILE_RANGE_WRITE);
+#endif
 }
 
 void File::close() {

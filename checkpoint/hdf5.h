@@ -97,6 +97,10 @@ class File {
                         c10::ScalarType dtype);
   Dataset openDataset(const std::string& name, const std::string& key);
 
+  // Asks the kernel to start writing the file's dirty pages to disk now
+  // (sync_file_range, not waiting), so the final fsync has little left to do
+  // and the disk works while the rest of the file is written. Best effort.
+  void startWriteback();
   // Flushes and closes, raising what the close reports (the destructor only logs).
   void close();
   const std::string& path() const { return where_.file; }

@@ -152,7 +152,8 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
     auto addDestination = [&](const std::string& key, at::Tensor tensor, std::vector<int64_t> offsets, int index) {
       Destination destination{key, tensor, std::move(offsets), tensor.sizes().vec(), {}};
       if (tensor.is_cuda()) {
-        destination.tensor = at::empty(tensor.sizes(), tensor.options().device(at::kCPU).pinned_memory(true));
+        // Pageable: page-locking gigabytes for one load costs more than it saves.
+        destination.tensor = at::empty(tensor.sizes(), tensor.options().device(at::kCPU));
         uploads.emplace_back(tensor, destination.tensor);
       }
       destination.strides = destination.tensor.strides().vec();

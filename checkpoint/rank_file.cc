@@ -41,6 +41,8 @@ int64_t writeRankFile(const std::string& path, const RankFileHeader& header, std
   file.setAttribute("rank", std::to_string(header.rank));
   file.setAttribute("world_size", std::to_string(header.worldSize));
   size_t half = slices.size() / 2;
+  constexpr int64_t kWritebackBytes = int64_t{256} << 20;
+  int64_t sinceWriteback = 0;
   for (size_t s = 0; s < slices.size(); ++s) {
     if (fault && fault->action == fault::Action::Exit && s == half) {
       log::error("checkpoint", "BULKHEAD_CHECKPOINT_FAULT: exiting halfway through writing {}", path);
@@ -61,6 +63,10 @@ int64_t writeRankFile(const std::string& path, const RankFileHeader& header, std
       const uint8_t* chunk = slice.staged + c * slice.plan.stagedBytes();
       digest.add(static_cast<uint64_t>(loadLe32(chunk + slice.plan.chunkBytes())));
       dataset.writeChunk(slice.plan.offsets(c), chunk, static_cast<size_t>(slice.plan.chunkBytes() + 4));
+      if ((sinceWriteback += slice.plan.chunkBytes()) >= kWritebackBytes) {
+        file.startWriteback();
+        sinceWriteback = 0;
+      }
     }
     slice.digest = digest.value();
   }
