@@ -97,6 +97,8 @@ Manifest buildManifest(const std::vector<std::string>& reports, const SaveJob& j
 double commitGraceSeconds(double timeoutSeconds) { return std::clamp(timeoutSeconds * 0.1, 0.5, 10.0); }
 
 namespace {
+// Temporary folders of other jobs older than this (and twice our deadline) are abandoned.
+constexpr double kStaleSeconds = 3600;
 // One store round trip (a set, a compare-and-set, a peek), which may come
 // after the save's deadline (to report that it passed).
 Deadline roundTrip() { return Deadline::afterSeconds(5); }
@@ -210,7 +212,8 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
     Deadline lockDeadline = graceDeadline(1).when() > roundTrip().when() ? graceDeadline(1) : roundTrip();
     fs::FolderLock lock(dir, lockDeadline, rank);
     writeLatest(dir, step, job, rank);
-    cleanFolder(dir, keep, step, job, "", 2 * timeoutSeconds, rank);
+    // Another job's save never outlives its own deadline, which may be far longer than ours.
+    cleanFolder(dir, keep, step, job, "", std::max(2 * timeoutSeconds, kStaleSeconds), rank);
   } catch (const std::exception& error) {
     Failure latestFailure{Failure::of(error).kind,
                           fmt::format("step {} is complete in {}, but `latest` could not be updated: {}", step, final,
