@@ -138,3 +138,27 @@ TEST_CASE("loading from a folder without checkpoints, or a step never committed,
   CHECK_THROWS_AS(ckpt->load(targets), CheckpointError);
   CHECK_THROWS_AS(ckpt->load(targets, {.step = 7}), CheckpointError);
 }
+
+TEST_CASE("with continueOnFailure false, a failed save raises from wait() on every rank, once") {
+  SharedDir dir("ckpt-strict");
+  ModelShape shape{.layers = 1};
+  auto saved = layout({.ep = 2});
+  auto state = build(shape, saved, rank(), 3);
+  auto ckpt = open(dir.path(), {.continueOnFailure = false});
+  ckpt->reserve(state);
+  ckpt->save(8, state);
+  REQUIRE(ckpt->wait(Deadline::afterSeconds(60)).ok);
+  ckpt->save(8, state);  // the step exists: this save is dropped
+  try {
+    ckpt->wait(Deadline::afterSeconds(60));
+    FAIL("the failed save did not raise");
+  } catch (const CheckpointError& error) {
+    INFO(error.what());
+    CHECK(std::string(error.what()).find("already exists") != std::string::npos);
+  }
+  CHECK_FALSE(ckpt->wait(Deadline::afterSeconds(60)).ok);  // raised once; the result stays readable
+  CHECK(readLatest(dir.path(), rank()) == 8);
+  auto targets = build(shape, saved, rank(), 4);
+  CHECK(ckpt->load(targets).step == 8);
+  CHECK(mismatches(targets, shape, 3).empty());
+}
