@@ -117,10 +117,12 @@ struct LoadResult {
 
 class Checkpointer {
  public:
-  // Collective: every rank calls it with the same dir (rank 0 draws the job
-  // nonce that names this job's temporary folders and shares it through the
-  // store). The store must outlive the checkpointer. ConfigError for bad
-  // options; IoError when the folder cannot be created.
+  // Collective: every rank calls it with the same dir string (rank 0 draws
+  // the job nonce that names this job's temporary folders and shares it
+  // through the store; the runtime's store: runtime->store()). The store is
+  // shared, not borrowed: a save's background thread may outlive a caller's
+  // scope. ConfigError for bad options; IoError when the folder cannot be
+  // created; TimeoutError when rank 0's nonce does not arrive in time.
   static std::unique_ptr<Checkpointer> create(CheckpointOptions options, std::shared_ptr<Store> store, int rank,
                                               int worldSize);
   Checkpointer(const Checkpointer&) = delete;

@@ -45,8 +45,9 @@ void writeLatest(const std::string& dir, int64_t step, const std::string& job, i
 // Removes committed checkpoints beyond the `keep` newest (by step), never the
 // one `latest` names nor `justCommitted`; keep <= 0 keeps all. Then removes
 // this job's temporary folders other than `current`, and any job's temporary
-// or deleting folders older than `staleSeconds` (a save never outlives its
-// deadline). Best effort: failures are logged, never raised.
+// or deleting folders untouched for `staleSeconds` (a save never outlives its
+// deadline; the caller allows for other jobs' longer ones). Best effort:
+// failures are logged, never raised.
 void cleanFolder(const std::string& dir, int keep, int64_t justCommitted, const std::string& job,
                  const std::string& current, double staleSeconds, int rank);
 

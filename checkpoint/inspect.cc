@@ -72,12 +72,16 @@ std::string resolveStepFolder(const std::string& dir, const std::string& which) 
     }
   }
   std::string folder = fs::join(dir, stepFolderName(step));
-  if (!fs::isDirectory(folder))
-    throw CheckpointError(fmt::format("step {} is not committed in {} (no folder {}); `bulkhead-ckpt list {}` shows "
-                                      "what is there",
-                                      step, dir, stepFolderName(step), dir),
-                          {.expected = "a committed step folder"});
-  return folder;
+  if (fs::isDirectory(folder)) return folder;
+  std::string partial;
+  for (const auto& entry : scanFolder(dir, -1))
+    if (entry.step == step && entry.kind == FolderEntry::Kind::Temporary) partial = entry.name;
+  throw CheckpointError(fmt::format("step {} is not committed in {} ({}); `bulkhead-ckpt list {}` shows what is there",
+                                    step, dir,
+                                    partial.empty() ? "no folder " + stepFolderName(step)
+                                                    : "only the partial folder " + partial + " of an interrupted save",
+                                    dir),
+                        {.expected = "a committed step folder"});
 }
 
 Manifest readManifest(const std::string& stepFolder) {

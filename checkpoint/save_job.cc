@@ -97,6 +97,8 @@ Manifest buildManifest(const std::vector<std::string>& reports, const SaveJob& j
 double commitGraceSeconds(double timeoutSeconds) { return std::clamp(timeoutSeconds * 0.1, 0.5, 10.0); }
 
 namespace {
+// Temporary folders of other jobs older than this (and twice our deadline) are abandoned.
+constexpr double kStaleSeconds = 3600;
 // One store round trip (a set, a compare-and-set, a peek), which may come
 // after the save's deadline (to report that it passed).
 Deadline roundTrip() { return Deadline::afterSeconds(5); }
@@ -108,6 +110,17 @@ Deadline SaveJob::graceDeadline(int multiple) const {
 }
 
 std::optional<Failure> SaveJob::writeOwn(commit::Exchange& exchange, SaveResult& result) {
+  std::string folder = fs::join(dir, temporaryFolderName(step, job));
+  std::string name = rankFileName(rank);
+  // A rank still writing when the save failed elsewhere (rank 0 has removed the
+  // folder by then, or is about to) removes what it wrote itself.
+  auto abandonIfFailed = [&]() -> std::optional<Failure> {
+    auto verdict = exchange.peekVerdict(roundTrip());
+    if (!verdict || *verdict == "commit") return std::nullopt;
+    ::unlink(fs::join(folder, name).c_str());
+    ::rmdir(folder.c_str());  // the last rank out removes the folder
+    return Failure::decode(*verdict).value_or(Failure{"CheckpointError", *verdict});
+  };
   try {
     if (early) throw CheckpointError(early->message);  // published below with its own kind
     auto fault = fault::at(rank, step);
@@ -117,20 +130,16 @@ std::optional<Failure> SaveJob::writeOwn(commit::Exchange& exchange, SaveResult&
       std::this_thread::sleep_for(std::chrono::duration<double>(fault->stallSeconds));
     }
     // A save that another rank already gave up is not written at all.
-    if (auto verdict = exchange.peekVerdict(roundTrip()); verdict && *verdict != "commit") {
-      auto failure = Failure::decode(*verdict);
-      return failure.value_or(Failure{"CheckpointError", *verdict});
-    }
+    if (auto failure = abandonIfFailed()) return failure;
     if (deadline.expired())
       throw TimeoutError(fmt::format("the checkpoint deadline ({:.1f} s) passed before rank {} began writing step {}",
                                      timeoutSeconds, rank, step),
                          {.rank = rank, .expected = "the save within BULKHEAD_CHECKPOINT_TIMEOUT"});
-    std::string folder = fs::join(dir, temporaryFolderName(step, job));
     fs::makeDirectories(folder, rank);
-    std::string name = rankFileName(rank);
     result.bytes = writeRankFile(fs::join(folder, name), {job, step, rank, worldSize}, slices, threads,
                                  fault::at(rank, step));
     fs::sync(folder, rank);
+    if (auto failure = abandonIfFailed()) return failure;
     exchange.publish(encodeReport(name, result.bytes, slices), roundTrip());
     return std::nullopt;
   } catch (const std::exception& error) {
@@ -138,8 +147,7 @@ std::optional<Failure> SaveJob::writeOwn(commit::Exchange& exchange, SaveResult&
     try {
       // A failure that follows from another rank's (our folder removed after its
       // verdict) is reported as that one.
-      if (auto verdict = exchange.peekVerdict(roundTrip()); verdict && *verdict != "commit")
-        if (auto first = Failure::decode(*verdict)) return first;
+      if (auto first = abandonIfFailed()) return first;
       exchange.publishFailure(failure, roundTrip());
     } catch (const std::exception& also) {
       log::warn("checkpoint", "could not report the failure of step {} through the store: {}", step, also.what());
@@ -210,7 +218,8 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
     Deadline lockDeadline = graceDeadline(1).when() > roundTrip().when() ? graceDeadline(1) : roundTrip();
     fs::FolderLock lock(dir, lockDeadline, rank);
     writeLatest(dir, step, job, rank);
-    cleanFolder(dir, keep, step, job, "", 2 * timeoutSeconds, rank);
+    // Another job's save never outlives its own deadline, which may be far longer than ours.
+    cleanFolder(dir, keep, step, job, "", std::max(2 * timeoutSeconds, kStaleSeconds), rank);
   } catch (const std::exception& error) {
     Failure latestFailure{Failure::of(error).kind,
                           fmt::format("step {} is complete in {}, but `latest` could not be updated: {}", step, final,
