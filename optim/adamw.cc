@@ -1,6 +1,7 @@
 #include "optim/adamw.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
 #include <cmath>
@@ -20,7 +21,7 @@ double weightDecayFor(const parallel::Parameter& param, const AdamWOptions& opti
 
 void adamwUpdate(at::Tensor master, const at::Tensor& grad, at::Tensor expAvg, at::Tensor expAvgSq, int64_t step,
                  double lr, double weightDecay, const AdamWOptions& options) {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   at::Tensor g = grad.to(master.scalar_type()).reshape(master.sizes());
   if (weightDecay != 0.0) master.mul_(1.0 - lr * weightDecay);
   expAvg.mul_(options.beta1).add_(g, 1.0 - options.beta1);
@@ -33,7 +34,7 @@ void adamwUpdate(at::Tensor master, const at::Tensor& grad, at::Tensor expAvg, a
 
 AdamW::AdamW(std::vector<parallel::Parameter> params, AdamWOptions options, int worldRank)
     : params_(std::move(params)), options_(std::move(options)), worldRank_(worldRank) {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   if (!params_.empty()) detail::checkParameters(params_, params_.front().tensor.device(), worldRank_, "AdamW");
   for (const parallel::Parameter& param : params_) {
     at::ScalarType type = masterType(param.tensor.scalar_type());
@@ -47,7 +48,7 @@ AdamW::AdamW(std::vector<parallel::Parameter> params, AdamWOptions options, int 
 }
 
 void AdamW::step(double lr) {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   ++step_;
   stepTensor_.fill_(step_);
   for (size_t i = 0; i < params_.size(); ++i) {

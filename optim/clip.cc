@@ -1,6 +1,7 @@
 #include "optim/clip.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <cmath>
 
@@ -35,7 +36,7 @@ double worldNorm(at::Tensor partial, const parallel::ProcessGroups& groups, Dead
 
 double clipGradNorm(const std::vector<parallel::Parameter>& params, const parallel::ProcessGroups& groups,
                     double maxNorm, ClipOptions options) {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   Deadline deadline = options.deadline.value_or(parallel::collectiveDeadline(std::nullopt));
   at::Tensor total = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(groups.world()->device()));
   for (const parallel::Parameter& param : params) {

@@ -1,6 +1,7 @@
 #include "optim/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -35,7 +36,7 @@ void mix(uint64_t& hash, uint64_t value) {
 DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const parallel::ProcessGroups& groups,
                                            DistributedOptimizerOptions options)
     : params_(std::move(params)), groups_(groups), options_(std::move(options)) {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   const CommunicatorPtr& world = groups_.world();
   int me = world->rank();
   detail::checkParameters(params_, world->device(), me, "DistributedOptimizer");
@@ -183,7 +184,7 @@ void DistributedOptimizer::allGatherParameters(Deadline deadline) {
 }
 
 double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   Deadline deadline = stepOptions.deadline.value_or(parallel::collectiveDeadline(options_.timeout));
   reduceScatterGradients(deadline);
 

@@ -2,6 +2,7 @@
 // gathered weights: outputs, input gradients and weight gradients, in float64
 // within 1e-12 relative, on seeded random weights and data.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
 #include "parallel/linear.h"
@@ -20,7 +21,7 @@ constexpr double kTolerance = 1e-12;
 
 // Sets a parameter's local slice from the global tensor.
 void setFromGlobal(const Parameter& param, const at::Tensor& global) {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   param.tensor.copy_(sliceOf(global, param.shard.offsets, param.tensor.sizes()));
 }
 
