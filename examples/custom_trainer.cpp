@@ -4,6 +4,7 @@
 //
 //   mpirun -np 4 custom_trainer [--ep 2] [--steps 60] [--ckpt-dir /tmp/custom_ckpt]
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
 #include <string>
