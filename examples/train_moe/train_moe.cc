@@ -106,6 +106,8 @@ int main(int argc, char** argv) {
     if (!options.checkpointDir.empty()) {
       checkpointer = checkpoint::Checkpointer::create({.dir = options.checkpointDir, .keep = options.keep},
                                                       runtime->store(), rank, runtime->world().size());
+      // Pinned staging memory now, not inside the first save (which training waits for).
+      checkpointer->reserve(stateOf(model, optimizer, layout, 0));
     }
     int64_t step = 0;
     if (!options.resume.empty()) {
