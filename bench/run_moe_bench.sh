@@ -6,7 +6,7 @@
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench/results/moe_$(date +%Y%m%d).md}
-shift 2 || true
+shift $(($# < 2 ? $# : 2))
 token_counts=${*:-4096 16384}
 export NCCL_NVLS_ENABLE=0
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
@@ -16,10 +16,10 @@ value() { awk -v key="$1" '$1 == key {print $2}' <<<"$2"; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
 rows=()
 for tokens in $token_counts; do
-  once=$(mpirun --oversubscribe -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes 2>&1)
-  slot=$(mpirun --oversubscribe -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --per-slot 2>&1)
+  once=$(mpirun --oversubscribe -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes 2>&1 || true)
+  slot=$(mpirun --oversubscribe -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --per-slot 2>&1 || true)
   torch=$(MASTER_ADDR=127.0.0.1 MASTER_PORT=29650 mpirun --oversubscribe -np "$ranks" \
-    python3 bench/torch_moe.py --tokens "$tokens" $sizes 2>&1)
+    python3 bench/torch_moe.py --tokens "$tokens" $sizes 2>&1 || true)
   t=$(value TORCH_STEP_MS "$torch")
   [ -n "$t" ] || { echo "PyTorch reference failed:"; echo "$torch" | tail -20; exit 1; }
   for run in once slot; do

@@ -48,7 +48,7 @@ def grouped(rows, weight, counts):
 
 
 def step():
-    logits = (x @ gate.t()).float()
+    logits = x.float() @ gate.float().t()
     probs = torch.softmax(logits, -1)
     weights, experts = torch.topk(probs, k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)

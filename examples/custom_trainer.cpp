@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include <chrono>
 #include <string>
 
 #include "checkpoint/checkpointer.h"
@@ -31,7 +32,7 @@ checkpoint::StateDict stateOf(const moe::MoELayer& layer, optim::DistributedOpti
 int main(int argc, char** argv) {
   return guardedMain([&] {
     int ep = 2, steps = 60;
-    std::string dir = "/tmp/bulkhead_custom_trainer";
+    std::string dir;  // default: a folder of this run's own, under /tmp
     for (int i = 1; i + 1 < argc; i += 2) {
       const std::string flag = argv[i], value = argv[i + 1];
       if (flag == "--ep") ep = std::stoi(value);
@@ -89,6 +90,11 @@ int main(int argc, char** argv) {
 
     // 5. Save (async: returns once tensors are in host memory), wait, load
     //    back into the live tensors, and check the loss is what it was.
+    if (dir.empty()) {  // rank 0's clock names it, so a rerun never meets an old step folder
+      at::Tensor stamp = at::full({1}, std::chrono::system_clock::now().time_since_epoch().count(), at::kLong);
+      runtime->cpuWorld().broadcast(stamp, 0)->wait(Deadline::afterSeconds(30));
+      dir = fmt::format("/tmp/bulkhead_custom_trainer_{}", stamp.item<int64_t>());
+    }
     auto checkpointer = checkpoint::Checkpointer::create({.dir = dir, .keep = 2}, runtime->store(), rank,
                                                          runtime->world().size());
     checkpointer->save(steps, stateOf(student, optimizer, steps));
@@ -99,7 +105,7 @@ int main(int argc, char** argv) {
       parameter.tensor.mul_(0.5);  // disturb, so the load visibly restores
     }
     checkpoint::StateDict targets = stateOf(student, optimizer, 0);
-    auto loaded = checkpointer->load(targets);
+    auto loaded = checkpointer->load(targets, {.step = steps});
     optimizer.afterLoad();
     const double after = lossAt(steps, false);
     if (rank == 0) {

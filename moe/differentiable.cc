@@ -1,5 +1,7 @@
 #include "moe/differentiable.h"
 
+#include "parallel/tensor_parallel.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -18,8 +20,8 @@ using torch::autograd::variable_list;
 
 // CPU results are complete only once waited for; CUDA results are ordered on
 // the stream (see the header).
-void settle(const WorkPtr& work, const at::Tensor& result) {
-  if (!result.is_cuda()) work->wait();
+void settle(const WorkPtr& work, const at::Tensor& result, Deadline deadline) {
+  if (!result.is_cuda()) work->wait(deadline);
 }
 
 std::vector<int64_t> rowShape(const at::Tensor& tensor, int64_t rows) {
@@ -48,10 +50,11 @@ struct AllToAllBackward : Node {
   CommunicatorPtr group;
   std::vector<int64_t> sendSplits, recvSplits, outputShape;
   at::TensorOptions options;
+  Timeout timeout;
   std::string name() const override { return "bulkhead::AllToAllBackward"; }
   variable_list apply(variable_list&& grads) override {
     at::Tensor grad = materialize(grads[0], outputShape, options);
-    return {exchangeRows(*group, grad, recvSplits, sendSplits)};
+    return {exchangeRows(*group, grad, recvSplits, sendSplits, timeout)};
   }
 };
 
@@ -63,20 +66,22 @@ std::shared_ptr<T> makeNode() {
 }  // namespace
 
 at::Tensor exchangeRows(Communicator& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
-                        const std::vector<int64_t>& recvSplits) {
+                        const std::vector<int64_t>& recvSplits, Timeout timeout) {
   at::Tensor send = input.contiguous();
   at::Tensor recv = at::empty(rowShape(send, total(recvSplits)), send.options());
-  settle(group.allToAll(send, recv, sendSplits, recvSplits), recv);
+  const Deadline deadline = parallel::collectiveDeadline(timeout);
+  settle(group.allToAll(send, recv, sendSplits, recvSplits, {.deadline = deadline}), recv, deadline);
   return recv;
 }
 
 at::Tensor allToAll(const CommunicatorPtr& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
-                    const std::vector<int64_t>& recvSplits) {
-  at::Tensor output = exchangeRows(*group, input.detach(), sendSplits, recvSplits);
+                    const std::vector<int64_t>& recvSplits, Timeout timeout) {
+  at::Tensor output = exchangeRows(*group, input.detach(), sendSplits, recvSplits, timeout);
   auto node = makeNode<AllToAllBackward>();
   node->group = group;
   node->sendSplits = sendSplits;
   node->recvSplits = recvSplits;
+  node->timeout = timeout;
   node->outputShape = output.sizes().vec();
   node->options = output.options();
   return attach(std::move(node), input, std::move(output));

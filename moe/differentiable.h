@@ -10,11 +10,13 @@
 // result is ordered on the current stream and not waited for by the host (the
 // communicator's watchdog enforces its deadline). Every operation runs under
 // the communicator's default deadline (BULKHEAD_COLLECTIVE_TIMEOUT from the
-// call), since autograd gives backward no way to pass one.
+// call, or `timeout` from the call when given), forward and backward alike.
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "runtime/communicator.h"
@@ -23,11 +25,13 @@ namespace bulkhead::moe {
 
 // Rows of `input` to ranks by sendSplits; the result holds the rows received,
 // recvSplits[r] from rank r. Backward: the same exchange with splits swapped.
+using Timeout = std::optional<std::chrono::milliseconds>;
+
 at::Tensor allToAll(const CommunicatorPtr& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
-                    const std::vector<int64_t>& recvSplits);
+                    const std::vector<int64_t>& recvSplits, Timeout timeout = std::nullopt);
 
 // The same exchange without autograd (counts, routing metadata).
 at::Tensor exchangeRows(Communicator& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
-                        const std::vector<int64_t>& recvSplits);
+                        const std::vector<int64_t>& recvSplits, Timeout timeout = std::nullopt);
 
 }  // namespace bulkhead::moe

@@ -9,6 +9,7 @@
 
 #include "moe/differentiable.h"
 #include "moe/gather_sum.h"
+#include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::moe {
@@ -32,15 +33,11 @@ std::vector<int64_t> toHost(const at::Tensor& values) {
 int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
 
 // Rows per destination and entries per (destination, local expert), read to
-// the host in one copy: the only device sync on the sending side. `rowRank`
+// the host in one copy: the one device sync on the sending side. `rowRank`
 // and `slotExpert` hold -1 for entries that are not sent.
 void countRows(SendRows& rows, const at::Tensor& rowRank, const at::Tensor& slotExpert, int localExperts, int ranks) {
-  // bincount takes no negatives: shift by one and drop bin 0 (no device sync).
-  auto histogram = [](const at::Tensor& values, int64_t bins) {
-    return at::bincount(values.reshape(-1) + 1, {}, bins + 1).narrow(0, 1, bins);
-  };
-  at::Tensor perRank = histogram(rowRank, ranks).view({ranks, 1});
-  at::Tensor perExpert = histogram(slotExpert, int64_t{ranks} * localExperts).view({ranks, localExperts});
+  at::Tensor perRank = countValues(rowRank, ranks).view({ranks, 1});
+  at::Tensor perExpert = countValues(slotExpert, int64_t{ranks} * localExperts).view({ranks, localExperts});
   rows.counts = at::cat({perRank, perExpert}, 1);
   std::vector<int64_t> host = toHost(rows.counts);
   for (int rank = 0; rank < ranks; ++rank) rows.splits.push_back(host[rank * (1 + localExperts)]);
@@ -111,7 +108,8 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   // Counts first: every other exchange's splits depend on them. The second
   // and last device sync of a dispatch.
   at::Tensor received = at::empty_like(rows.counts);
-  ep_->allToAll(rows.counts, received, {}, {})->wait();
+  const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
+  ep_->allToAll(rows.counts, received, {}, {}, {.deadline = deadline})->wait(deadline);
   std::vector<int64_t> counts = toHost(received);
   plan.tokensPerLocalExpert.assign(localExperts_, 0);
   for (int rank = 0; rank < ranks; ++rank) {
@@ -121,9 +119,10 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   }
   plan.tokensPerLocalExpertDevice = at::tensor(plan.tokensPerLocalExpert, at::kLong).to(tokens.device());
 
-  at::Tensor meta = exchangeRows(*ep_, rows.meta, plan.sendSplits, plan.recvSplits);
-  plan.recvWeights = allToAll(ep_, rows.weight, plan.sendSplits, plan.recvSplits);
-  at::Tensor arrived = allToAll(ep_, permuteTokens(tokens, rows.grouping), plan.sendSplits, plan.recvSplits);
+  const auto timeout = options_.timeout;
+  at::Tensor meta = exchangeRows(*ep_, rows.meta, plan.sendSplits, plan.recvSplits, timeout);
+  plan.recvWeights = allToAll(ep_, rows.weight, plan.sendSplits, plan.recvSplits, timeout);
+  at::Tensor arrived = allToAll(ep_, permuteTokens(tokens, rows.grouping), plan.sendSplits, plan.recvSplits, timeout);
 
   // One expert row per (received row, local expert), ordered by local expert.
   Grouping byExpert = groupEntries(meta, localExperts_, sum(plan.tokensPerLocalExpert));
@@ -134,7 +133,7 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
 
 at::Tensor TokenDispatcher::combine(const DispatchPlan& plan, const at::Tensor& expertOutput) const {
   at::Tensor rowsOut = gatherSum(expertOutput, plan.recvTable, plan.recvWeights);
-  at::Tensor returned = allToAll(ep_, rowsOut, plan.recvSplits, plan.sendSplits);
+  at::Tensor returned = allToAll(ep_, rowsOut, plan.recvSplits, plan.sendSplits, options_.timeout);
   return gatherSum(returned, plan.sendTable, at::Tensor());
 }
 

@@ -22,7 +22,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "moe/router.h"
@@ -33,6 +35,8 @@ namespace bulkhead::moe {
 struct DispatcherOptions {
   int numExperts = 8;
   bool oncePerRank = true;
+  // Each exchange, forward and backward; unset: BULKHEAD_COLLECTIVE_TIMEOUT.
+  std::optional<std::chrono::milliseconds> timeout;
 };
 
 // What one dispatch leaves for its combine. Holds autograd state: combine it

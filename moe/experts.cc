@@ -60,7 +60,7 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
 
 at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
                                    const at::Tensor& deviceCounts) const {
-  const parallel::TpGroup etp{.comm = expertTp_, .paramGroup = parallel::ParamGroup::Expert};
+  const parallel::TpGroup etp{.comm = expertTp_, .timeout = options_.timeout, .paramGroup = parallel::ParamGroup::Expert};
   at::Tensor x = parallel::copyToTensorParallel(tokens, etp);
   at::Tensor gate = groupedLinear(x, w1_, counts, deviceCounts, options_.groupedMm);
   at::Tensor up = groupedLinear(x, w3_, counts, deviceCounts, options_.groupedMm);

@@ -17,7 +17,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,7 @@ struct ExpertOptions {
   double initStd = 0.02;
   uint64_t seed = 1234;
   bool groupedMm = true;   // use at::_grouped_mm where available
+  std::optional<std::chrono::milliseconds> timeout;  // expert-tp collectives
 };
 
 class GroupedExperts {

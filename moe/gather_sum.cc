@@ -9,6 +9,7 @@
 #include <string>
 
 #if BULKHEAD_MOE_KERNELS
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "moe/cuda/gather_sum_kernels.h"
@@ -61,6 +62,7 @@ struct GatherSumBackward : Node {
   at::Tensor source, table, weights;  // weights: float32 or float64, or undefined
   std::string name() const override { return "bulkhead::GatherSumBackward"; }
   variable_list apply(variable_list&& grads) override {
+    const c10::cuda::CUDAGuard onDevice(source.device());
     at::Tensor gradOut = grads[0].defined() ? grads[0].contiguous()
                                             : at::zeros({table.size(0), source.size(1)}, source.options());
     at::Tensor gradSource = at::zeros_like(source);
@@ -79,6 +81,7 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
   const bool floating = weights.defined() ? (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kDouble)
                                           : true;
   if (source.is_cuda() && floating && table.size(1) <= 64) {
+    const c10::cuda::CUDAGuard onDevice(source.device());
     at::Tensor src = source.contiguous(), index = table.contiguous();
     at::Tensor w = weights.defined() ? weights.contiguous() : at::Tensor();
     at::Tensor out = at::empty({index.size(0), src.size(1)}, src.options());

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::moe {
@@ -24,7 +25,7 @@ at::Tensor replicatedWeight(uint64_t seed, uint64_t salt, std::vector<int64_t> s
 
 const parallel::ProcessGroups& checkedGroups(const MoEOptions& options, const parallel::ProcessGroups& groups) {
   const auto& layout = groups.layout();
-  if (layout.tp() > 1 && groups.expertTp()->members() != groups.tp()->members()) {
+  if ((layout.tp() > 1 || layout.etp() > 1) && groups.expertTp()->members() != groups.tp()->members()) {
     throw ConfigError(
         fmt::format("MoE layer {}: tokens are replicated over the tp group {} ({}), so expert tensor parallelism "
                     "must span the same ranks, but the etp group {} holds {}",
@@ -52,13 +53,16 @@ MoELayer::MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, co
       gate_(replicatedWeight(options_.seed, 1, {options_.router.numExperts, options_.hidden}, options_.initStd,
                              tensorOptions)),
       router_(options_.router, gate_),
-      dispatcher_(groups.ep(), {.numExperts = options_.router.numExperts, .oncePerRank = options_.oncePerRank}),
+      dispatcher_(groups.ep(), {.numExperts = options_.router.numExperts,
+                                .oncePerRank = options_.oncePerRank,
+                                .timeout = options_.timeout}),
       experts_({.numExperts = options_.router.numExperts,
                 .hidden = options_.hidden,
                 .ffnHidden = options_.ffnHidden,
                 .initStd = options_.initStd,
                 .seed = options_.seed,
-                .groupedMm = options_.groupedMm},
+                .groupedMm = options_.groupedMm,
+                .timeout = options_.timeout},
                dispatcher_.firstExpert(), dispatcher_.localExperts(), groups.expertTp(), tensorOptions) {
   if (options_.sharedExpertHidden > 0) {
     const int64_t hidden = options_.hidden, shared = options_.sharedExpertHidden;
@@ -79,12 +83,14 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   if (options_.globalAuxLoss && options_.router.auxLossCoeff != 0) {
     // Slot counts and the token count, summed over every replica's batch.
     at::Tensor counts = at::cat({routing.tokensPerExpert, at::full({1}, tokens.size(0), routing.tokensPerExpert.options())});
-    auto work = dpCp_->allReduce(counts);
-    if (!counts.is_cuda()) work->wait();
+    const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
+    auto work = dpCp_->allReduce(counts, {.deadline = deadline});
+    if (!counts.is_cuda()) work->wait(deadline);
     at::Tensor slots = counts.narrow(0, 0, options_.router.numExperts);
     at::Tensor total = counts.narrow(0, options_.router.numExperts, 1).to(routing.meanProb.scalar_type()) *
                        options_.router.topK;
-    routing.auxLoss = router_.switchLoss(slots, 1.0, routing.meanProb) / total.squeeze(0);
+    // An empty batch on every replica has no balance to measure: 0, not 0/0.
+    routing.auxLoss = router_.switchLoss(slots, 1.0, routing.meanProb) / total.squeeze(0).clamp_min(1);
   }
   DispatchPlan plan = dispatcher_.dispatch(tokens, routing);
   at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.tokensPerLocalExpertDevice);

@@ -22,6 +22,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -49,6 +50,9 @@ struct MoEOptions {
   double initStd = 0.02;
   uint64_t seed = 1234;
   bool groupedMm = true;
+  // Each collective of the layer, forward and backward (dispatch, combine,
+  // expert-tp, the aux-loss counts); unset: BULKHEAD_COLLECTIVE_TIMEOUT.
+  std::optional<std::chrono::milliseconds> timeout;
 };
 
 // What the last forward saw on this rank.

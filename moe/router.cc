@@ -35,7 +35,7 @@ Routing Router::route(const at::Tensor& tokens) const {
   const int64_t numExperts = options_.numExperts;
   // Scores in at least float32: bf16 softmax over many experts loses the ranking.
   const auto scoreType = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor logits = at::matmul(tokens, gate_.t()).to(scoreType);
+  at::Tensor logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
 
   at::Tensor scores = options_.scoreFunction == ScoreFunction::Softmax ? at::softmax(logits, -1) : at::sigmoid(logits);
   at::Tensor selection = options_.expertBias ? scores.detach() + bias_.to(scoreType) : scores.detach();
@@ -46,7 +46,7 @@ Routing Router::route(const at::Tensor& tokens) const {
   Routing routing;
   routing.indices = indices;
   routing.weights = weights;
-  routing.tokensPerExpert = at::bincount(indices.reshape(-1), {}, numExperts);
+  routing.tokensPerExpert = countValues(indices, numExperts);
 
   if (options_.capacityFactor > 0) {
     const auto capacity = static_cast<int64_t>(
@@ -86,6 +86,13 @@ void Router::updateBias(const at::Tensor& loads) {
   bias_.add_(at::sign(error), options_.biasUpdateRate);
 }
 
+at::Tensor countValues(const at::Tensor& values, int64_t bins) {
+  at::Tensor flat = values.reshape(-1);
+  at::Tensor valid = flat.ge(0);
+  at::Tensor index = at::where(valid, flat, at::zeros_like(flat));
+  return at::zeros({bins}, flat.options().dtype(at::kLong)).scatter_add_(0, index, valid.to(at::kLong));
+}
+
 at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, int numExperts, int64_t capacity) {
   const int64_t slots = indices.numel();
   at::Tensor flatExperts = indices.reshape(-1);
@@ -95,7 +102,7 @@ at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, in
   at::Tensor expertsByWeight = flatExperts.index_select(0, byWeight);
   at::Tensor byExpert = std::get<1>(at::sort(expertsByWeight, /*stable=*/true, 0, false));
   at::Tensor order = byWeight.index_select(0, byExpert);  // slots grouped by expert, best first
-  at::Tensor counts = at::bincount(flatExperts, {}, numExperts);
+  at::Tensor counts = countValues(flatExperts, numExperts);
   at::Tensor groupStart = at::cumsum(counts, 0) - counts;
   at::Tensor sortedExperts = flatExperts.index_select(0, order);
   at::Tensor position = at::arange(slots, indices.options()) - groupStart.index_select(0, sortedExperts);

@@ -110,6 +110,7 @@ int main(int argc, char** argv) {
       checkpointer->reserve(stateOf(model, optimizer, layout, 0));
     }
     int64_t step = 0;
+    int64_t savedStep = -1;  // the step the folder already holds from this run (or the load)
     if (!options.resume.empty()) {
       if (!checkpointer) throw ConfigError("--resume needs --ckpt-dir", {.rank = rank, .expected = "--ckpt-dir DIR"});
       checkpoint::StateDict targets = stateOf(model, optimizer, layout, 0);
@@ -118,6 +119,7 @@ int main(int argc, char** argv) {
       auto loaded = checkpointer->load(targets, load);
       optimizer.afterLoad();
       step = std::stoll(loaded.dataPosition);
+      savedStep = step;
       if (rank == 0) {
         log::info("train", "resumed from {} (step {}, saved as {}) in {:.2f} s", loaded.path, step,
                   loaded.layout ? loaded.layout->text() : "?", loaded.seconds);
@@ -138,6 +140,8 @@ int main(int argc, char** argv) {
                               c10::toString(options.model.dtype), device.str(), step, lastStep, options.steps));
 
     auto save = [&](int64_t completed) {
+      if (completed == savedStep) return;  // a committed step folder is never replaced
+      savedStep = completed;
       auto start = std::chrono::steady_clock::now();
       checkpointer->save(completed, stateOf(model, optimizer, layout, completed));
       const double blocked = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -168,10 +168,11 @@ TEST_CASE("expert tensor parallelism over the tp group computes the same functio
   }
 }
 
-TEST_CASE("a tp layout whose etp group differs from tp is refused", "[moe][layer]") {
-  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.tp = 2, .ep = 2},
-                                                {.warmup = false});
-  CHECK_THROWS_AS(MoELayer(layerOptions(true, 0, true), groups, at::kDouble), ConfigError);
+TEST_CASE("a layout whose etp group differs from tp is refused", "[moe][layer]") {
+  for (auto layout : {parallel::LayoutOptions{.tp = 2, .ep = 2}, parallel::LayoutOptions{.ep = 2, .etp = 2}}) {
+    auto groups = parallel::ProcessGroups::create(testing::worldPtr(), layout, {.warmup = false});
+    CHECK_THROWS_AS(MoELayer(layerOptions(true, 0, true), groups, at::kDouble), ConfigError);
+  }
 }
 
 TEST_CASE("the layer's gradients match finite differences of the global loss", "[moe][layer][gradcheck]") {

@@ -56,14 +56,16 @@ PY
     grep -a "parameter digest" "$work/out.txt" | tr -d '\r' | sed 's/.*parameter digest/parameter digest/' > "$work/resumed.digest"
     compare "$work/resumed.txt" "$work/straight.txt" 0
     diff "$work/straight.digest" "$work/resumed.digest" && echo "parameters bitwise equal: $(cat "$work/straight.digest")"
-    # The same checkpoint (step 8) resumed at ep 4 on 4 ranks, and at ep 1 on 2 ranks (dp 2).
-    cp -r "$work/ckpt" "$work/ckpt2"
-    head -8 "$work/straight.txt" > "$work/ep4.txt"
-    run 4 "$work/ep4.txt" --ep 4 --steps 16 --ckpt-dir "$work/ckpt" --resume 8 "${small[@]}"
-    compare "$work/ep4.txt" "$work/straight.txt" 1e-9
-    head -8 "$work/straight.txt" > "$work/dp2.txt"
-    run 2 "$work/dp2.txt" --ep 1 --steps 16 --ckpt-dir "$work/ckpt2" --resume 8 "${small[@]}"
-    compare "$work/dp2.txt" "$work/straight.txt" 1e-9
+    # The step-8 checkpoint (alone in a folder of its own each time) resumed at ep 4 on 4 ranks,
+    # and at ep 1 on 2 ranks (dp 2); each run's final save must commit too.
+    for variant in "4 ep4 --ep 4" "2 dp2 --ep 1"; do
+      set -- $variant
+      rm -rf "$work/$2.ckpt" && mkdir "$work/$2.ckpt" && cp -r "$work/ckpt/step_000008" "$work/$2.ckpt/"
+      head -8 "$work/straight.txt" > "$work/$2.txt"
+      run "$1" "$work/$2.txt" "${@:3}" --steps 16 --ckpt-dir "$work/$2.ckpt" --resume 8 "${small[@]}"
+      grep -aq "checkpoint step 16 committed" "$work/out.txt" || { tail -5 "$work/out.txt"; echo "FAIL: no commit"; exit 1; }
+      compare "$work/$2.txt" "$work/straight.txt" 1e-9
+    done
     ;;
   layouts)
     run 1 "$work/ep1.txt" --steps 20 "${small[@]}"
