@@ -26,17 +26,12 @@
 #include "launch/init.h"
 #include "moe/moe_layer.h"
 #include "parallel/process_groups.h"
+#include "bench/bench_check.h"
 #include "runtime/errors.h"
 
 using namespace bulkhead;
 
 namespace {
-
-#define BENCH_CHECK(call)                                                                                     \
-  do {                                                                                                        \
-    auto rc = (call);                                                                                         \
-    if (rc != decltype(rc){}) throw CommError(fmt::format("{} failed with {}", #call, static_cast<int>(rc))); \
-  } while (0)
 
 struct Options {
   int tokens = 4096, hidden = 2048, experts = 64, topK = 8, ffn = 768, iterations = 20;

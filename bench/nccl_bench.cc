@@ -19,17 +19,12 @@
 #include <vector>
 
 #include "launch/init.h"
+#include "bench/bench_check.h"
 #include "runtime/errors.h"
 
 using namespace bulkhead;
 
 namespace {
-
-#define BENCH_CHECK(call)                                                                               \
-  do {                                                                                                  \
-    auto rc = (call);                                                                                   \
-    if (rc != decltype(rc){}) throw CommError(fmt::format("{} failed with {}", #call, static_cast<int>(rc))); \
-  } while (0)
 
 struct Options {
   int64_t maxBytes = int64_t{1} << 30;

@@ -16,23 +16,10 @@
 
 #include "runtime/backoff.h"
 #include "runtime/errors.h"
+#include "runtime/fd.h"
 
 namespace bulkhead::checkpoint::fs {
 namespace {
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 std::string parentOf(const std::string& path) {
   size_t slash = path.find_last_of('/');

@@ -48,7 +48,7 @@ MoELayer::MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, co
       dpCp_(checkedGroups(options_, groups).dpCp()),
       worldRank_(groups.world()->rank()),
       tp_(groups.layout().tp()),
-      tpRank_(groups.tp()->rank()),
+      denseReplica_(parallel::TpGroup::dense(groups).replicaId(true)),
       expertDpRank_(groups.expertDp()->rank()),
       gate_(replicatedWeight(options_.seed, 1, {options_.router.numExperts, options_.hidden}, options_.initStd,
                              tensorOptions)),
@@ -123,12 +123,10 @@ MoEStats MoELayer::stats() const {
 
 std::vector<parallel::Parameter> MoELayer::parameters() const {
   const bool replicatedOverTp = tp_ > 1;
-  // Dense weights: every rank holds a copy; the first of tp and dp x cp writes it.
-  const int denseReplica = tpRank_ * dpCp_->size() + dpCp_->rank();
   auto dense = [&](const std::string& name, const at::Tensor& tensor) {
     return parallel::Parameter{.name = options_.name + name,
                                .tensor = tensor,
-                               .shard = parallel::ShardInfo::whole(tensor.sizes(), denseReplica),
+                               .shard = parallel::ShardInfo::whole(tensor.sizes(), denseReplica_),
                                .group = parallel::ParamGroup::Dense,
                                .tpReplicated = replicatedOverTp};
   };

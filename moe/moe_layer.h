@@ -92,7 +92,8 @@ class MoELayer {
   MoEOptions options_;
   CommunicatorPtr dpCp_;  // every dense replica of this layer but the tp ones
   int worldRank_;
-  int tp_, tpRank_;
+  int tp_;
+  int denseReplica_;  // dense weights: every rank holds a copy, replica 0 writes it
   int expertDpRank_;
   at::Tensor gate_;
   Router router_;

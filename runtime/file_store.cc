@@ -14,6 +14,7 @@
 
 #include "runtime/backoff.h"
 #include "runtime/errors.h"
+#include "runtime/fd.h"
 
 namespace bulkhead {
 namespace {
@@ -31,20 +32,6 @@ constexpr const char* kLockFileName = "lock";
                             what, std::strerror(error), error),
                 {.rank = rank, .expected = "a readable and writable store directory"});
 }
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 void makeDirectories(const std::string& path, int rank) {
   for (size_t slash = path.find('/', 1);; slash = path.find('/', slash + 1)) {
