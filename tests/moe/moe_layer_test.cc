@@ -260,6 +260,28 @@ TEST_CASE("the layer's gradients match finite differences of the global loss", "
   }
 }
 
+TEST_CASE("the expert bias moves by the rate against the loads summed over dp", "[moe][layer]") {
+  auto& world = testing::world();
+  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4},
+                                                {.warmup = false});
+  MoEOptions options = layerOptions(true, 0, false);
+  options.router.biasUpdateRate = 0.25;
+  MoELayer layer(options, groups, at::kDouble);
+  at::Tensor tokens = shardTokens(world.rank());
+  layer.forward(tokens);
+  // The loads every rank saw, summed: what the bias must move against.
+  at::Tensor loads = at::zeros({kExperts}, at::kLong);
+  for (int shard = 0; shard < kShards; ++shard) {
+    at::Tensor indices = layer.router().route(shardTokens(shard)).indices;
+    loads.index_add_(0, indices.reshape(-1), at::ones({indices.numel()}, at::kLong));
+  }
+  layer.forward(tokens);  // routes anew with the same (zero) bias: the loads above
+  layer.updateExpertBias();
+  at::Tensor expected = at::sign(loads.to(at::kDouble).mean() - loads.to(at::kDouble)) * 0.25;
+  CHECK(at::allclose(layer.router().bias().to(at::kDouble), expected, 0, 1e-7));
+  CHECK(layer.router().bias().abs().sum().item<double>() > 0);
+}
+
 TEST_CASE("dispatch and combine around identity experts return each token's weighted sum", "[moe][dispatcher]") {
   auto& world = testing::world();
   for (int ep : {2, 8}) {

@@ -120,6 +120,20 @@ TEST_CASE("the expert bias steers selection but not the combine weights", "[moe]
   CHECK(at::allclose(routing.weights, scores.gather(1, routing.indices), 1e-15, 0));
 }
 
+TEST_CASE("sigmoid scores: top-k of the sigmoids, weights renormalised to one", "[moe][router]") {
+  at::Tensor gate = gaussian(12, {6, 5});
+  at::Tensor tokens = gaussian(13, {7, 5});
+  Router router({.numExperts = 6, .topK = 3, .scoreFunction = ScoreFunction::Sigmoid}, gate);
+  Routing routing = router.route(tokens);
+  at::Tensor scores = at::sigmoid(at::matmul(tokens, gate.t()));
+  at::Tensor expected = std::get<1>(scores.topk(3));
+  CHECK(at::equal(routing.indices, expected));
+  at::Tensor picked = scores.gather(1, expected);
+  CHECK(at::allclose(routing.weights, picked / picked.sum(-1, true), 1e-15, 0));
+  // P_i of the aux loss: the per-token normalised scores.
+  CHECK(at::allclose(routing.meanProb, (scores / scores.sum(-1, true)).mean(0), 1e-15, 0));
+}
+
 TEST_CASE("permute then unpermute returns the input exactly", "[moe][dispatcher]") {
   // 13 tokens, 3 columns each (say, destination ranks); one entry per token.
   at::Tensor tokens = gaussian(7, {13, 8});
