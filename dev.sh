@@ -24,7 +24,7 @@ case "${1:-}" in
   build) build ;;
   run)
     build
-    # The main job: a MoE transformer on 4 ranks (ep 2, dp 2), checkpointed
+    # The main job: a MoE transformer on 4 ranks (ep 2 x expert-dp 2), checkpointed
     # at step 60 and 120, stopped, then resumed from the latest checkpoint.
     ckpt=${BULKHEAD_CKPT_DIR:-$build_dir/train_moe_ckpt}
     rm -rf "$ckpt"
