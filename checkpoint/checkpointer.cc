@@ -60,7 +60,7 @@ Planned plan(const StateDict& state, int rank, int64_t chunkBytes) {
     slice.offsets = offsets;
     slice.shape = tensor.sizes().vec();
     slice.dataset = h5::datasetName(key);
-    if (names[slice.dataset]++ > 0) slice.dataset += "@" + formatDims(offsets);
+    if (names[slice.dataset]++ > 0) slice.dataset.append("@").append(formatDims(offsets));
     slice.plan = ChunkPlan::make(slice.shape, dtypeSize(slice.dtype), chunkBytes);
     planned.total += slice.plan.count * slice.plan.stagedBytes();
     planned.slices.push_back(std::move(slice));

@@ -68,7 +68,7 @@ uint8_t* HostBuffer::reserve(size_t bytes, bool pinned, int rank) {
 #if BULKHEAD_TORCH_CUDA
   if (pinned) {
     void* memory = nullptr;
-    if (cudaHostAlloc(&memory, size, cudaHostAllocDefault) == cudaSuccess) {
+    if (cudaHostAlloc(&memory, size, cudaHostAllocPortable) == cudaSuccess) {
       data_ = static_cast<uint8_t*>(memory);
       capacity_ = size;
       pinned_ = true;

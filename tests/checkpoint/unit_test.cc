@@ -292,15 +292,22 @@ TEST_CASE("one rank saves and loads through a file store; folder names carry the
   CHECK(ckpt->job().size() == 16);
   auto layout = parallel::Layout::create(1, {});
   testing::ckpt::ModelShape shape{.layers = 1};
-  ckpt->save(3, testing::ckpt::build(shape, layout, 0, 5));
+  StateDict state = testing::ckpt::build(shape, layout, 0, 5);
+  // Two slices of one key on one rank: two datasets in its file.
+  at::Tensor two = testing::draw(0, 9, {4, 6}, at::kDouble);
+  state.add("two", two.narrow(0, 0, 1).clone(), {{4, 6}, {0, 0}, 0});
+  state.add("two", two.narrow(0, 1, 3).clone(), {{4, 6}, {1, 0}, 0});
+  ckpt->save(3, state);
   SaveResult result = ckpt->wait(Deadline::afterSeconds(30));
   INFO(result.error);
   REQUIRE(result.ok);
   CHECK(readLatest(dir.path() + "/ckpt", 0) == 3);
   CHECK(temporaryFolderName(3, ckpt->job()) == "step_000003.tmp." + ckpt->job());
   auto targets = testing::ckpt::build(shape, layout, 0, 6);
+  targets.addWhole("two", at::zeros({4, 6}, at::kDouble));
   CHECK(ckpt->load(targets).step == 3);
   CHECK(testing::ckpt::mismatches(targets, shape, 5).empty());
+  CHECK(at::equal(targets.find("two")->local, two));
   // A state dict the checkpoint cannot take: ConfigError at save(), on the caller's thread.
   StateDict bad;
   bad.add("x", at::ones({4}), {{4}, {2}, 0});  // [2, 6) lies outside [0, 4)
