@@ -47,7 +47,7 @@ kill | commit-exit)
   grep -q "step_000200.tmp" "$work/list.log" || fail "list does not show the partial step 200"
   # The next run: another world size and layout, resumes from step 100.
   run_job "$work/resume.log" 8 ep=8 load=latest seeds=1 || fail "the resumed run failed"
-  [ "$(grep -c "LOAD step 100 seed 1 user ok" "$work/resume.log")" -eq 8 ] || fail "not every rank loaded step 100 intact"
+  [ "$(grep -o "LOAD step 100 seed 1 user ok" "$work/resume.log" | wc -l)" -eq 8 ] || fail "not every rank loaded step 100 intact"
   echo "PASS: latest and step 100 intact after the crash; 8 ranks under ep 8 resumed from step 100 bitwise"
   ;;
 stall)
@@ -64,7 +64,7 @@ stall)
     awk -v t="$total" 'BEGIN { exit !(t >= 1.9 && t <= 3.5) }' || fail "rank $r gave up after $total s, not 2-3.5 s"
   done
   grep -q "RANK 0 LATEST 100" "$work/stall.log" || fail "latest moved after the failed save"
-  [ "$(grep -c "SAVE 300 ok" "$work/stall.log")" -eq 4 ] || fail "the save after the stall did not commit on every rank"
+  [ "$(grep -o "SAVE 300 ok" "$work/stall.log" | wc -l)" -eq 4 ] || fail "the save after the stall did not commit on every rank"
   [ "$(latest)" = step_000300 ] || fail "latest is '$(latest)', not step_000300"
   [ ! -e "$dir/step_000200" ] || fail "the stalled step 200 was committed"
   verify_ok 100
@@ -85,13 +85,13 @@ write-error | tmpfs)
       fail "the run failed"
   fi
   grep "SAVE" "$work/full.log"
-  [ "$(grep -c "SAVE 100 ok" "$work/full.log")" -eq 4 ] || fail "step 100 was not saved by every rank"
-  [ "$(grep -c "SAVE 200 failed IoError" "$work/full.log")" -eq 4 ] || fail "step 200 did not fail with IoError on every rank"
+  [ "$(grep -o "SAVE 100 ok" "$work/full.log" | wc -l)" -eq 4 ] || fail "step 100 was not saved by every rank"
+  [ "$(grep -o "SAVE 200 failed IoError" "$work/full.log" | wc -l)" -eq 4 ] || fail "step 200 did not fail with IoError on every rank"
   grep "SAVE 200 failed" "$work/full.log" | grep -q "No space left on device" || fail "no rank names the full disk"
   [ "$(latest)" = step_000100 ] || fail "latest is '$(latest)', not step_000100"
   ls "$dir" | grep -q "step_000200" && fail "step 200 left a folder behind: $(ls "$dir")"
   verify_ok latest
-  [ "$(grep -c "LOAD step 100 seed 1 user ok" "$work/full.log")" -eq 4 ] || fail "step 100 did not load intact"
+  [ "$(grep -o "LOAD step 100 seed 1 user ok" "$work/full.log" | wc -l)" -eq 4 ] || fail "step 100 did not load intact"
   echo "PASS: IoError on every rank, step 100 and latest intact and loadable"
   ;;
 two-jobs)
