@@ -6,6 +6,9 @@
 //
 //   mpirun -np 2 bulkhead-ckpt-bench --dir DIR --phase save [--iters 4]   blocking and total time per save
 //   mpirun -np 2 bulkhead-ckpt-bench --dir DIR --phase load               load of `latest`, checked bitwise
+//   mpirun -np 1 bulkhead-ckpt-bench --dir DIR --phase load --saved-world 2
+//       a resharding load: the checkpoint was saved by 2 ranks, is loaded by 1 (experts and the dense
+//       rows split over the loading ranks), and checked bitwise against the saving ranks' values
 //
 // Rank 0 prints "BULKHEAD_RESULT phase=reserve seconds=S" (allocating the pinned staging memory
 // before the first save, Checkpointer::reserve), "BULKHEAD_RESULT phase=save iter=i blocking=S
@@ -14,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -33,6 +37,7 @@ struct Options {
   int iters = 4;
   int layers = 12;
   int experts = 64;
+  int savedWorld = 0;  // ranks that saved the checkpoint a load reads (0: this job's)
   double timeout = 600;
 };
 
@@ -46,6 +51,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--layers") options.layers = std::stoi(value);
     else if (flag == "--experts") options.experts = std::stoi(value);
     else if (flag == "--timeout") options.timeout = std::stod(value);
+    else if (flag == "--saved-world") options.savedWorld = std::stoi(value);
     else throw ConfigError(fmt::format("unknown flag {}", flag));
   }
   if (options.dir.empty() || (options.phase != "save" && options.phase != "load"))
@@ -53,20 +59,45 @@ Options parse(int argc, char** argv) {
   return options;
 }
 
-// The state of this rank, seeded so the load phase regenerates what the save phase wrote.
-StateDict build(const Options& options, int rank, int world, c10::Device device, bool values) {
+// The state of `rank` of `world`, seeded so that a load regenerates what the save wrote. The
+// global shapes are those of a job of `savedWorld` ranks (the dense rows grow with it); every
+// tensor is split over the ranks along its first dimension.
+StateDict build(const Options& options, int rank, int world, int savedWorld, c10::Device device, bool values) {
   at::manual_seed(1234 + rank);
   auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(device);
-  int64_t local = options.experts / world;
+  if (options.experts % world != 0 || savedWorld * 3072 % world != 0)
+    throw ConfigError(fmt::format("{} experts and {} dense rows do not split over {} ranks", options.experts,
+                                  savedWorld * 3072, world));
+  int64_t local = options.experts / world, rows = int64_t{savedWorld} * 3072 / world;
   StateDict state;
   auto make = [&](at::IntArrayRef shape) { return values ? at::randn(shape, bf16) : at::zeros(shape, bf16); };
   for (int l = 0; l < options.layers; ++l) {
     std::string p = fmt::format("layers.{}.", l);
     state.add(p + "experts.w1", make({local, 1536, 1024}), {{options.experts, 1536, 1024}, {rank * local, 0, 0}, 0});
     state.add(p + "experts.w2", make({local, 1024, 768}), {{options.experts, 1024, 768}, {rank * local, 0, 0}, 0});
-    state.add(p + "dense", make({3072, 1024}), {{int64_t{world} * 3072, 1024}, {int64_t{rank} * 3072, 0}, 0});
+    state.add(p + "dense", make({rows, 1024}), {{int64_t{savedWorld} * 3072, 1024}, {rank * rows, 0}, 0});
   }
   return state;
+}
+
+// What `rank` of `world` must hold after loading a checkpoint saved by `savedWorld` ranks: the
+// saving ranks' values, regenerated one rank at a time, cut to this rank's slices.
+StateDict expectedAfterLoad(const Options& options, int rank, int world, int savedWorld, c10::Device device) {
+  if (savedWorld == world) return build(options, rank, world, savedWorld, device, true);
+  StateDict expected = build(options, rank, world, savedWorld, device, false);
+  for (int saver = 0; saver < savedWorld; ++saver) {
+    StateDict saved = build(options, saver, savedWorld, savedWorld, device, true);
+    for (size_t i = 0; i < saved.tensors.size(); ++i) {
+      const auto& from = saved.tensors[i];
+      auto& into = expected.tensors[i];
+      int64_t begin = std::max(from.shard.offsets[0], into.shard.offsets[0]);
+      int64_t end = std::min(from.shard.offsets[0] + from.local.size(0), into.shard.offsets[0] + into.local.size(0));
+      if (begin < end)
+        into.local.narrow(0, begin - into.shard.offsets[0], end - begin)
+            .copy_(from.local.narrow(0, begin - from.shard.offsets[0], end - begin));
+    }
+  }
+  return expected;
 }
 
 int64_t bytesOf(const StateDict& state) {
@@ -96,7 +127,8 @@ int main(int argc, char** argv) {
     int rank = runtime->world().rank(), world = runtime->world().size();
     auto ckpt = Checkpointer::create({.dir = options.dir, .keep = 2, .timeoutSeconds = options.timeout},
                                      runtime->store(), rank, world);
-    StateDict state = build(options, rank, world, runtime->device(), options.phase == "save");
+    const int savedWorld = options.savedWorld > 0 ? options.savedWorld : world;
+    StateDict state = build(options, rank, world, savedWorld, runtime->device(), options.phase == "save");
     int64_t bytes = static_cast<int64_t>(slowest(*runtime, static_cast<double>(bytesOf(state)))) * world;
     if (options.phase == "save") {
       auto reserving = std::chrono::steady_clock::now();
@@ -123,13 +155,14 @@ int main(int argc, char** argv) {
       LoadResult loaded = ckpt->load(state);
       sync(*runtime);
       double seconds = slowest(*runtime, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-      StateDict expected = build(options, rank, world, runtime->device(), true);
+      StateDict expected = expectedAfterLoad(options, rank, world, savedWorld, runtime->device());
       bool equal = true;
       for (size_t i = 0; i < state.tensors.size(); ++i) equal = equal && at::equal(state.tensors[i].local, expected.tensors[i].local);
       double allEqual = -slowest(*runtime, equal ? -1.0 : 0.0);
       if (rank == 0)
-        std::printf("BULKHEAD_RESULT phase=load step=%lld seconds=%.4f bytes=%lld equal=%d\n",
-                    static_cast<long long>(loaded.step), seconds, static_cast<long long>(bytes), allEqual > 0 ? 1 : 0);
+        std::printf("BULKHEAD_RESULT phase=load step=%lld seconds=%.4f bytes=%lld equal=%d saved_world=%d world=%d\n",
+                    static_cast<long long>(loaded.step), seconds, static_cast<long long>(bytes), allEqual > 0 ? 1 : 0,
+                    savedWorld, world);
       std::fflush(stdout);
     }
     ckpt.reset();

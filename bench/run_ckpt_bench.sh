@@ -6,7 +6,8 @@
 # about 3.8 GB on 2 ranks). Prints a markdown table with the ratios the acceptance asks for.
 #   bench/run_ckpt_bench.sh [build-dir] [checkpoint-dir] [out-file]
 # Env: NP (ranks, default 2), ITERS (saves per variant, default 4; the first of each is reported
-# apart: it allocates staging memory). Page caches are dropped before each load when this runs as
+# apart: it allocates staging memory), RESHARD_NP (also load Bulkhead's checkpoint on this many
+# ranks, resharded, and check it bitwise; default: not run). Page caches are dropped before each load when this runs as
 # root (else the loads read warm caches, and the table says so).
 set -eo pipefail
 build=${1:-build}
@@ -61,6 +62,11 @@ drop_caches
 bulkhead_cache=$cache
 mpirun --oversubscribe -np "$ranks" "$build/bin/bulkhead-ckpt-bench" --dir "$dir/bulkhead" --phase load |
   tee "$logs/bulkhead_load" >&2
+if [ -n "${RESHARD_NP:-}" ]; then
+  drop_caches
+  mpirun --oversubscribe -np "$RESHARD_NP" "$build/bin/bulkhead-ckpt-bench" --dir "$dir/bulkhead" --phase load \
+    --saved-world "$ranks" | sed 's/^BULKHEAD_RESULT/RESHARD_RESULT/' | tee -a "$logs/bulkhead_load" >&2
+fi
 "$build/bin/bulkhead-ckpt" verify "$dir/bulkhead" >&2 || echo "WARNING: bulkhead-ckpt verify found a fault" >&2
 rm -rf "$dir/bulkhead"
 
@@ -130,6 +136,10 @@ print(f"| dd, {ranks} streams (conv=fdatasync), best of {ddn_runs} GB/s | | | {d
       f"{ddn[1] / ddn[0] / 1e9:.2f} | |")
 loads = {"Bulkhead": (records("bulkhead_load", "BULKHEAD_RESULT"), bulkhead_cache),
          "DCP": (records("dcp_load", "DCP_RESULT"), dcp_cache)}
+resharded = records("bulkhead_load", "RESHARD_RESULT")
+if resharded:
+    r = resharded[0]
+    loads[f"Bulkhead, saved on {r['saved_world']} ranks, loaded on {r['world']} (resharded)"] = (resharded, bulkhead_cache)
 print("\n| load | seconds | GB/s | page cache | bitwise equal |")
 print("|---|---:|---:|---|---|")
 for label, (rows, cache) in loads.items():

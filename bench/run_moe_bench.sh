@@ -3,6 +3,7 @@
 # the same GPUs in one command; and Bulkhead's dispatch + combine beside raw
 # NCCL all-to-alls of the same rows. bf16, E=64 experts, top-8, H=2048, F=768.
 #   bench/run_moe_bench.sh [build-dir] [out-file] [token counts, default "4096 16384"]
+# Env: NP (ranks = ep, default: every GPU).
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench/results/moe_$(date +%Y%m%d).md}
@@ -10,7 +11,7 @@ shift $(($# < 2 ? $# : 2))
 token_counts=${*:-4096 16384}
 export NCCL_NVLS_ENABLE=0
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-ranks=$(nvidia-smi -L | grep -c '^GPU')
+ranks=${NP:-$(nvidia-smi -L | grep -c '^GPU')}
 sizes="--hidden 2048 --experts 64 --topk 8 --ffn 768"
 value() { awk -v key="$1" '$1 == key {print $2}' <<<"$2"; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }

@@ -1,6 +1,6 @@
-// GPU fault program: with the nccl backend on 2 ranks, rank 1 misbehaves and
-// rank 0 must raise TimeoutError within the deadline plus 2 s, without hanging
-// in abort; the job must then exit non-zero.
+// GPU fault program: with the nccl backend on 2 or more ranks, rank 1
+// misbehaves and every other rank must raise TimeoutError within the deadline
+// plus 2 s, without hanging in abort; the job must then exit non-zero.
 //
 //   gpu_fault <init|collective|unwaited> <deadline-ms> <out-dir>
 //   init:       rank 1 takes NCCL's unique id but never joins ncclCommInitRankConfig
@@ -8,7 +8,7 @@
 //   unwaited:   as collective, but rank 0 never waits: the watchdog must fail it
 //   connect:    rank 1 skips the very first all-to-all, whose NCCL call on rank 0
 //               blocks connecting to it: the watchdog must bound the call itself
-// Rank 0 writes <out-dir>/rank_0.txt: seconds waited, the error's type and message.
+// Each rank but 1 writes <out-dir>/rank_<r>.txt: seconds waited, the error's type and message.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -25,8 +25,8 @@ using namespace bulkhead;
 
 namespace {
 
-void report(const std::string& dir, double waited, const std::string& outcome) {
-  std::FILE* file = std::fopen(fmt::format("{}/rank_0.txt", dir).c_str(), "w");
+void report(const std::string& dir, int rank, double waited, const std::string& outcome) {
+  std::FILE* file = std::fopen(fmt::format("{}/rank_{}.txt", dir, rank).c_str(), "w");
   std::fprintf(file, "%.3f %s\n", waited, outcome.c_str());
   std::fclose(file);
 }
@@ -76,9 +76,9 @@ int main(int argc, char** argv) {
     start = std::chrono::steady_clock::now();
     try {
       nccl::initWorld(cpu, {.deadline = Deadline::after(deadlineAfter), .localRank = me});
-      report(outDir, elapsed(), "no error");
+      report(outDir, me, elapsed(), "no error");
     } catch (...) {
-      report(outDir, elapsed(), describe(std::current_exception()));
+      report(outDir, me, elapsed(), describe(std::current_exception()));
     }
     return 0;
   }
@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
     }
     double waited = elapsed();
     outcome += laterOperation(*gpu, t);
-    report(outDir, waited, outcome);
+    report(outDir, me, waited, outcome);
     return 0;
   }
   for (int i = 0; i < 5; ++i) gpu->allReduce(t)->wait();
@@ -123,6 +123,6 @@ int main(int argc, char** argv) {
   }
   double waited = elapsed();
   outcome += laterOperation(*gpu, t);
-  report(outDir, waited, outcome);
+  report(outDir, me, waited, outcome);
   return 0;
 }
