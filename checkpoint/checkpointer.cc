@@ -155,20 +155,43 @@ std::unique_ptr<Checkpointer> Checkpointer::create(CheckpointOptions options, st
       new Checkpointer(std::move(options), std::move(store), rank, worldSize, std::move(prefix), std::move(job)));
 }
 
+namespace {
+
+// Joins a save's thread once its work is over (result out, old checkpoints
+// removed); past the deadline it is left behind, with a log line.
+void joinWhenFinished(const SaveHandle& handle, std::thread& worker, Deadline deadline) {
+  if (!worker.joinable()) return;
+  auto& state = *handle.state();
+  std::unique_lock<std::mutex> lock(state.mutex);
+  auto finished = [&] { return state.finished; };
+  bool over = deadline.isNever() ? (state.changed.wait(lock, finished), true)
+                                 : state.changed.wait_until(lock, deadline.when(), finished);
+  lock.unlock();
+  if (over) {
+    worker.join();
+  } else {
+    log::error("checkpoint", "the thread of the save of step {} was still removing old checkpoints at the deadline; "
+               "leaving it behind", state.step);
+    worker.detach();
+  }
+}
+
+}  // namespace
+
 Checkpointer::~Checkpointer() {
   if (!current_.valid()) return;
+  auto& state = *current_.state();
+  double grace = commitGraceSeconds(timeoutSeconds());
+  Deadline until = Deadline::at(state.deadline.when() + std::chrono::duration_cast<Deadline::Clock::duration>(
+                                                            std::chrono::duration<double>(3 * grace + 1)));
   try {
-    auto& state = *current_.state();
-    double grace = commitGraceSeconds(timeoutSeconds());
-    Deadline until = Deadline::at(state.deadline.when() +
-                                  std::chrono::duration_cast<Deadline::Clock::duration>(
-                                      std::chrono::duration<double>(3 * grace + 1)));
-    SaveResult result = current_.wait(until);
-    if (worker_.joinable()) worker_.join();
+    current_.wait(until);
   } catch (const std::exception& e) {
     log::error("checkpoint", "{}; leaving the save thread behind", e.what());
     if (worker_.joinable()) worker_.detach();
   }
+  if (finishing_.valid()) joinWhenFinished(finishing_, finishingWorker_, until);
+  joinWhenFinished(current_, worker_, until);
 }
 
 double Checkpointer::timeoutSeconds() const {
@@ -182,7 +205,14 @@ int Checkpointer::threads() const {
 void Checkpointer::settlePrevious(Deadline deadline) {
   if (!current_.valid()) return;
   SaveResult result = current_.wait(deadline);
-  if (worker_.joinable()) worker_.join();
+  if (worker_.joinable()) {
+    // Its thread may still be removing old checkpoints: it goes on beside the
+    // next save (whose commit leaves those folders alone); the one before is
+    // joined now.
+    if (finishing_.valid()) joinWhenFinished(finishing_, finishingWorker_, deadline);
+    finishing_ = current_;
+    finishingWorker_ = std::move(worker_);
+  }
   auto& state = *current_.state();
   std::lock_guard<std::mutex> lock(state.mutex);
   if (result.ok || options_.continueOnFailure || state.raised) return;
@@ -202,6 +232,7 @@ void Checkpointer::reserve(const StateDict& state) {
 SaveResult Checkpointer::wait(Deadline deadline) {
   if (!current_.valid()) return {};
   settlePrevious(deadline);
+  if (finishing_.valid()) joinWhenFinished(finishing_, finishingWorker_, deadline);
   return current_.wait(deadline);
 }
 

@@ -136,8 +136,10 @@ class Checkpointer {
   // Allocates (page-locked for CUDA tensors) and touches the host memory that
   // saving `state` needs, so the first save() does not pay for it; local, optional.
   void reserve(const StateDict& state);
-  // Waits for the last save. With continueOnFailure false, a failed save
-  // raises its error here (IoError, TimeoutError or CheckpointError).
+  // Waits for the last save, and for the removal of the old checkpoints its
+  // commit retired (the next save() does not: that removal goes on beside it).
+  // With continueOnFailure false, a failed save raises its error here
+  // (IoError, TimeoutError or CheckpointError).
   SaveResult wait(Deadline deadline);
   // Collective. Fills the targets' tensors in place (any layout; CPU or CUDA).
   LoadResult load(StateDict& targets, LoadOptions options = {});
@@ -165,6 +167,10 @@ class Checkpointer {
   std::shared_ptr<HostBuffer> buffer_;  // reused by every save
   SaveHandle current_;                  // the last save
   std::thread worker_;                  // its background part
+  // The save before it, whose thread may still be removing old checkpoints
+  // after its result was out.
+  SaveHandle finishing_;
+  std::thread finishingWorker_;
 };
 
 }  // namespace bulkhead::checkpoint

@@ -86,8 +86,9 @@ void writeLatest(const std::string& dir, int64_t step, const std::string& job, i
   fs::replaceFile(fs::join(dir, kLatestName), stepFolderName(step) + "\n", job, rank);
 }
 
-void cleanFolder(const std::string& dir, int keep, int64_t justCommitted, const std::string& job,
-                 const std::string& current, double staleSeconds, int rank) {
+std::vector<std::string> cleanFolder(const std::string& dir, int keep, int64_t justCommitted, const std::string& job,
+                                     const std::string& current, double staleSeconds, int rank) {
+  std::vector<std::string> doomed;
   try {
     auto entries = scanFolder(dir, rank);
     std::optional<int64_t> latest;
@@ -105,23 +106,30 @@ void cleanFolder(const std::string& dir, int keep, int64_t justCommitted, const 
         const FolderEntry& old = *committed[i];
         if (old.step == justCommitted || (latest && old.step == *latest)) continue;
         std::string from = fs::join(dir, old.name);
-        std::string doomed = fs::join(dir, fmt::format("{}.deleting.{}", old.name, job));
-        if (!fs::renameNoReplace(from, doomed, rank)) continue;
+        std::string retired = fs::join(dir, fmt::format("{}.deleting.{}", old.name, job));
+        if (!fs::renameNoReplace(from, retired, rank)) continue;
         log::info("checkpoint", "removing {} (keeping the {} newest checkpoints)", from, keep);
-        if (!fs::removeTree(doomed)) log::warn("checkpoint", "could not remove all of {}", doomed);
+        doomed.push_back(retired);
       }
     }
     for (const auto& entry : entries) {
       if (entry.kind == FolderEntry::Kind::Committed || entry.name == current) continue;
       bool ours = entry.job == job, stale = entry.ageSeconds > staleSeconds;
+      if (ours && entry.kind == FolderEntry::Kind::Deleting && !stale) continue;  // our earlier removal's
       if (!ours && !stale) continue;  // another job's save may be in progress
       std::string path = fs::join(dir, entry.name);
       log::info("checkpoint", "removing {} ({})", path, ours ? "left by an earlier save of this job" : "stale");
-      if (!fs::removeTree(path)) log::warn("checkpoint", "could not remove all of {}", path);
+      doomed.push_back(path);
     }
   } catch (const std::exception& e) {
     log::warn("checkpoint", "cleaning the checkpoint folder {} failed: {}", dir, e.what());
   }
+  return doomed;
+}
+
+void removeFolders(const std::vector<std::string>& folders) {
+  for (const auto& folder : folders)
+    if (!fs::removeTree(folder)) log::warn("checkpoint", "could not remove all of {}", folder);
 }
 
 }  // namespace bulkhead::checkpoint

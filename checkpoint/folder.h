@@ -42,13 +42,19 @@ std::optional<int64_t> readLatest(const std::string& dir, int rank);
 // Replaces `latest` atomically (fs::replaceFile).
 void writeLatest(const std::string& dir, int64_t step, const std::string& job, int rank);
 
-// Removes committed checkpoints beyond the `keep` newest (by step), never the
-// one `latest` names nor `justCommitted`; keep <= 0 keeps all. Then removes
-// this job's temporary folders other than `current`, and any job's temporary
-// or deleting folders untouched for `staleSeconds` (a save never outlives its
-// deadline; the caller allows for other jobs' longer ones). Best effort:
-// failures are logged, never raised.
-void cleanFolder(const std::string& dir, int keep, int64_t justCommitted, const std::string& job,
-                 const std::string& current, double staleSeconds, int rank);
+// Retires committed checkpoints beyond the `keep` newest (by step), never the
+// one `latest` names nor `justCommitted` (keep <= 0 keeps all): each is renamed
+// to step_N.deleting.<job>, so it is never seen half-removed under a committed
+// name. Returns the folders to remove: those, this job's temporary folders
+// other than `current`, and any job's temporary or deleting folders untouched
+// for `staleSeconds` (a save never outlives its deadline; the caller allows for
+// other jobs' longer ones). This job's deleting folders are left to the removal
+// already under way. Call it holding the folder lock; remove the folders with
+// removeFolders after releasing it. Best effort: failures are logged, never
+// raised.
+std::vector<std::string> cleanFolder(const std::string& dir, int keep, int64_t justCommitted, const std::string& job,
+                                     const std::string& current, double staleSeconds, int rank);
+// Removes each folder and what it holds; failures are logged.
+void removeFolders(const std::vector<std::string>& folders);
 
 }  // namespace bulkhead::checkpoint

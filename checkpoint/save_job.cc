@@ -219,7 +219,7 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
     fs::FolderLock lock(dir, lockDeadline, rank);
     writeLatest(dir, step, job, rank);
     // Another job's save never outlives its own deadline, which may be far longer than ours.
-    cleanFolder(dir, keep, step, job, "", std::max(2 * timeoutSeconds, kStaleSeconds), rank);
+    doomed = cleanFolder(dir, keep, step, job, "", std::max(2 * timeoutSeconds, kStaleSeconds), rank);
   } catch (const std::exception& error) {
     Failure latestFailure{Failure::of(error).kind,
                           fmt::format("step {} is complete in {}, but `latest` could not be updated: {}", step, final,
@@ -291,9 +291,15 @@ void SaveJob::run() {
                result.error);
   }
   buffer.reset();
+  {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->result = std::move(result);
+    state->done = true;
+    state->changed.notify_all();
+  }
+  removeFolders(doomed);
   std::lock_guard<std::mutex> lock(state->mutex);
-  state->result = std::move(result);
-  state->done = true;
+  state->finished = true;
   state->changed.notify_all();
 }
 

@@ -22,7 +22,8 @@ struct SaveHandle::State {
   Deadline deadline = Deadline::never();  // the save's own
   std::mutex mutex;
   std::condition_variable changed;
-  bool done = false;
+  bool done = false;      // `result` is final
+  bool finished = false;  // the background thread's work is over (old checkpoints removed too)
   bool raised = false;  // a failure already raised to the caller (continueOnFailure false)
   SaveResult result;
 };
@@ -48,6 +49,9 @@ struct SaveJob {
   // Set when save() failed before the background part (staging): the job
   // only publishes it, so no rank waits for this one until the deadline.
   std::optional<commit::Failure> early;
+  // Rank 0: old checkpoints retired by the commit, removed once the result is
+  // out, so that neither this save nor the next one waits for the removal.
+  std::vector<std::string> doomed;
 
   // Runs the whole background part and settles `state`; never throws.
   void run();

@@ -4,6 +4,7 @@
 // its slices.
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "checkpoint/checkpointer.h"
 #include "runtime/errors.h"
