@@ -146,7 +146,7 @@ VerifyReport verifyCheckpoint(const std::string& stepFolder, int threads,
                                           slice.dataset, slice.rank, hex64(slice.digest)));
       std::vector<CheckpointReader::Piece> pieces;
       for (int64_t c = 0; c < plan.count; ++c) pieces.push_back({static_cast<int>(s), c});
-      reader.read(pieces, [](const CheckpointReader::Piece&, const uint8_t*) {});
+      reader.read(pieces, [](int, const CheckpointReader::Piece&, const uint8_t*) {});
       report.chunksChecked += plan.count;
       ++report.slicesChecked;
     } catch (const Error& error) {

@@ -7,6 +7,8 @@
 #include <fmt/ranges.h>
 
 #include <cstring>
+#include <memory>
+#include <optional>
 
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/commit.h"
@@ -22,39 +24,59 @@
 namespace bulkhead::checkpoint {
 namespace {
 
-// A box copy between two strided layouts (strides in elements), adjacent
-// dimensions merged where both sides are contiguous across them, so a box
-// that spans whole rows is one memcpy.
-void copyBox(const uint8_t* source, std::vector<int64_t> sourceStrides, uint8_t* target,
-             std::vector<int64_t> targetStrides, std::vector<int64_t> length, int64_t elementSize) {
-  for (size_t d = length.size(); d-- > 1;) {
-    if (sourceStrides[d - 1] == sourceStrides[d] * length[d] && targetStrides[d - 1] == targetStrides[d] * length[d]) {
-      length[d - 1] *= length[d];
-      sourceStrides[d - 1] = sourceStrides[d];
-      targetStrides[d - 1] = targetStrides[d];
-      length.erase(length.begin() + d);
-      sourceStrides.erase(sourceStrides.begin() + d);
-      targetStrides.erase(targetStrides.begin() + d);
+// A box of elements in two strided layouts (strides in elements), with
+// adjacent dimensions merged where both sides are contiguous across them, so a
+// box that spans whole rows is one run.
+struct Box {
+  int64_t source = 0, target = 0;  // first element, in each layout
+  std::vector<int64_t> length, sourceStrides, targetStrides;
+
+  void merge() {
+    for (size_t d = length.size(); d-- > 1;) {
+      if (sourceStrides[d - 1] == sourceStrides[d] * length[d] && targetStrides[d - 1] == targetStrides[d] * length[d]) {
+        length[d - 1] *= length[d];
+        sourceStrides[d - 1] = sourceStrides[d];
+        targetStrides[d - 1] = targetStrides[d];
+        length.erase(length.begin() + d);
+        sourceStrides.erase(sourceStrides.begin() + d);
+        targetStrides.erase(targetStrides.begin() + d);
+      }
     }
   }
-  size_t inner = length.size() - 1;
-  bool runs = sourceStrides[inner] == 1 && targetStrides[inner] == 1;
-  std::vector<int64_t> at(length.size(), 0);
+  // One contiguous run on both sides (after merge()).
+  bool singleRun() const {
+    for (size_t d = 0; d + 1 < length.size(); ++d)
+      if (length[d] != 1) return false;
+    return sourceStrides.back() == 1 && targetStrides.back() == 1;
+  }
+  int64_t elements() const {
+    int64_t n = 1;
+    for (int64_t l : length) n *= l;
+    return n;
+  }
+};
+
+void copyBox(const uint8_t* source, uint8_t* target, const Box& box, int64_t elementSize) {
+  source += box.source * elementSize;
+  target += box.target * elementSize;
+  size_t inner = box.length.size() - 1;
+  bool runs = box.sourceStrides[inner] == 1 && box.targetStrides[inner] == 1;
+  std::vector<int64_t> at(box.length.size(), 0);
   for (;;) {
     int64_t s = 0, t = 0;
     for (size_t d = 0; d < inner; ++d) {
-      s += at[d] * sourceStrides[d];
-      t += at[d] * targetStrides[d];
+      s += at[d] * box.sourceStrides[d];
+      t += at[d] * box.targetStrides[d];
     }
     if (runs) {
-      std::memcpy(target + t * elementSize, source + s * elementSize, length[inner] * elementSize);
+      std::memcpy(target + t * elementSize, source + s * elementSize, box.length[inner] * elementSize);
     } else {
-      for (int64_t i = 0; i < length[inner]; ++i)
-        std::memcpy(target + (t + i * targetStrides[inner]) * elementSize,
-                    source + (s + i * sourceStrides[inner]) * elementSize, elementSize);
+      for (int64_t i = 0; i < box.length[inner]; ++i)
+        std::memcpy(target + (t + i * box.targetStrides[inner]) * elementSize,
+                    source + (s + i * box.sourceStrides[inner]) * elementSize, elementSize);
     }
     size_t d = inner;
-    while (d > 0 && ++at[d - 1] == length[d - 1]) at[--d] = 0;
+    while (d > 0 && ++at[d - 1] == box.length[d - 1]) at[--d] = 0;
     if (d == 0) return;
   }
 }
@@ -65,14 +87,39 @@ std::vector<int64_t> contiguousStrides(const std::vector<int64_t>& dims) {
   return strides;
 }
 
-// Where a read lands: a CPU tensor (the target itself, or a host copy of a CUDA target).
+// Where a read lands: a CPU tensor written in place; or a CUDA tensor, either
+// directly (each chunk's piece one contiguous run: uploaded from the pinned
+// buffer it was read into) or through a host copy uploaded at the end.
 struct Destination {
   std::string key;
-  at::Tensor tensor;              // CPU, written in place
+  at::Tensor tensor;              // the target; after planning, what the reads write
   std::vector<int64_t> offsets;   // of the slice in the global tensor
   std::vector<int64_t> shape;     // stored shape ([1] for a scalar)
   std::vector<int64_t> strides;   // of `tensor`, in elements
+  bool direct = false;            // a CUDA tensor written chunk by chunk from pinned buffers
 };
+
+// Where the overlap of a chunk and a destination lies in each.
+Box boxOf(const ChunkPlan& plan, int64_t chunk, const SliceRecord& slice, const Destination& destination) {
+  std::vector<int64_t> chunkLo = plan.offsets(chunk);
+  std::vector<int64_t> chunkDims = plan.chunk;
+  chunkDims[plan.split] = std::min(chunkDims[plan.split], plan.dims[plan.split] - chunkLo[plan.split]);
+  std::vector<int64_t> sliceOffsets = slice.offsets.empty() ? std::vector<int64_t>{0} : slice.offsets;
+  size_t dims = chunkDims.size();
+  Box box;
+  box.length.resize(dims);
+  box.sourceStrides = contiguousStrides(chunkDims);
+  box.targetStrides = destination.strides;
+  for (size_t d = 0; d < dims; ++d) {
+    int64_t lo = std::max(chunkLo[d] + sliceOffsets[d], destination.offsets[d]);
+    int64_t hi = std::min(chunkLo[d] + chunkDims[d] + sliceOffsets[d], destination.offsets[d] + destination.shape[d]);
+    box.length[d] = hi - lo;
+    box.source += (lo - sliceOffsets[d] - chunkLo[d]) * box.sourceStrides[d];
+    box.target += (lo - destination.offsets[d]) * box.targetStrides[d];
+  }
+  box.merge();
+  return box;
+}
 
 // Rank 0: the step to load, or the error that says why there is none.
 int64_t resolveStep(const std::string& dir, std::optional<int64_t> asked, int rank) {
@@ -151,12 +198,8 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
     std::vector<int> tensorOf;                                // manifest tensor of each destination
     auto addDestination = [&](const std::string& key, at::Tensor tensor, std::vector<int64_t> offsets, int index) {
       Destination destination{key, tensor, std::move(offsets), tensor.sizes().vec(), {}};
-      if (tensor.is_cuda()) {
-        // Pageable: page-locking gigabytes for one load costs more than it saves.
-        destination.tensor = at::empty(tensor.sizes(), tensor.options().device(at::kCPU));
-        uploads.emplace_back(tensor, destination.tensor);
-      }
-      destination.strides = destination.tensor.strides().vec();
+      // CUDA targets: planned as if contiguous; those that cannot go direct get a host copy below.
+      destination.strides = tensor.is_cuda() ? contiguousStrides(destination.shape) : tensor.strides().vec();
       if (destination.shape.empty()) {
         destination.shape = {1};
         destination.strides = {1};
@@ -228,34 +271,57 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
                                           destination.key, covered, volume(destination.shape), result.path),
                               {.rank = rank_, .expected = "every element covered by exactly one saved slice"});
     }
-    reader.read(pieces, [&](const CheckpointReader::Piece& piece, const uint8_t* bytes) {
-      const Destination& destination = destinations[pieceDestination[&piece - pieces.data()]];
-      const SliceRecord& slice = manifest.slices[piece.slice];
-      const ChunkPlan& plan = reader.plan(piece.slice);
-      std::vector<int64_t> chunkLo = plan.offsets(piece.chunk);
-      std::vector<int64_t> chunkDims = plan.chunk;
-      chunkDims[plan.split] = std::min(chunkDims[plan.split], plan.dims[plan.split] - chunkLo[plan.split]);
-      std::vector<int64_t> sliceOffsets = slice.offsets.empty() ? std::vector<int64_t>{0} : slice.offsets;
-      size_t dims = chunkDims.size();
-      std::vector<int64_t> length(dims), sourceAt(dims), targetAt(dims);
-      for (size_t d = 0; d < dims; ++d) {
-        int64_t lo = std::max(chunkLo[d] + sliceOffsets[d], destination.offsets[d]);
-        int64_t hi = std::min(chunkLo[d] + chunkDims[d] + sliceOffsets[d], destination.offsets[d] + destination.shape[d]);
-        length[d] = hi - lo;
-        sourceAt[d] = lo - sliceOffsets[d] - chunkLo[d];
-        targetAt[d] = lo - destination.offsets[d];
+    // CUDA targets go direct when contiguous, on the first one's device, and
+    // every piece is one run; the others through a host copy (pageable:
+    // page-locking gigabytes for one load costs more than it saves).
+    std::vector<Box> boxes;
+    boxes.reserve(pieces.size());
+    std::vector<char> direct(destinations.size(), 1);
+    std::optional<int> landingDevice;
+    for (size_t i = 0; i < destinations.size(); ++i) {
+      const at::Tensor& tensor = destinations[i].tensor;
+      if (!tensor.is_cuda()) continue;
+      if (!landingDevice) landingDevice = tensor.device().index();
+      if (!tensor.is_contiguous() || tensor.device().index() != *landingDevice) direct[i] = 0;
+    }
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      const CheckpointReader::Piece& piece = pieces[p];
+      int d = pieceDestination[p];
+      boxes.push_back(boxOf(reader.plan(piece.slice), piece.chunk, manifest.slices[piece.slice], destinations[d]));
+      if (!boxes.back().singleRun()) direct[d] = 0;
+    }
+    std::unique_ptr<DeviceLanding> landing;
+    for (size_t i = 0; i < destinations.size(); ++i) {
+      Destination& destination = destinations[i];
+      if (!destination.tensor.is_cuda()) continue;
+      if (direct[i]) {
+        destination.direct = true;
+        if (!landing) landing = std::make_unique<DeviceLanding>(*landingDevice, threads(),
+                                                                static_cast<size_t>(reader.largestChunk(pieces)), rank_);
+        continue;
       }
-      auto sourceStrides = contiguousStrides(chunkDims);
-      int64_t source = 0, target = 0;
-      for (size_t d = 0; d < dims; ++d) {
-        source += sourceAt[d] * sourceStrides[d];
-        target += targetAt[d] * destination.strides[d];
-      }
-      int64_t elementSize = plan.elementSize;
-      copyBox(bytes + source * elementSize, sourceStrides,
-              static_cast<uint8_t*>(destination.tensor.data_ptr()) + target * elementSize, destination.strides, length,
-              elementSize);
-    });
+      at::Tensor host = at::empty(destination.tensor.sizes(), destination.tensor.options().device(at::kCPU));
+      uploads.emplace_back(destination.tensor, host);
+      destination.tensor = host;
+    }
+    CheckpointReader::Acquire acquire;
+    if (landing) acquire = [&](int worker, size_t) { return landing->acquire(worker, deadline); };
+    auto deliver = [&](int worker, const CheckpointReader::Piece& piece, const uint8_t* bytes) {
+      size_t p = static_cast<size_t>(&piece - pieces.data());
+      const Destination& destination = destinations[pieceDestination[p]];
+      const Box& box = boxes[p];
+      int64_t elementSize = reader.plan(piece.slice).elementSize;
+      auto* target = static_cast<uint8_t*>(destination.tensor.data_ptr());
+      if (destination.direct)
+        landing->upload(worker, target + box.target * elementSize, bytes + box.source * elementSize,
+                        static_cast<size_t>(box.elements() * elementSize));
+      else
+        copyBox(bytes, target, box, elementSize);
+    };
+    // A direct piece is uploaded from the buffer it was read into, so every
+    // read goes through the landing's buffers when there is one.
+    reader.read(pieces, deliver, acquire);
+    if (landing) landing->finish(deadline);
     uploadToDevices(uploads, deadline, rank_);
     for (const auto& [key, bytes] : blobs) {
       std::string value(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));

@@ -2,7 +2,8 @@
 // fn(0) ... fn(n-1) on up to `threads` threads, the caller's among them; the
 // first exception any call throws is rethrown here once all threads stopped
 // (calls not yet started are skipped). For checksums, copies and reads of
-// independent chunks.
+// independent chunks. parallelForWorkers passes each call its thread's index
+// as well (0 .. threads-1), for per-thread buffers.
 
 #include <atomic>
 #include <cstdint>
@@ -15,16 +16,16 @@
 namespace bulkhead::checkpoint {
 
 template <typename Fn>
-void parallelFor(int64_t n, int threads, Fn&& fn) {
+void parallelForWorkers(int64_t n, int threads, Fn&& fn) {
   if (n <= 0) return;
   std::atomic<int64_t> next{0};
   std::atomic<bool> stop{false};
   std::exception_ptr failure;
   std::mutex failureMutex;
-  auto work = [&] {
+  auto work = [&](int worker) {
     for (int64_t i; !stop.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
       try {
-        fn(i);
+        fn(worker, i);
       } catch (...) {
         std::lock_guard<std::mutex> lock(failureMutex);
         if (!failure) failure = std::current_exception();
@@ -37,14 +38,19 @@ void parallelFor(int64_t n, int threads, Fn&& fn) {
   pool.reserve(helpers > 0 ? helpers : 0);
   for (int t = 0; t < helpers; ++t) {
     try {
-      pool.emplace_back(work);
+      pool.emplace_back(work, t + 1);
     } catch (const std::system_error&) {
       break;  // fewer threads, same result
     }
   }
-  work();
+  work(0);
   for (auto& thread : pool) thread.join();
   if (failure) std::rethrow_exception(failure);
+}
+
+template <typename Fn>
+void parallelFor(int64_t n, int threads, Fn&& fn) {
+  parallelForWorkers(n, threads, [&](int, int64_t i) { fn(i); });
 }
 
 }  // namespace bulkhead::checkpoint

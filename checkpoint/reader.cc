@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -125,8 +126,13 @@ CheckpointReader::Slice& CheckpointReader::slice(int index) {
 
 const ChunkPlan& CheckpointReader::plan(int index) { return slice(index).plan; }
 
-void CheckpointReader::read(const std::vector<Piece>& pieces,
-                            const std::function<void(const Piece&, const uint8_t*)>& deliver) {
+int64_t CheckpointReader::largestChunk(const std::vector<Piece>& pieces) {
+  int64_t largest = 0;
+  for (const Piece& piece : pieces) largest = std::max(largest, slice(piece.slice).plan.chunkBytes() + 4);
+  return largest;
+}
+
+void CheckpointReader::read(const std::vector<Piece>& pieces, const Deliver& deliver, const Acquire& acquire) {
   // Where each chunk lies (HDF5 metadata, one thread), then the reads.
   struct Job {
     const Piece* piece;
@@ -153,30 +159,36 @@ void CheckpointReader::read(const std::vector<Piece>& pieces,
     largest = std::max(largest, expected);
   }
   std::atomic<int64_t> bytes{0};
-  parallelFor(static_cast<int64_t>(jobs.size()), threads_, [&](int64_t i) {
-    thread_local std::vector<uint8_t> buffer;
+  parallelForWorkers(static_cast<int64_t>(jobs.size()), threads_, [&](int worker, int64_t i) {
+    thread_local std::vector<uint8_t> own;
     const Job& job = jobs[i];
     const SliceRecord& record = manifest_.slices[job.piece->slice];
     const std::string& key = manifest_.tensors[record.tensor].key;
     size_t size = static_cast<size_t>(job.slice->plan.chunkBytes() + 4);
-    if (buffer.size() < size) buffer.resize(std::max<size_t>(size, static_cast<size_t>(largest)));
+    uint8_t* buffer = nullptr;
+    if (acquire) {
+      buffer = acquire(worker, size);
+    } else {
+      if (own.size() < size) own.resize(std::max<size_t>(size, static_cast<size_t>(largest)));
+      buffer = own.data();
+    }
     size_t done = 0;
     while (done < size) {
-      ssize_t n = ::pread(job.file->fd, buffer.data() + done, size - done, static_cast<off_t>(job.address + done));
+      ssize_t n = ::pread(job.file->fd, buffer + done, size - done, static_cast<off_t>(job.address + done));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) fail(job.file->path, key, fmt::format("reading chunk {} failed: {}", job.piece->chunk, std::strerror(errno)));
       if (n == 0) fail(job.file->path, key, fmt::format("chunk {} ends past the end of the file (truncated)", job.piece->chunk));
       done += static_cast<size_t>(n);
     }
-    uint32_t stored = loadLe32(buffer.data() + size - 4);
-    uint32_t actual = fletcher32(buffer.data(), size - 4);
+    uint32_t stored = loadLe32(buffer + size - 4);
+    uint32_t actual = fletcher32(buffer, size - 4);
     if (stored != actual)
       fail(job.file->path, key, fmt::format("chunk {} of dataset '{}' (offsets [{}]) fails its Fletcher-32 checksum "
                                             "({:08x} stored, {:08x} computed)",
                                             job.piece->chunk, record.dataset,
                                             fmt::join(job.slice->plan.offsets(job.piece->chunk), ", "), stored, actual));
     job.slice->sums[job.piece->chunk] = stored;
-    deliver(*job.piece, buffer.data());
+    deliver(worker, *job.piece, buffer);
     bytes += static_cast<int64_t>(size);
   });
   bytesRead_ += bytes.load();

@@ -34,9 +34,16 @@ class CheckpointReader {
 
   // The chunk plan of a slice as stored (opens its file and dataset).
   const ChunkPlan& plan(int slice);
-  // Reads and verifies `pieces`, calling deliver(piece, bytes) on worker
-  // threads; `bytes` holds the whole chunk (valid elements first).
-  void read(const std::vector<Piece>& pieces, const std::function<void(const Piece&, const uint8_t*)>& deliver);
+  // Reads and verifies `pieces`, calling deliver(worker, piece, bytes) on
+  // worker threads (worker: the thread's index, 0 .. threads-1); `bytes` holds
+  // the whole chunk (valid elements first). acquire(worker, bytes), when set,
+  // gives the buffer a thread reads its next chunk into (4096-aligned, at least
+  // `bytes`); else the reader uses buffers of its own.
+  using Deliver = std::function<void(int worker, const Piece&, const uint8_t* bytes)>;
+  using Acquire = std::function<uint8_t*(int worker, size_t bytes)>;
+  void read(const std::vector<Piece>& pieces, const Deliver& deliver, const Acquire& acquire = nullptr);
+  // The largest stored chunk (with its checksum) among `pieces`.
+  int64_t largestChunk(const std::vector<Piece>& pieces);
   // Checks that the file of `fileRank` exists with the size the manifest records.
   void checkFile(int fileRank);
   // checkFile, then opens it and checks its attributes against the manifest.

@@ -185,6 +185,123 @@ void Stager::finish(Deadline deadline, int rank) {
   keepAlive_.clear();
 }
 
+struct DeviceLanding::Lane {
+#if BULKHEAD_TORCH_CUDA
+  int device = 0;
+  uint8_t* buffers[2] = {nullptr, nullptr};
+  cudaEvent_t uploaded[2] = {nullptr, nullptr};
+  bool pending[2] = {false, false};
+  int current = 1;
+  cudaStream_t stream = nullptr;
+  ~Lane() {
+    DeviceScope scope(device);
+    for (int b = 0; b < 2; ++b) {
+      // A copy still in flight (a load that failed or timed out) keeps its
+      // buffer: leaked rather than freed under the copy.
+      bool inFlight = pending[b] && cudaEventQuery(uploaded[b]) != cudaSuccess;
+      if (uploaded[b]) cudaEventDestroy(uploaded[b]);
+      if (buffers[b] && !inFlight) cudaFreeHost(buffers[b]);
+    }
+    if (stream) cudaStreamDestroy(stream);
+    cudaGetLastError();
+  }
+#endif
+};
+
+#if BULKHEAD_TORCH_CUDA
+namespace {
+// Polls `event` until it has completed, bounded by the deadline.
+void awaitEvent(cudaEvent_t event, Deadline deadline, int device, int rank) {
+  auto started = Deadline::Clock::now();
+  Backoff backoff(std::chrono::microseconds(50));
+  for (;;) {
+    cudaError_t rc = cudaEventQuery(event);
+    if (rc == cudaSuccess) return;
+    if (rc != cudaErrorNotReady) cudaCheck(rc, "host-to-device copies of a loaded checkpoint", rank);
+    if (deadline.expired())
+      throw TimeoutError(fmt::format("host-to-device copies on cuda:{} did not finish in {:.1f} s", device,
+                                     secondsSince(started)),
+                         {.rank = rank, .expected = "the load within the checkpoint deadline"});
+    backoff.pause(deadline);
+  }
+}
+}  // namespace
+#endif
+
+DeviceLanding::DeviceLanding(int device, int threads, size_t bufferBytes, int rank)
+    : device_(device), rank_(rank), bufferBytes_((bufferBytes + 4095) / 4096 * 4096) {
+#if BULKHEAD_TORCH_CUDA
+  DeviceScope scope(device);
+  cudaEvent_t ready = nullptr;
+  cudaCheck(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "creating an upload event", rank);
+  std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, cudaError_t (*)(cudaEvent_t)> owned(ready, cudaEventDestroy);
+  cudaCheck(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device).stream()), "ordering the uploads", rank);
+  for (int t = 0; t < std::max(1, threads); ++t) {
+    auto lane = std::make_unique<Lane>();
+    lane->device = device;
+    for (int b = 0; b < 2; ++b) {
+      void* memory = nullptr;
+      if (cudaHostAlloc(&memory, bufferBytes_, cudaHostAllocDefault) != cudaSuccess) {
+        cudaGetLastError();
+        throw IoError(fmt::format("cannot page-lock {:.1f} MiB of host memory to load a checkpoint", bufferBytes_ / 1048576.0),
+                      {.rank = rank, .expected = "a few chunks of page-locked memory per reader thread"});
+      }
+      lane->buffers[b] = static_cast<uint8_t*>(memory);
+      cudaCheck(cudaEventCreateWithFlags(&lane->uploaded[b], cudaEventDisableTiming), "creating an upload event", rank);
+    }
+    cudaCheck(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking), "creating an upload stream", rank);
+    cudaCheck(cudaStreamWaitEvent(lane->stream, ready, 0), "ordering the uploads", rank);
+    lanes_.push_back(std::move(lane));
+  }
+#else
+  (void)threads;
+  throw ConfigError("a CUDA tensor reached a checkpoint built without CUDA support", {.rank = rank});
+#endif
+}
+
+DeviceLanding::~DeviceLanding() = default;
+
+uint8_t* DeviceLanding::acquire(int worker, Deadline deadline) {
+#if BULKHEAD_TORCH_CUDA
+  Lane& lane = *lanes_.at(worker);
+  lane.current ^= 1;
+  if (lane.pending[lane.current]) {
+    awaitEvent(lane.uploaded[lane.current], deadline, device_, rank_);
+    lane.pending[lane.current] = false;
+  }
+  return lane.buffers[lane.current];
+#else
+  (void)worker;
+  (void)deadline;
+  return nullptr;
+#endif
+}
+
+void DeviceLanding::upload(int worker, void* target, const uint8_t* source, size_t bytes) {
+#if BULKHEAD_TORCH_CUDA
+  Lane& lane = *lanes_.at(worker);
+  DeviceScope scope(device_);
+  cudaCheck(cudaMemcpyAsync(target, source, bytes, cudaMemcpyHostToDevice, lane.stream), "queueing an upload", rank_);
+  cudaCheck(cudaEventRecord(lane.uploaded[lane.current], lane.stream), "marking an upload", rank_);
+  lane.pending[lane.current] = true;
+#else
+  (void)worker, (void)target, (void)source, (void)bytes;
+#endif
+}
+
+void DeviceLanding::finish(Deadline deadline) {
+#if BULKHEAD_TORCH_CUDA
+  for (auto& lane : lanes_)
+    for (int b = 0; b < 2; ++b)
+      if (lane->pending[b]) {
+        awaitEvent(lane->uploaded[b], deadline, device_, rank_);
+        lane->pending[b] = false;
+      }
+#else
+  (void)deadline;
+#endif
+}
+
 void uploadToDevices(const std::vector<std::pair<at::Tensor, at::Tensor>>& copies, Deadline deadline, int rank) {
   if (copies.empty()) return;
 #if BULKHEAD_TORCH_CUDA

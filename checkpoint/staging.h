@@ -78,6 +78,36 @@ class Stager {
   std::vector<bool> started_;  // per device: ordered after the current stream in this batch
 };
 
+// Page-locked landing buffers for loads into CUDA tensors: two per reader
+// thread, so a thread reads its next chunk while the previous one goes up.
+// Each thread uploads on a stream of its own, ordered after the device's
+// current stream (so the load sees every earlier use of the targets). Only
+// constructed where CUDA tensors exist.
+class DeviceLanding {
+ public:
+  DeviceLanding(int device, int threads, size_t bufferBytes, int rank);
+  DeviceLanding(const DeviceLanding&) = delete;
+  DeviceLanding& operator=(const DeviceLanding&) = delete;
+  ~DeviceLanding();
+
+  // Thread `worker`'s next buffer (4096-aligned), once the upload from it
+  // issued two acquires ago has landed; TimeoutError past the deadline.
+  uint8_t* acquire(int worker, Deadline deadline);
+  // Queues a copy of `bytes` from inside the buffer `worker` acquired last to
+  // `target` (device memory of this landing's device).
+  void upload(int worker, void* target, const uint8_t* source, size_t bytes);
+  // Waits until every upload has landed; TimeoutError past the deadline.
+  void finish(Deadline deadline);
+  int device() const { return device_; }
+
+ private:
+  struct Lane;  // a thread's buffers, stream and events (staging.cc)
+  int device_;
+  int rank_;
+  size_t bufferBytes_;
+  std::vector<std::unique_ptr<Lane>> lanes_;
+};
+
 // Copies each host tensor into its CUDA tensor (non-blocking, on the current
 // stream) and waits, bounded by the deadline, until all have landed. Nothing
 // to do without CUDA tensors.
