@@ -297,7 +297,9 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
       if (direct[i]) {
         destination.direct = true;
         if (!landing) landing = std::make_unique<DeviceLanding>(*landingDevice, threads(),
-                                                                static_cast<size_t>(reader.largestChunk(pieces)), rank_);
+                                                                static_cast<size_t>(reader.largestChunk(pieces)) +
+                                                                    CheckpointReader::kDirectSlack,
+                                                                rank_);
         continue;
       }
       at::Tensor host = at::empty(destination.tensor.sizes(), destination.tensor.options().device(at::kCPU));

@@ -25,10 +25,36 @@ struct CheckpointReader::File {
   std::string path;
   std::optional<h5::File> hdf5;
   int fd = -1;
+  int directFd = -1;                // O_DIRECT, where the file system has it
+  std::atomic<bool> direct{false};  // cleared when a direct read is refused
   ~File() {
     if (fd >= 0) ::close(fd);
+    if (directFd >= 0) ::close(directFd);
   }
 };
+
+namespace {
+
+enum class ReadOutcome { Ok, EndOfFile, Unsupported };
+
+// Reads [offset, offset + span) into `into`, accepting the end of the file
+// once `needed` bytes are in. Unsupported: the file system refused a direct
+// read (EINVAL); other errors raise through `fail`.
+template <typename Fail>
+ReadOutcome readSpan(int fd, uint8_t* into, size_t span, uint64_t offset, size_t needed, Fail&& fail) {
+  size_t done = 0;
+  while (done < span) {
+    ssize_t n = ::pread(fd, into + done, span - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EINVAL) return ReadOutcome::Unsupported;
+    if (n < 0) fail(std::strerror(errno));
+    if (n == 0) return done >= needed ? ReadOutcome::Ok : ReadOutcome::EndOfFile;
+    done += static_cast<size_t>(n);
+  }
+  return ReadOutcome::Ok;
+}
+
+}  // namespace
 
 struct CheckpointReader::Slice {
   std::optional<h5::Dataset> dataset;
@@ -90,6 +116,8 @@ CheckpointReader::File& CheckpointReader::file(int fileRank) {
   expect("rank", std::to_string(fileRank));
   opened->fd = ::open(opened->path.c_str(), O_RDONLY | O_CLOEXEC);
   if (opened->fd < 0) fail(opened->path, "", fmt::format("cannot open it: {}", std::strerror(errno)));
+  opened->directFd = ::open(opened->path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  opened->direct = opened->directFd >= 0;
   slot = std::move(opened);
   return *slot;
 }
@@ -172,14 +200,22 @@ void CheckpointReader::read(const std::vector<Piece>& pieces, const Deliver& del
       if (own.size() < size) own.resize(std::max<size_t>(size, static_cast<size_t>(largest)));
       buffer = own.data();
     }
-    size_t done = 0;
-    while (done < size) {
-      ssize_t n = ::pread(job.file->fd, buffer + done, size - done, static_cast<off_t>(job.address + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) fail(job.file->path, key, fmt::format("reading chunk {} failed: {}", job.piece->chunk, std::strerror(errno)));
-      if (n == 0) fail(job.file->path, key, fmt::format("chunk {} ends past the end of the file (truncated)", job.piece->chunk));
-      done += static_cast<size_t>(n);
+    auto readFailed = [&](const char* why) {
+      fail(job.file->path, key, fmt::format("reading chunk {} failed: {}", job.piece->chunk, why));
+    };
+    ReadOutcome outcome = ReadOutcome::Unsupported;
+    if (acquire && job.file->direct) {
+      // The aligned span around the chunk, into the (aligned) buffer: no copy through the page cache.
+      uint64_t begin = job.address / kDirectAlignment * kDirectAlignment;
+      uint64_t end = (job.address + size + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment;
+      size_t lead = static_cast<size_t>(job.address - begin);
+      outcome = readSpan(job.file->directFd, buffer, static_cast<size_t>(end - begin), begin, lead + size, readFailed);
+      if (outcome == ReadOutcome::Unsupported) job.file->direct = false;
+      else buffer += lead;
     }
+    if (outcome == ReadOutcome::Unsupported) outcome = readSpan(job.file->fd, buffer, size, job.address, size, readFailed);
+    if (outcome == ReadOutcome::EndOfFile)
+      fail(job.file->path, key, fmt::format("chunk {} ends past the end of the file (truncated)", job.piece->chunk));
     uint32_t stored = loadLe32(buffer + size - 4);
     uint32_t actual = fletcher32(buffer, size - 4);
     if (stored != actual)

@@ -37,8 +37,12 @@ class CheckpointReader {
   // Reads and verifies `pieces`, calling deliver(worker, piece, bytes) on
   // worker threads (worker: the thread's index, 0 .. threads-1); `bytes` holds
   // the whole chunk (valid elements first). acquire(worker, bytes), when set,
-  // gives the buffer a thread reads its next chunk into (4096-aligned, at least
-  // `bytes`); else the reader uses buffers of its own.
+  // gives the buffer a thread reads its next chunk into: kDirectAlignment-
+  // aligned, of at least bytes + kDirectSlack, so that the chunk can be read
+  // with O_DIRECT (bypassing the page cache) where the file system allows;
+  // else the reader uses buffers of its own and the page cache.
+  static constexpr size_t kDirectAlignment = 4096;
+  static constexpr size_t kDirectSlack = 2 * kDirectAlignment;
   using Deliver = std::function<void(int worker, const Piece&, const uint8_t* bytes)>;
   using Acquire = std::function<uint8_t*(int worker, size_t bytes)>;
   void read(const std::vector<Piece>& pieces, const Deliver& deliver, const Acquire& acquire = nullptr);

@@ -9,6 +9,8 @@
 
 #include <chrono>
 #include <cstring>
+#include <cstdlib>
+#include <memory>
 #include <random>
 
 #include "checkpoint/checkpointer.h"
@@ -18,6 +20,8 @@
 #include "checkpoint/folder.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/rank_file.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/fs.h"
 #include "runtime/errors.h"
 #include "runtime/file_store.h"
 #include "tests/catch_compat.h"
@@ -314,4 +318,45 @@ TEST_CASE("one rank saves and loads through a file store; folder names carry the
   CHECK_THROWS_AS(ckpt->save(4, bad), ConfigError);
   CHECK_FALSE(ckpt->wait(Deadline::afterSeconds(30)).ok);
   CHECK(readLatest(dir.path() + "/ckpt", 0) == 3);
+}
+
+TEST_CASE("reads into caller's aligned buffers (O_DIRECT where the file system has it) deliver the same bytes") {
+  testing::TempDir dir("ckpt-direct");
+  auto store = std::make_shared<FileStore>(dir.path() + "/store");
+  auto ckpt = Checkpointer::create({.dir = dir.path() + "/ckpt", .timeoutSeconds = 30, .chunkBytes = 4096}, store, 0, 1);
+  StateDict state;
+  state.add("odd", testing::draw(0, 11, {137, 29}, at::kFloat), {{137, 29}, {0, 0}, 0});
+  state.add("bf", testing::draw(0, 12, {164, 33}, at::kFloat).to(at::kBFloat16), {{164, 33}, {0, 0}, 0});
+  REQUIRE(ckpt->save(1, state).wait(Deadline::afterSeconds(30)).ok);
+  std::string folder = dir.path() + "/ckpt/" + stepFolderName(1);
+  auto readAll = [&](bool aligned) {
+    Manifest manifest = Manifest::parse(*fs::readFile(folder + "/" + kManifestName), folder, 0);
+    CheckpointReader reader(folder, manifest, 0, 3);
+    std::vector<CheckpointReader::Piece> pieces;
+    for (int s = 0; s < static_cast<int>(manifest.slices.size()); ++s)
+      for (int64_t c = 0; c < reader.plan(s).count; ++c) pieces.push_back({s, c});
+    std::vector<std::string> got(pieces.size());
+    std::vector<std::unique_ptr<uint8_t, decltype(&std::free)>> buffers;
+    size_t bytes = static_cast<size_t>(reader.largestChunk(pieces)) + CheckpointReader::kDirectSlack;
+    for (int w = 0; w < 3; ++w)
+      buffers.emplace_back(static_cast<uint8_t*>(std::aligned_alloc(CheckpointReader::kDirectAlignment,
+                                                                    (bytes + 4095) / 4096 * 4096)),
+                           &std::free);
+    CheckpointReader::Acquire acquire;
+    if (aligned) acquire = [&](int worker, size_t) { return buffers.at(worker).get(); };
+    reader.read(
+        pieces,
+        [&](int, const CheckpointReader::Piece& piece, const uint8_t* chunk) {
+          got[&piece - pieces.data()].assign(reinterpret_cast<const char*>(chunk), reader.plan(piece.slice).chunkBytes());
+        },
+        acquire);
+    return got;
+  };
+  auto buffered = readAll(false);
+  REQUIRE(buffered.size() > 4);
+  CHECK(readAll(true) == buffered);
+  // A truncated file is caught on that path too.
+  std::string file = folder + "/" + rankFileName(0);
+  REQUIRE(::truncate(file.c_str(), *fs::fileSize(file) - 3000) == 0);
+  CHECK_THROWS_AS(readAll(true), CheckpointError);
 }
