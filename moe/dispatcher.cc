@@ -118,8 +118,16 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   // in one copy: the one device sync of a dispatch.
   const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
   WorkPtr work = ep_->allToAll(counts.select(0, 0), counts.select(0, 1), {}, {}, {.deadline = deadline});
-  if (!counts.is_cuda()) work->wait(deadline);  // CUDA: ordered on the stream before the copy
-  at::Tensor host = counts.to(at::kCPU);
+  at::Tensor host;
+  if (counts.is_cuda()) {
+    host = counts.to(at::kCPU);  // ordered after the exchange on the stream
+    // Already complete, so no second sync: this only raises the exchange's
+    // error (a timed-out, aborted exchange leaves no counts to trust).
+    work->wait(deadline);
+  } else {
+    work->wait(deadline);
+    host = counts;
+  }
   const auto hostCounts = host.accessor<int64_t, 3>();
   DispatchPlan plan;
   plan.numTokens = tokens.size(0);
