@@ -1,6 +1,7 @@
 #include "moe/dispatcher.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <fmt/format.h>
 
@@ -15,74 +16,77 @@
 namespace bulkhead::moe {
 namespace {
 
-// What this rank sends: one row per (token, destination) pair or per slot.
-// meta[row, c] is the local expert (at the destination) of column c, -1 for
-// none; weight[row, c] its combine weight.
-struct SendRows {
-  Grouping grouping;  // over the [T, m'] grid of (token, rank) pairs or (token, slot)
-  at::Tensor rowToken, meta, weight;
-  std::vector<int64_t> splits;
-  at::Tensor counts;  // [ranks, 1 + localExperts]: rows, then entries per local expert
+// Candidate rows, before the counts are read: one per (token, rank) pair or
+// per (token, slot). Candidate (t, j) is flat grid position t * m + j.
+struct Candidates {
+  at::Tensor key;      // [T, m] int64: the row's destination rank, `ranks` where no row is sent
+  at::Tensor meta;     // [T * m, m']: local expert ids at the destination, -1 for none (pack dtype)
+  bool perSlot = false;
 };
 
-std::vector<int64_t> toHost(const at::Tensor& values) {
-  at::Tensor host = values.to(at::kCPU, at::kLong).contiguous();
-  return {host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel()};
-}
-
-int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
-
-// Rows per destination and entries per (destination, local expert), read to
-// the host in one copy: the one device sync on the sending side. `rowRank`
-// and `slotExpert` hold -1 for entries that are not sent.
-void countRows(SendRows& rows, const at::Tensor& rowRank, const at::Tensor& slotExpert, int localExperts, int ranks) {
-  at::Tensor perRank = countValues(rowRank, ranks).view({ranks, 1});
-  at::Tensor perExpert = countValues(slotExpert, int64_t{ranks} * localExperts).view({ranks, localExperts});
-  rows.counts = at::cat({perRank, perExpert}, 1);
-  std::vector<int64_t> host = toHost(rows.counts);
-  for (int rank = 0; rank < ranks; ++rank) rows.splits.push_back(host[rank * (1 + localExperts)]);
-}
-
-at::Tensor keptExperts(const Routing& routing) {
-  return at::where(routing.keep, routing.indices, at::full_like(routing.indices, -1));
+// The counts of a dispatch live in one [2, ranks, localExperts + 1] tensor:
+// row 0 what this rank sends, row 1 what it receives, both read to the host
+// in one copy. Per destination: the entries per local expert, then the rows.
+at::Tensor countEntries(const Routing& routing, const at::Tensor& destination, int localExperts, int ranks) {
+  at::Tensor counts = at::zeros({2, ranks, localExperts + 1}, routing.indices.options().dtype(at::kLong));
+  // Entry (r, e) of row 0 is flat position r * (L + 1) + e = global expert + r.
+  at::Tensor entry = routing.indices + destination;
+  counts.view(-1).scatter_add_(0, entry.reshape(-1), routing.keep.to(at::kLong).reshape(-1));
+  return counts;
 }
 
 // One row per kept slot, grouped by destination rank (slots keep token order).
-SendRows perSlotRows(const Routing& routing, int localExperts, int ranks) {
-  const int64_t k = routing.indices.size(1);
+Candidates perSlotCandidates(const Routing& routing, at::Tensor& counts, int localExperts, int ranks,
+                             at::ScalarType packType) {
   at::Tensor destination = routing.indices.div(localExperts, "floor");
-  at::Tensor group = at::where(routing.keep, destination, at::full_like(destination, -1));
-  SendRows rows;
-  countRows(rows, group, keptExperts(routing), localExperts, ranks);
-  rows.grouping = groupEntries(group, ranks, sum(rows.splits));
-  rows.rowToken = rows.grouping.order.div(k, "floor");
-  rows.meta = routing.indices.reshape(-1).index_select(0, rows.grouping.order).remainder(localExperts).unsqueeze(1);
-  rows.weight = routing.weights.reshape(-1).index_select(0, rows.grouping.order).unsqueeze(1);
-  return rows;
+  counts = countEntries(routing, destination, localExperts, ranks);
+  at::Tensor sent = counts.select(0, 0);
+  sent.select(1, localExperts).copy_(sent.narrow(1, 0, localExperts).sum(1));  // a row per kept slot
+  Candidates candidates;
+  candidates.key = at::where(routing.keep, destination, ranks);
+  candidates.meta = routing.indices.remainder(localExperts).to(packType).reshape({-1, 1});
+  candidates.perSlot = true;
+  return candidates;
 }
 
 // One row per (token, destination rank) with any kept slot, grouped by rank;
-// each row lists the token's local experts at that rank.
-SendRows perRankRows(const Routing& routing, int localExperts, int ranks) {
-  const int64_t numTokens = routing.indices.size(0);
-  at::Tensor destination = routing.indices.div(localExperts, "floor");  // [T, k]
-  at::Tensor keptToRank = at::zeros({numTokens, ranks}, destination.options());
-  keptToRank.scatter_add_(1, destination, routing.keep.to(at::kLong));
-  at::Tensor paired = keptToRank.gt(0);
-  at::Tensor rankOf = at::arange(ranks, destination.options()).expand({numTokens, ranks});
-  at::Tensor group = at::where(paired, rankOf, at::full_like(rankOf, -1));
-  SendRows rows;
-  countRows(rows, group, keptExperts(routing), localExperts, ranks);
-  rows.grouping = groupEntries(group, ranks, sum(rows.splits));
-  rows.rowToken = rows.grouping.order.div(ranks, "floor");
-  at::Tensor rowRank = rows.grouping.order.remainder(ranks);
-  at::Tensor valid = destination.index_select(0, rows.rowToken).eq(rowRank.unsqueeze(1)) &
-                     routing.keep.index_select(0, rows.rowToken);
-  at::Tensor local = routing.indices.index_select(0, rows.rowToken).remainder(localExperts);
-  rows.meta = at::where(valid, local, at::full_like(local, -1));
-  rows.weight = routing.weights.index_select(0, rows.rowToken);
-  return rows;
+// each row lists the token's local experts at that rank (-1 in other columns).
+Candidates perRankCandidates(const Routing& routing, at::Tensor& counts, int localExperts, int ranks,
+                             at::ScalarType packType) {
+  const int64_t numTokens = routing.indices.size(0), k = routing.indices.size(1);
+  at::Tensor destination = routing.indices.div(localExperts, "floor");
+  counts = countEntries(routing, destination, localExperts, ranks);
+  at::Tensor rankOrNone = at::where(routing.keep, destination, ranks);                 // [T, k]
+  at::Tensor rankIds = at::arange(ranks, destination.options());
+  at::Tensor atRank = rankOrNone.unsqueeze(1).eq(rankIds.view({1, ranks, 1}));        // [T, R, k]
+  at::Tensor paired = atRank.any(2);                                                   // [T, R]
+  at::Tensor rowsColumn = counts.select(0, 0).select(1, localExperts);
+  at::sum_out(rowsColumn, paired, at::IntArrayRef{0});
+  Candidates candidates;
+  candidates.key = at::where(paired, rankIds, ranks);
+  at::Tensor local = routing.indices.remainder(localExperts).to(packType).unsqueeze(1);  // [T, 1, k]
+  candidates.meta = at::where(atRank, local, -1.0).view({numTokens * ranks, k});
+  return candidates;
 }
+
+// Stable grouping by a key in [0, groups], where `groups` (the largest key)
+// marks entries outside every group; `count` entries are inside.
+Grouping groupByKey(const at::Tensor& key, int64_t count) {
+  at::Tensor sorted = std::get<1>(at::sort(key.reshape(-1), /*stable=*/true, 0, false));
+  at::TensorOptions longs = key.options().dtype(at::kLong);
+  Grouping grouping;
+  grouping.order = sorted.narrow(0, 0, count);
+  grouping.table = at::full({key.numel()}, -1, longs)
+                       .scatter_(0, grouping.order, at::arange(count, longs))
+                       .view(key.sizes());
+  return grouping;
+}
+
+at::Tensor rowsOf(const at::Tensor& order, int64_t columns) {
+  return columns == 1 ? order : order.div(columns, "floor");
+}
+
+int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
 
 }  // namespace
 
@@ -97,37 +101,82 @@ TokenDispatcher::TokenDispatcher(CommunicatorPtr ep, DispatcherOptions options)
 }
 
 DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& routing) const {
-  const int ranks = ep_->size();
-  SendRows rows = options_.oncePerRank ? perRankRows(routing, localExperts_, ranks)
-                                       : perSlotRows(routing, localExperts_, ranks);
+  const int ranks = ep_->size(), experts = localExperts_;
+  // Metadata travels in the combine weights' dtype, at least float32: local
+  // expert ids are small integers, exact there.
+  const at::ScalarType packType = at::promote_types(routing.weights.scalar_type(), at::kFloat);
+  at::Tensor counts;
+  Candidates candidates;
+  {
+    const at::NoGradGuard metadata;
+    candidates = options_.oncePerRank ? perRankCandidates(routing, counts, experts, ranks, packType)
+                                      : perSlotCandidates(routing, counts, experts, ranks, packType);
+  }
+  at::Tensor weights = routing.weights.to(packType);  // with autograd
+
+  // Counts first (equal splits: one row per rank), then both rows to the host
+  // in one copy: the one device sync of a dispatch.
+  const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
+  WorkPtr work = ep_->allToAll(counts.select(0, 0), counts.select(0, 1), {}, {}, {.deadline = deadline});
+  at::Tensor host;
+  if (counts.is_cuda()) {
+    host = counts.to(at::kCPU);  // ordered after the exchange on the stream
+    // Already complete, so no second sync: this only raises the exchange's
+    // error (a timed-out, aborted exchange leaves no counts to trust).
+    work->wait(deadline);
+  } else {
+    work->wait(deadline);
+    host = counts;
+  }
+  const auto hostCounts = host.accessor<int64_t, 3>();
   DispatchPlan plan;
   plan.numTokens = tokens.size(0);
-  plan.sendTable = rows.grouping.table;
-  plan.sendSplits = rows.splits;
-
-  // Counts first: every other exchange's splits depend on them. The second
-  // and last device sync of a dispatch.
-  at::Tensor received = at::empty_like(rows.counts);
-  const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
-  ep_->allToAll(rows.counts, received, {}, {}, {.deadline = deadline})->wait(deadline);
-  std::vector<int64_t> counts = toHost(received);
-  plan.tokensPerLocalExpert.assign(localExperts_, 0);
+  plan.tokensPerLocalExpert.assign(experts, 0);
   for (int rank = 0; rank < ranks; ++rank) {
-    plan.recvSplits.push_back(counts[rank * (1 + localExperts_)]);
-    for (int expert = 0; expert < localExperts_; ++expert)
-      plan.tokensPerLocalExpert[expert] += counts[rank * (1 + localExperts_) + 1 + expert];
+    plan.sendSplits.push_back(hostCounts[0][rank][experts]);
+    plan.recvSplits.push_back(hostCounts[1][rank][experts]);
+    for (int expert = 0; expert < experts; ++expert) plan.tokensPerLocalExpert[expert] += hostCounts[1][rank][expert];
   }
-  plan.tokensPerLocalExpertDevice = at::tensor(plan.tokensPerLocalExpert, at::kLong).to(tokens.device());
+  plan.tokensPerLocalExpertDevice = counts.select(0, 1).narrow(1, 0, experts).sum(0);
 
+  // Rows to send, grouped by rank; then routing metadata and combine weights
+  // in one exchange ([rows, 2m']: weights, then local expert ids) and tokens.
+  at::Tensor packed, sendRows;
+  {
+    Grouping grouping;
+    at::Tensor rowToken, metaRows;
+    {
+      const at::NoGradGuard metadata;
+      grouping = groupByKey(candidates.key, sum(plan.sendSplits));
+      rowToken = rowsOf(grouping.order, candidates.key.size(1));
+      metaRows = candidates.meta.index_select(0, grouping.order);
+    }
+    plan.sendTable = grouping.table;
+    at::Tensor weightRows =
+        candidates.perSlot
+            ? gatherRows(weights.reshape({-1, 1}), grouping.order, grouping.table.view({-1, 1}))
+            : gatherRows(weights, rowToken, grouping.table);
+    packed = at::cat({weightRows, metaRows}, 1);
+    sendRows = gatherRows(tokens, rowToken, grouping.table);
+  }
   const auto timeout = options_.timeout;
-  at::Tensor meta = exchangeRows(*ep_, rows.meta, plan.sendSplits, plan.recvSplits, timeout);
-  plan.recvWeights = allToAll(ep_, rows.weight, plan.sendSplits, plan.recvSplits, timeout);
-  at::Tensor arrived = allToAll(ep_, permuteTokens(tokens, rows.grouping), plan.sendSplits, plan.recvSplits, timeout);
+  at::Tensor received = allToAll(ep_, packed, plan.sendSplits, plan.recvSplits, timeout);
+  at::Tensor arrived = allToAll(ep_, sendRows, plan.sendSplits, plan.recvSplits, timeout);
 
   // One expert row per (received row, local expert), ordered by local expert.
-  Grouping byExpert = groupEntries(meta, localExperts_, sum(plan.tokensPerLocalExpert));
+  const int64_t columns = received.size(1) / 2;
+  plan.recvWeights = received.narrow(1, 0, columns);
+  Grouping byExpert;
+  at::Tensor arrivedRow;
+  {
+    const at::NoGradGuard metadata;
+    // -1 (none) becomes `experts`, the key past every group (exact in floating point).
+    at::Tensor key = received.narrow(1, columns, columns).remainder(experts + 1);
+    byExpert = groupByKey(key, sum(plan.tokensPerLocalExpert));
+    arrivedRow = rowsOf(byExpert.order, columns);
+  }
   plan.recvTable = byExpert.table;
-  plan.expertInput = arrived.index_select(0, byExpert.order.div(meta.size(1), "floor"));
+  plan.expertInput = gatherRows(arrived, arrivedRow, byExpert.table);
   return plan;
 }
 
@@ -138,19 +187,11 @@ at::Tensor TokenDispatcher::combine(const DispatchPlan& plan, const at::Tensor& 
 }
 
 Grouping groupEntries(const at::Tensor& group, int groups, int64_t count) {
-  at::Tensor flat = group.reshape(-1);
-  at::Tensor key = at::where(flat.ge(0), flat, at::full_like(flat, groups));
-  at::Tensor sorted = std::get<1>(at::sort(key, /*stable=*/true, 0, false));
-  Grouping grouping;
-  grouping.order = sorted.narrow(0, 0, count);
-  grouping.table = at::full_like(flat, -1)
-                       .index_put_({grouping.order}, at::arange(count, flat.options()))
-                       .view(group.sizes());
-  return grouping;
+  return groupByKey(group.remainder(groups + 1), count);  // -1 (none) becomes `groups`
 }
 
 at::Tensor permuteTokens(const at::Tensor& tokens, const Grouping& grouping) {
-  return tokens.index_select(0, grouping.order.div(grouping.table.size(1), "floor"));
+  return gatherRows(tokens, rowsOf(grouping.order, grouping.table.size(1)), grouping.table);
 }
 
 at::Tensor unpermuteTokens(const at::Tensor& rows, const Grouping& grouping) {

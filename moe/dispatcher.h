@@ -7,8 +7,9 @@
 //   [r * E/ep, (r+1) * E/ep), local index = global % (E/ep).
 // - dispatch() and combine() issue the same collectives on every rank of the
 //   ep group, in the same order, whatever the rank holds (zero tokens, zero
-//   selected slots): dispatch exchanges row counts, then routing metadata,
-//   combine weights and tokens; combine exchanges the results. Backward (via
+//   selected slots): dispatch exchanges row counts (read to the host in the
+//   dispatch's one device sync), then routing metadata and combine weights in
+//   one exchange, then tokens; combine exchanges the results. Backward (via
 //   autograd) runs the mirror exchanges, again on every rank.
 // - Once per rank (the default): a token goes once to each rank that holds
 //   any of its selected experts and is expanded there into one row per
@@ -80,7 +81,8 @@ struct Grouping {
 Grouping groupEntries(const at::Tensor& group, int groups, int64_t count);
 
 // Rows of `tokens` in grouping order (row i is token order[i] / m), and back:
-// unpermute sums each token's rows (exact when every token has one).
+// unpermute sums each token's rows (exact when every token has one). The
+// permutation's backward is a gatherSum over the table (no atomics).
 at::Tensor permuteTokens(const at::Tensor& tokens, const Grouping& grouping);
 at::Tensor unpermuteTokens(const at::Tensor& rows, const Grouping& grouping);
 

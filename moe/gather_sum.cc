@@ -1,6 +1,7 @@
 #include "moe/gather_sum.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -99,6 +100,34 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
   }
 #endif
   return gatherSumReference(source, table, weights);
+}
+
+namespace {
+
+struct GatherRowsBackward : torch::autograd::Node {
+  at::Tensor table;
+  std::string name() const override { return "bulkhead::GatherRowsBackward"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (!grads[0].defined()) return {at::Tensor()};  // no gradient reached the rows: none to the source
+    return {gatherSum(grads[0], table, at::Tensor())};
+  }
+};
+
+}  // namespace
+
+at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const at::Tensor& table) {
+  const bool tracked = torch::autograd::GradMode::is_enabled() && source.requires_grad();
+  at::Tensor output;
+  {
+    const at::NoGradGuard untracked;
+    output = source.index_select(0, index);
+  }
+  if (!tracked) return output;
+  auto node = std::shared_ptr<GatherRowsBackward>(new GatherRowsBackward(), torch::autograd::deleteNode);
+  node->table = table;
+  node->set_next_edges(torch::autograd::collect_next_edges(source));
+  torch::autograd::set_history(output, node);
+  return output;
 }
 
 }  // namespace bulkhead::moe

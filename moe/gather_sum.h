@@ -18,4 +18,13 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
 // The same, always as ATen ops (the reference the kernels are tested against).
 at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights);
 
+// out[i] = source[index[i]] (source [S, W]), with autograd to source: the
+// backward is gatherSum(gradOut, table), deterministic and free of atomics,
+// where index_select's backward adds with atomics on CUDA.
+//
+// Contract: table is int64 [S, m] and lists, in row s, the output rows that
+// read source row s (-1 for none): every output row appears exactly once in
+// the table, in the row of the source row it reads (index[table[s, c]] == s).
+at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const at::Tensor& table);
+
 }  // namespace bulkhead::moe

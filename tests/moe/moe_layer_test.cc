@@ -288,17 +288,23 @@ TEST_CASE("dispatch and combine around identity experts return each token's weig
     auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = ep},
                                                   {.warmup = false});
     for (bool oncePerRank : {true, false}) {
-      TokenDispatcher dispatcher(groups.ep(), {.numExperts = kExperts, .oncePerRank = oncePerRank});
-      at::Tensor tokens = shardTokens(world.rank());
-      Routing routing;
-      routing.indices = std::get<1>(at::randn({tokens.size(0), kExperts}, testing::sharedGenerator(300 + world.rank()),
-                                              at::kDouble)
-                                        .topk(1));
-      routing.weights = at::ones({tokens.size(0), 1}, at::kDouble);
-      routing.keep = at::ones({tokens.size(0), 1}, at::kBool);
-      DispatchPlan plan = dispatcher.dispatch(tokens, routing);
-      // Top-1 with weight 1: the round trip is exact.
-      CHECK(at::equal(dispatcher.combine(plan, plan.expertInput), tokens));
+      // float32 too: routing metadata travels in the weights' dtype.
+      for (at::ScalarType dtype : {at::kDouble, at::kFloat}) {
+        TokenDispatcher dispatcher(groups.ep(), {.numExperts = kExperts, .oncePerRank = oncePerRank});
+        at::Tensor tokens = shardTokens(world.rank()).to(dtype);
+        Routing routing;
+        routing.indices = std::get<1>(
+            at::randn({tokens.size(0), kExperts}, testing::sharedGenerator(300 + world.rank()), at::kDouble).topk(1));
+        routing.weights = at::ones({tokens.size(0), 1}, dtype);
+        routing.keep = at::ones({tokens.size(0), 1}, at::kBool);
+        DispatchPlan plan = dispatcher.dispatch(tokens, routing);
+        INFO("ep " << ep << " oncePerRank " << oncePerRank << " dtype " << c10::toString(dtype));
+        CHECK(plan.recvWeights.scalar_type() == dtype);
+        CHECK(at::equal(plan.tokensPerLocalExpertDevice,
+                        at::tensor(plan.tokensPerLocalExpert, at::kLong)));
+        // Top-1 with weight 1: the round trip is exact.
+        CHECK(at::equal(dispatcher.combine(plan, plan.expertInput), tokens));
+      }
     }
   }
 }
