@@ -1,7 +1,7 @@
 #include "moe/dispatcher.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
+#include <c10/core/GradMode.h>
 
 #include <fmt/format.h>
 
@@ -71,10 +71,11 @@ Candidates perRankCandidates(const Routing& routing, at::Tensor& counts, int loc
 
 // Stable grouping by a key in [0, groups], where `groups` (the largest key)
 // marks entries outside every group; `count` entries are inside.
-Grouping groupByKey(const at::Tensor& key, int64_t count) {
+Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count) {
+  Grouping grouping;
+  if (groupByKeyKernels(key, groups, count, grouping.order, grouping.table)) return grouping;
   at::Tensor sorted = std::get<1>(at::sort(key.reshape(-1), /*stable=*/true, 0, false));
   at::TensorOptions longs = key.options().dtype(at::kLong);
-  Grouping grouping;
   grouping.order = sorted.narrow(0, 0, count);
   grouping.table = at::full({key.numel()}, -1, longs)
                        .scatter_(0, grouping.order, at::arange(count, longs))
@@ -108,7 +109,7 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   at::Tensor counts;
   Candidates candidates;
   {
-    const at::NoGradGuard metadata;
+    const c10::NoGradGuard metadata;
     candidates = options_.oncePerRank ? perRankCandidates(routing, counts, experts, ranks, packType)
                                       : perSlotCandidates(routing, counts, experts, ranks, packType);
   }
@@ -146,8 +147,8 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
     Grouping grouping;
     at::Tensor rowToken, metaRows;
     {
-      const at::NoGradGuard metadata;
-      grouping = groupByKey(candidates.key, sum(plan.sendSplits));
+      const c10::NoGradGuard metadata;
+      grouping = groupByKey(candidates.key, ranks, sum(plan.sendSplits));
       rowToken = rowsOf(grouping.order, candidates.key.size(1));
       metaRows = candidates.meta.index_select(0, grouping.order);
     }
@@ -169,10 +170,10 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   Grouping byExpert;
   at::Tensor arrivedRow;
   {
-    const at::NoGradGuard metadata;
+    const c10::NoGradGuard metadata;
     // -1 (none) becomes `experts`, the key past every group (exact in floating point).
-    at::Tensor key = received.narrow(1, columns, columns).remainder(experts + 1);
-    byExpert = groupByKey(key, sum(plan.tokensPerLocalExpert));
+    at::Tensor key = received.narrow(1, columns, columns).remainder(experts + 1).to(at::kLong);
+    byExpert = groupByKey(key, experts, sum(plan.tokensPerLocalExpert));
     arrivedRow = rowsOf(byExpert.order, columns);
   }
   plan.recvTable = byExpert.table;
@@ -187,7 +188,7 @@ at::Tensor TokenDispatcher::combine(const DispatchPlan& plan, const at::Tensor& 
 }
 
 Grouping groupEntries(const at::Tensor& group, int groups, int64_t count) {
-  return groupByKey(group.remainder(groups + 1), count);  // -1 (none) becomes `groups`
+  return groupByKey(group.remainder(groups + 1), groups, count);  // -1 (none) becomes `groups`
 }
 
 at::Tensor permuteTokens(const at::Tensor& tokens, const Grouping& grouping) {

@@ -1,7 +1,7 @@
 #include "moe/gather_sum.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "moe/cuda/gather_sum_kernels.h"
+#include "moe/cuda/group_kernels.h"
 #endif
 
 namespace bulkhead::moe {
@@ -119,7 +120,7 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const a
   const bool tracked = torch::autograd::GradMode::is_enabled() && source.requires_grad();
   at::Tensor output;
   {
-    const at::NoGradGuard untracked;
+    const c10::NoGradGuard untracked;
     output = source.index_select(0, index);
   }
   if (!tracked) return output;
@@ -128,6 +129,28 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const a
   node->set_next_edges(torch::autograd::collect_next_edges(source));
   torch::autograd::set_history(output, node);
   return output;
+}
+
+bool groupByKeyKernels(const at::Tensor& key, int64_t groups, int64_t count, at::Tensor& order, at::Tensor& table) {
+#if BULKHEAD_MOE_KERNELS
+  if (!key.is_cuda() || groups > cuda::kMaxGroups || key.scalar_type() != at::kLong) return false;
+  const c10::cuda::CUDAGuard device(key.device());
+  at::Tensor keys = key.contiguous();
+  order = at::empty({count}, keys.options());
+  table = at::empty(keys.sizes(), keys.options());
+  at::Tensor scratch = at::empty({cuda::groupScratchInts(keys.numel(), groups)}, keys.options().dtype(at::kInt));
+  cuda::groupEntries({.entries = keys.numel(),
+                      .groups = groups,
+                      .keys = keys.data_ptr<int64_t>(),
+                      .order = order.data_ptr<int64_t>(),
+                      .table = table.data_ptr<int64_t>(),
+                      .scratch = scratch.data_ptr<int32_t>(),
+                      .stream = c10::cuda::getCurrentCUDAStream(key.device().index()).stream()});
+  return true;
+#else
+  (void)key, (void)groups, (void)count, (void)order, (void)table;
+  return false;
+#endif
 }
 
 }  // namespace bulkhead::moe

@@ -27,4 +27,13 @@ at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table,
 // the table, in the row of the source row it reads (index[table[s, c]] == s).
 at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const at::Tensor& table);
 
+// The stable grouping behind the dispatcher's groupEntries, as kernels of our
+// own (moe/cuda/group_kernels.h) for an int64 CUDA `key` whose values lie in
+// [0, groups] (`groups`: in no group), `count` of them in a group: order
+// [count] lists the entries group by group, in entry order within a group;
+// table (key's shape) gives each entry's place in it, -1 for none. Returns
+// false (filling nothing) where the kernels are not built, the key is not on
+// a GPU or there are too many groups: the caller sorts instead.
+bool groupByKeyKernels(const at::Tensor& key, int64_t groups, int64_t count, at::Tensor& order, at::Tensor& table);
+
 }  // namespace bulkhead::moe

@@ -34,7 +34,8 @@ __global__ void countKernel(const int64_t* keys, int64_t entries, int64_t groups
   const int64_t end = min(entries, (s + 1) * segment);
   for (int64_t base = s * segment; base < end; base += 32) {
     const int64_t e = base + lane;
-    const long long key = e < end ? keys[e] : -1;
+    long long key = e < end ? keys[e] : -1;
+    if (key >= groups) key = -1;
     const unsigned same = __match_any_sync(0xffffffffu, key);
     if (key >= 0 && lane == __ffs(same) - 1) histogram[key] += __popc(same);
     __syncwarp();
@@ -75,7 +76,8 @@ __global__ void assignKernel(const int64_t* keys, int64_t entries, int64_t group
   const int64_t end = min(entries, (s + 1) * segment);
   for (int64_t base = s * segment; base < end; base += 32) {
     const int64_t e = base + lane;
-    const long long key = e < end ? keys[e] : -1;
+    long long key = e < end ? keys[e] : -1;
+    if (key >= groups) key = -1;
     const unsigned same = __match_any_sync(0xffffffffu, key);
     if (e < end) {
       if (key >= 0) {

@@ -3,7 +3,7 @@
 // this header and its .cu need no libtorch. Launched on `stream`; they never
 // synchronize.
 //
-// keys[e] is entry e's group (0 <= key < groups), or -1 for none. The entries
+// keys[e] is entry e's group (0 <= key < groups); any other value is none. The entries
 // are listed group by group, in entry order within a group (a stable sort by
 // key, done as counts and per-warp ranks: no atomics on positions, so the
 // result never depends on timing):

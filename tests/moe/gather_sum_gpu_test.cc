@@ -1,12 +1,15 @@
 // The combine's gather-sum kernels (moe/cuda) against the ATen reference, on
-// one GPU: forward and both gradients, for every row dtype. Skipped (exit 77)
+// one GPU: forward and both gradients, for every row dtype; the grouping
+// kernels against the sort the CPU runs. Skipped (exit 77)
 // where libtorch has no CUDA or no GPU is present.
 #define CATCH_CONFIG_RUNNER
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
 #include <cstdio>
+#include <tuple>
 
+#include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
 #include "tests/catch_compat.h"
 #include "tests/support/inputs.h"
@@ -42,6 +45,25 @@ TEST_CASE("gather-sum kernels equal the reference, forward and backward", "[moe]
       CHECK(at::allclose(gradSource, refSource, tolerance, tolerance));
       if (weighted) CHECK(at::allclose(gradWeights, refWeights, tolerance, tolerance * 10));
     }
+  }
+}
+
+TEST_CASE("grouping kernels list entries as the stable sort does", "[moe][gpu]") {
+  const at::Device gpu(at::kCUDA, 0);
+  // Sizes around the kernels' segment boundaries (512 entries per warp, at most 256 segments).
+  for (auto [rows, columns, groups] : {std::tuple<int64_t, int64_t, int>{1, 1, 1}, {7, 3, 2}, {4096, 2, 2},
+                                       {8171, 8, 32}, {32681, 8, 32}, {70001, 4, 512}, {600, 8, 5}}) {
+    // Keys in [-1, groups), about a third of them -1, some groups left empty.
+    at::Tensor keys = at::randint(-1, groups, {rows, columns}, testing::sharedGenerator(rows + groups), at::kLong);
+    keys = at::where(keys.remainder(3).eq(0), at::full_like(keys, -1), keys);
+    if (groups > 2) keys = at::where(keys.eq(1), at::full_like(keys, -1), keys);
+    const int64_t count = keys.ge(0).sum().item<int64_t>();
+    Grouping expected = groupEntries(keys, groups, count);
+    Grouping got = groupEntries(keys.to(gpu), groups, count);
+    INFO("rows " << rows << " columns " << columns << " groups " << groups);
+    REQUIRE(got.order.is_cuda());
+    CHECK(at::equal(got.order.cpu(), expected.order));
+    CHECK(at::equal(got.table.cpu(), expected.table));
   }
 }
 
