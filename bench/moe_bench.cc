@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "launch/init.h"
+#include "moe/differentiable.h"
 #include "moe/moe_layer.h"
 #include "parallel/process_groups.h"
 #include "bench/bench_check.h"
@@ -167,6 +168,14 @@ int main(int argc, char** argv) {
     };
     for (int i = 0; i < 3; ++i) rawRoundTrip();
     const double rawMs = medianMs(options.iterations, rawRoundTrip);
+    // The same rows through Bulkhead's communicator alone (deadline, ledger; no index work):
+    // what the transport costs beside raw NCCL, apart from the dispatcher's planning.
+    auto exchangeRoundTrip = [&] {
+      at::Tensor there = moe::exchangeRows(*groups.ep(), sendRows, plan.sendSplits, plan.recvSplits);
+      moe::exchangeRows(*groups.ep(), there, plan.recvSplits, plan.sendSplits);
+    };
+    for (int i = 0; i < 3; ++i) exchangeRoundTrip();
+    const double exchangeMs = medianMs(options.iterations, exchangeRoundTrip);
     BENCH_CHECK(ncclCommDestroy(raw));
 
     const double bytes = static_cast<double>(sent + received) * options.hidden * 2;
@@ -176,6 +185,7 @@ int main(int argc, char** argv) {
       fmt::print("ROWS_SENT {}\n", sent);
       fmt::print("DISPATCH_COMBINE_MS {:.3f}\n", oursMs);
       fmt::print("RAW_ALLTOALL_MS {:.3f}\n", rawMs);
+      fmt::print("EXCHANGE_ONLY_MS {:.3f}\n", exchangeMs);
       fmt::print("DISPATCH_COMBINE_GBPS {:.1f}\n", bytes / oursMs / 1e6);
       fmt::print("RAW_ALLTOALL_GBPS {:.1f}\n", bytes / rawMs / 1e6);
       fmt::print("MAX_REL_DIFF_VS_EP1 {:.4g}\n", relative);

@@ -16,6 +16,7 @@ sizes="--hidden 2048 --experts 64 --topk 8 --ffn 768"
 value() { awk -v key="$1" '$1 == key {print $2}' <<<"$2"; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
 rows=()
+phases=()
 for tokens in $token_counts; do
   once=$(mpirun --oversubscribe -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes 2>&1 || true)
   slot=$(mpirun --oversubscribe -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --per-slot 2>&1 || true)
@@ -27,8 +28,8 @@ for tokens in $token_counts; do
     r=${!run}
     s=$(value STEP_MS "$r")
     [ -n "$s" ] || { echo "bulkhead-moe-bench failed:"; echo "$r" | tail -20; exit 1; }
-    echo "$tokens $(value MODE "$r"): $(grep PHASES_MS <<<"$r")" >&2
-    rows+=("| $tokens | $(value MODE "$r") | $s | $t | $(ratio "$t" "$s") | $(value ROWS_SENT "$r") | $(value DISPATCH_COMBINE_MS "$r") | $(value RAW_ALLTOALL_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value DISPATCH_COMBINE_MS "$r")") | $(value MAX_REL_DIFF_VS_EP1 "$r") |")
+    phases+=("$tokens $(value MODE "$r"): $(grep PHASES_MS <<<"$r")")
+    rows+=("| $tokens | $(value MODE "$r") | $s | $t | $(ratio "$t" "$s") | $(value ROWS_SENT "$r") | $(value DISPATCH_COMBINE_MS "$r") | $(value RAW_ALLTOALL_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value DISPATCH_COMBINE_MS "$r")") | $(value EXCHANGE_ONLY_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value EXCHANGE_ONLY_MS "$r")") | $(value MAX_REL_DIFF_VS_EP1 "$r") |")
   done
 done
 {
@@ -39,10 +40,18 @@ done
   echo "dispatch, grouped SwiGLU experts, combine), median of 20 after 3 warm-up steps, wall clock with a device sync."
   echo "PyTorch reference: bench/torch_moe.py (argsort permute, all_to_all_single per slot, torch._grouped_mm)."
   echo "Dispatch + combine: Bulkhead's dispatch() and combine() (counts, metadata, tokens, results; index work"
-  echo "included) against raw ncclSend/ncclRecv of exactly the same rows both ways, same run; ratio = raw / ours."
+  echo "included) against raw ncclSend/ncclRecv of exactly the same rows both ways, same run; bw ratio = raw / ours."
+  echo "Exchange only: the same rows both ways through Bulkhead's communicator (deadline and ledger, no index work);"
+  echo "transport ratio = raw / exchange only."
   echo "Max rel diff: the layer's output at ep $ranks against the same layer with all experts on one GPU (bf16)."
   echo
-  echo "| tokens/rank | dispatch | Bulkhead step ms | PyTorch step ms | speed-up | rows sent/rank | dispatch+combine ms | raw NCCL ms | bw ratio | max rel diff |"
-  echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+  echo "| tokens/rank | dispatch | Bulkhead step ms | PyTorch step ms | speed-up | rows sent/rank | dispatch+combine ms | raw NCCL ms | bw ratio | exchange only ms | transport ratio | max rel diff |"
+  echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   printf '%s\n' "${rows[@]}"
+  echo
+  echo "Where a step's time goes (each phase alone, synced, ms):"
+  echo
+  echo '```'
+  printf '%s\n' "${phases[@]}"
+  echo '```'
 } | tee "$out"
