@@ -311,24 +311,13 @@ void uploadToDevices(const std::vector<std::pair<at::Tensor, at::Tensor>>& copie
     int index = device.device().index();
     if (std::find(devices.begin(), devices.end(), index) == devices.end()) devices.push_back(index);
   }
-  auto started = Deadline::Clock::now();
   for (int index : devices) {
     DeviceScope scope(index);
     cudaEvent_t done = nullptr;
     cudaCheck(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "creating an upload event", rank);
     std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, cudaError_t (*)(cudaEvent_t)> owned(done, cudaEventDestroy);
     cudaCheck(cudaEventRecord(done, c10::cuda::getCurrentCUDAStream(index).stream()), "marking the uploads", rank);
-    Backoff backoff(std::chrono::microseconds(500));
-    for (;;) {
-      cudaError_t rc = cudaEventQuery(done);
-      if (rc == cudaSuccess) break;
-      if (rc != cudaErrorNotReady) cudaCheck(rc, "host-to-device copies of a loaded checkpoint", rank);
-      if (deadline.expired())
-        throw TimeoutError(fmt::format("host-to-device copies on cuda:{} did not finish in {:.1f} s", index,
-                                       secondsSince(started)),
-                           {.rank = rank, .expected = "the load within the checkpoint deadline"});
-      backoff.pause(deadline);
-    }
+    awaitEvent(done, deadline, index, rank);
   }
 #else
   (void)deadline;

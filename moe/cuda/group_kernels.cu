@@ -21,6 +21,12 @@ void check(cudaError_t rc, const char* what) {
   if (rc != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(rc));
 }
 
+// Entry e's group; -1 for none (a key outside [0, groups), or e past the end).
+__device__ __forceinline__ long long groupOf(const int64_t* keys, int64_t e, int64_t end, int64_t groups) {
+  const long long key = e < end ? keys[e] : -1;
+  return key < groups ? key : -1;
+}
+
 // counts[s * groups + g]: entries of group g in segment s.
 __global__ void countKernel(const int64_t* keys, int64_t entries, int64_t groups, int64_t segment, int64_t segments,
                             int32_t* counts) {
@@ -33,9 +39,7 @@ __global__ void countKernel(const int64_t* keys, int64_t entries, int64_t groups
   __syncwarp();
   const int64_t end = min(entries, (s + 1) * segment);
   for (int64_t base = s * segment; base < end; base += 32) {
-    const int64_t e = base + lane;
-    long long key = e < end ? keys[e] : -1;
-    if (key >= groups) key = -1;
+    const long long key = groupOf(keys, base + lane, end, groups);
     const unsigned same = __match_any_sync(0xffffffffu, key);
     if (key >= 0 && lane == __ffs(same) - 1) histogram[key] += __popc(same);
     __syncwarp();
@@ -76,8 +80,7 @@ __global__ void assignKernel(const int64_t* keys, int64_t entries, int64_t group
   const int64_t end = min(entries, (s + 1) * segment);
   for (int64_t base = s * segment; base < end; base += 32) {
     const int64_t e = base + lane;
-    long long key = e < end ? keys[e] : -1;
-    if (key >= groups) key = -1;
+    const long long key = groupOf(keys, e, end, groups);
     const unsigned same = __match_any_sync(0xffffffffu, key);
     if (e < end) {
       if (key >= 0) {
