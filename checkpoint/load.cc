@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -291,15 +292,20 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
       if (!boxes.back().singleRun()) direct[d] = 0;
     }
     std::unique_ptr<DeviceLanding> landing;
+    if (std::find(direct.begin(), direct.end(), 1) != direct.end() && landingDevice) {
+      try {
+        landing = std::make_unique<DeviceLanding>(
+            *landingDevice, threads(), static_cast<size_t>(reader.largestChunk(pieces)) + CheckpointReader::kDirectSlack,
+            rank_);
+      } catch (const IoError& error) {
+        log::warn("checkpoint", "{}; loading through pageable host copies instead", error.what());
+      }
+    }
     for (size_t i = 0; i < destinations.size(); ++i) {
       Destination& destination = destinations[i];
       if (!destination.tensor.is_cuda()) continue;
-      if (direct[i]) {
+      if (direct[i] && landing) {
         destination.direct = true;
-        if (!landing) landing = std::make_unique<DeviceLanding>(*landingDevice, threads(),
-                                                                static_cast<size_t>(reader.largestChunk(pieces)) +
-                                                                    CheckpointReader::kDirectSlack,
-                                                                rank_);
         continue;
       }
       at::Tensor host = at::empty(destination.tensor.sizes(), destination.tensor.options().device(at::kCPU));
