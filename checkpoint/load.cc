@@ -277,13 +277,13 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
     // page-locking gigabytes for one load costs more than it saves).
     std::vector<Box> boxes;
     boxes.reserve(pieces.size());
-    std::vector<char> direct(destinations.size(), 1);
+    std::vector<char> direct(destinations.size(), 0);
     std::optional<int> landingDevice;
     for (size_t i = 0; i < destinations.size(); ++i) {
       const at::Tensor& tensor = destinations[i].tensor;
       if (!tensor.is_cuda()) continue;
       if (!landingDevice) landingDevice = tensor.device().index();
-      if (!tensor.is_contiguous() || tensor.device().index() != *landingDevice) direct[i] = 0;
+      direct[i] = tensor.is_contiguous() && tensor.device().index() == *landingDevice;
     }
     for (size_t p = 0; p < pieces.size(); ++p) {
       const CheckpointReader::Piece& piece = pieces[p];
@@ -292,7 +292,7 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
       if (!boxes.back().singleRun()) direct[d] = 0;
     }
     std::unique_ptr<DeviceLanding> landing;
-    if (std::find(direct.begin(), direct.end(), 1) != direct.end() && landingDevice) {
+    if (std::find(direct.begin(), direct.end(), 1) != direct.end()) {
       try {
         landing = std::make_unique<DeviceLanding>(
             *landingDevice, threads(), static_cast<size_t>(reader.largestChunk(pieces)) + CheckpointReader::kDirectSlack,
