@@ -121,16 +121,9 @@ void replaceFile(const std::string& path, const std::string& content, const std:
   {
     Fd fd(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (fd.get() < 0) raise(fmt::format("creating {}", temporary), errno, rank);
-    size_t written = 0;
-    while (written < content.size()) {
-      ssize_t n = ::write(fd.get(), content.data() + written, content.size() - written);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        int error = errno;
-        ::unlink(temporary.c_str());
-        raise(fmt::format("writing {}", temporary), error, rank);
-      }
-      written += static_cast<size_t>(n);
+    if (int error = fd.writeAll(content.data(), content.size())) {
+      ::unlink(temporary.c_str());
+      raise(fmt::format("writing {}", temporary), error, rank);
     }
     if (::fsync(fd.get()) != 0) {
       int error = errno;

@@ -3,6 +3,9 @@
 
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstddef>
+
 namespace bulkhead {
 
 class Fd {
@@ -14,6 +17,18 @@ class Fd {
     if (fd_ >= 0) ::close(fd_);
   }
   int get() const { return fd_; }
+  // Writes all `size` bytes (retrying short and interrupted writes); 0, or
+  // the errno of the write that failed.
+  int writeAll(const void* data, size_t size) const {
+    const char* bytes = static_cast<const char*>(data);
+    for (size_t done = 0; done < size;) {
+      ssize_t n = ::write(fd_, bytes + done, size - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return errno;
+      done += static_cast<size_t>(n);
+    }
+    return 0;
+  }
 
  private:
   int fd_;

@@ -160,16 +160,9 @@ void FileStore::write(const std::string& key, const std::string& value) {
   {
     Fd fd(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
     if (fd.get() < 0) raiseIoError(fmt::format("creating {}", temporary), errno, options_.rank);
-    size_t done = 0;
-    while (done < value.size()) {
-      ssize_t wrote = ::write(fd.get(), value.data() + done, value.size() - done);
-      if (wrote < 0 && errno == EINTR) continue;
-      if (wrote < 0) {
-        int error = errno;
-        ::unlink(temporary.c_str());
-        raiseIoError(fmt::format("writing {}", temporary), error, options_.rank);
-      }
-      done += static_cast<size_t>(wrote);
+    if (int error = fd.writeAll(value.data(), value.size())) {
+      ::unlink(temporary.c_str());
+      raiseIoError(fmt::format("writing {}", temporary), error, options_.rank);
     }
   }
   if (::rename(temporary.c_str(), path.c_str()) != 0) {
