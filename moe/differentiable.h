@@ -30,6 +30,24 @@ using Timeout = std::optional<std::chrono::milliseconds>;
 at::Tensor allToAll(const CommunicatorPtr& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
                     const std::vector<int64_t>& recvSplits, Timeout timeout = std::nullopt);
 
+// The dispatch's exchange: tokens and their routing in one collective. Row i
+// sent is tokens[rowToken[i]] followed by weights[i] (combine weights, with
+// autograd) and ids[i] (local expert ids, same dtype and shape as weights, no
+// autograd); the rows travel as raw bytes and the results are views into the
+// one receive buffer. tokenTable follows gatherRows' contract (the rows
+// reading each token), for the backward: the gradients of the rows and of the
+// weights go back in two exchanges, and the rows' gradients are summed per
+// token without atomics.
+struct RoutedRows {
+  at::Tensor rows;     // [R, H], the tokens' dtype
+  at::Tensor weights;  // [R, m]
+  at::Tensor ids;      // [R, m]
+};
+RoutedRows exchangeRouted(const CommunicatorPtr& group, const at::Tensor& tokens, const at::Tensor& rowToken,
+                          const at::Tensor& tokenTable, const at::Tensor& weights, const at::Tensor& ids,
+                          const std::vector<int64_t>& sendSplits, const std::vector<int64_t>& recvSplits,
+                          Timeout timeout = std::nullopt);
+
 // The same exchange without autograd (counts, routing metadata).
 at::Tensor exchangeRows(Communicator& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
                         const std::vector<int64_t>& recvSplits, Timeout timeout = std::nullopt);

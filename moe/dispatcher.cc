@@ -140,9 +140,9 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   }
   plan.tokensPerLocalExpertDevice = counts.select(0, 1).narrow(1, 0, experts).sum(0);
 
-  // Rows to send, grouped by rank; then routing metadata and combine weights
-  // in one exchange ([rows, 2m']: weights, then local expert ids) and tokens.
-  at::Tensor packed, sendRows;
+  // Rows to send, grouped by rank, each with its combine weights and local
+  // expert ids, in one exchange.
+  RoutedRows arrived;
   {
     Grouping grouping;
     at::Tensor rowToken, metaRows;
@@ -157,27 +157,24 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
         candidates.perSlot
             ? gatherRows(weights.reshape({-1, 1}), grouping.order, grouping.table.view({-1, 1}))
             : gatherRows(weights, rowToken, grouping.table);
-    packed = at::cat({weightRows, metaRows}, 1);
-    sendRows = gatherRows(tokens, rowToken, grouping.table);
+    arrived = exchangeRouted(ep_, tokens, rowToken, grouping.table, weightRows, metaRows, plan.sendSplits,
+                             plan.recvSplits, options_.timeout);
   }
-  const auto timeout = options_.timeout;
-  at::Tensor received = allToAll(ep_, packed, plan.sendSplits, plan.recvSplits, timeout);
-  at::Tensor arrived = allToAll(ep_, sendRows, plan.sendSplits, plan.recvSplits, timeout);
 
   // One expert row per (received row, local expert), ordered by local expert.
-  const int64_t columns = received.size(1) / 2;
-  plan.recvWeights = received.narrow(1, 0, columns);
+  const int64_t columns = arrived.ids.size(1);
+  plan.recvWeights = arrived.weights;
   Grouping byExpert;
   at::Tensor arrivedRow;
   {
     const c10::NoGradGuard metadata;
     // -1 (none) becomes `experts`, the key past every group (exact in floating point).
-    at::Tensor key = received.narrow(1, columns, columns).remainder(experts + 1).to(at::kLong);
+    at::Tensor key = arrived.ids.remainder(experts + 1).to(at::kLong);
     byExpert = groupByKey(key, experts, sum(plan.tokensPerLocalExpert));
     arrivedRow = rowsOf(byExpert.order, columns);
   }
   plan.recvTable = byExpert.table;
-  plan.expertInput = gatherRows(arrived, arrivedRow, byExpert.table);
+  plan.expertInput = gatherRows(arrived.rows, arrivedRow, byExpert.table);
   return plan;
 }
 
