@@ -9,6 +9,8 @@ namespace bulkhead::testing {
 
 Communicator& gpuWorld();
 Communicator& cpuWorld();
+const CommunicatorPtr& gpuWorldPtr();
+const CommunicatorPtr& cpuWorldPtr();
 c10::Device gpu();
 
 }  // namespace bulkhead::testing

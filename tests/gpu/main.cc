@@ -16,6 +16,8 @@ std::unique_ptr<Runtime> runtime;
 }
 Communicator& gpuWorld() { return runtime->world(); }
 Communicator& cpuWorld() { return runtime->cpuWorld(); }
+const CommunicatorPtr& gpuWorldPtr() { return runtime->worldPtr(); }
+const CommunicatorPtr& cpuWorldPtr() { return runtime->cpuWorldPtr(); }
 c10::Device gpu() { return runtime->device(); }
 }  // namespace bulkhead::testing
 

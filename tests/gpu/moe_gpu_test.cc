@@ -1,0 +1,111 @@
+// The MoE layer over NCCL, one rank per GPU (ep = every rank): its outputs
+// and gradients against the same layer over MPI in float64 on the same
+// inputs (float32 on the GPU), and, in bf16, against the layer with every
+// expert on the rank's own GPU. This runs the CUDA grouping and gather-sum
+// kernels, the routed exchange of bf16 tokens with float32 routing, and
+// _grouped_mm where libtorch has it.
+#include <ATen/ATen.h>
+
+#include <fmt/format.h>
+
+#include <map>
+#include <string>
+
+#include "moe/moe_layer.h"
+#include "parallel/process_groups.h"
+#include "tests/catch_compat.h"
+#include "tests/gpu/gpu_helpers.h"
+
+using namespace bulkhead;
+using namespace bulkhead::testing;
+
+namespace {
+
+constexpr int kTokens = 257, kHidden = 64, kFfn = 96, kExperts = 8, kTopK = 3;
+
+moe::MoEOptions layerOptions(bool oncePerRank) {
+  return {.hidden = kHidden,
+          .ffnHidden = kFfn,
+          .router = {.numExperts = kExperts, .topK = kTopK, .auxLossCoeff = 0.05, .zLossCoeff = 0.01},
+          .oncePerRank = oncePerRank,
+          .sharedExpertHidden = 32,
+          .initStd = 0.3,
+          .seed = 91};
+}
+
+struct Result {
+  at::Tensor output, inputGrad;
+  std::map<std::string, at::Tensor> grads;  // by parameter name, this rank's slice
+  std::map<std::string, bool> expert;       // by parameter name
+};
+
+// Forward and backward of a loss that weights every output differently.
+Result run(const CommunicatorPtr& world, parallel::LayoutOptions layout, const moe::MoEOptions& options,
+           const at::TensorOptions& tensorOptions, const at::Tensor& tokens, const at::Tensor& projection) {
+  auto groups = parallel::ProcessGroups::create(world, layout, {.warmup = false});
+  moe::MoELayer layer(options, groups, tensorOptions);
+  at::Tensor input = tokens.to(tensorOptions).detach().requires_grad_(true);  // a leaf of its own, never `tokens`
+  moe::MoEOutput out = layer.forward(input);
+  ((out.output * projection.to(tensorOptions)).sum() + out.auxLoss + out.zLoss).backward();
+  Result result{.output = out.output.detach().to(at::kCPU, at::kDouble),
+                .inputGrad = input.grad().to(at::kCPU, at::kDouble)};
+  for (auto& parameter : layer.parameters()) {
+    result.grads[parameter.name] = parameter.tensor.grad().to(at::kCPU, at::kDouble);
+    result.expert[parameter.name] = parameter.group == parallel::ParamGroup::Expert;
+  }
+  return result;
+}
+
+double relativeError(const at::Tensor& value, const at::Tensor& reference) {
+  const double scale = reference.abs().max().item<double>();
+  return (value - reference).abs().max().item<double>() / scale;
+}
+
+void compare(const Result& ours, const Result& reference, double tolerance) {
+  CHECK(relativeError(ours.output, reference.output) < tolerance);
+  CHECK(relativeError(ours.inputGrad, reference.inputGrad) < tolerance);
+  REQUIRE(ours.grads.size() == reference.grads.size());
+  for (auto& [name, grad] : reference.grads) {
+    INFO(name);
+    CHECK(relativeError(ours.grads.at(name), grad) < tolerance);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the MoE layer over NCCL matches the layer over MPI in float64") {
+  const int ranks = gpuWorld().size(), me = gpuWorld().rank();
+  at::Tensor tokens = at::randn({kTokens, kHidden}, sharedGenerator(300 + me), at::kDouble);
+  at::Tensor projection = at::randn({kTokens, kHidden}, sharedGenerator(400 + me), at::kDouble);
+  for (bool oncePerRank : {true, false}) {
+    INFO(fmt::format("rank {} ep {} oncePerRank {}", me, ranks, oncePerRank));
+    const moe::MoEOptions options = layerOptions(oncePerRank);
+    Result reference = run(cpuWorldPtr(), {.ep = ranks}, options, at::kDouble, tokens, projection);
+    Result ours = run(gpuWorldPtr(), {.ep = ranks}, options, at::TensorOptions(at::kFloat).device(gpu()), tokens,
+                      projection);
+    compare(ours, reference, 1e-4);
+  }
+}
+
+TEST_CASE("in bf16, the MoE layer over NCCL matches the layer holding every expert") {
+  const int ranks = gpuWorld().size(), me = gpuWorld().rank();
+  at::Tensor tokens = at::randn({kTokens, kHidden}, sharedGenerator(500 + me), at::kDouble);
+  at::Tensor projection = at::randn({kTokens, kHidden}, sharedGenerator(600 + me), at::kDouble);
+  const auto bf16 = at::TensorOptions(at::kBFloat16).device(gpu());
+  for (bool oncePerRank : {true, false}) {
+    INFO(fmt::format("rank {} ep {} oncePerRank {}", me, ranks, oncePerRank));
+    const moe::MoEOptions options = layerOptions(oncePerRank);
+    Result local = run(gpuWorldPtr(), {}, options, bf16, tokens, projection);
+    Result ours = run(gpuWorldPtr(), {.ep = ranks}, options, bf16, tokens, projection);
+    // Expert gradients: the local layer holds every expert with the gradient
+    // of this rank's tokens; at ep, this rank holds a block of experts with
+    // the gradient of every rank's tokens.
+    for (auto& [name, grad] : ours.grads) {
+      if (!ours.expert.at(name)) continue;
+      at::Tensor& full = local.grads.at(name);
+      cpuWorld().allReduce(full)->wait();
+      full = full.narrow(0, me * grad.size(0), grad.size(0));
+    }
+    compare(ours, local, 3e-2);
+  }
+}
