@@ -6,20 +6,25 @@
 //
 //   mpirun -np 2 bulkhead-moe-bench [--tokens 4096] [--hidden 2048] [--experts 64]
 //                                   [--topk 8] [--ffn 768] [--iters 20] [--per-slot]
+//                                   [--profile trace.json]
 //
 // This program includes nccl.h on purpose: the raw calls are the reference.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nccl.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -28,6 +33,7 @@
 #include "moe/moe_layer.h"
 #include "parallel/process_groups.h"
 #include "bench/bench_check.h"
+#include "bench/timed_communicator.h"
 #include "runtime/errors.h"
 
 using namespace bulkhead;
@@ -37,6 +43,7 @@ namespace {
 struct Options {
   int tokens = 4096, hidden = 2048, experts = 64, topK = 8, ffn = 768, iterations = 20;
   bool perSlot = false;
+  std::string profile;  // where rank 0 writes a Chrome trace of 5 steps (bench/profile_summary.py reads it)
 };
 
 Options parse(int argc, char** argv) {
@@ -54,12 +61,18 @@ Options parse(int argc, char** argv) {
     else if (arg == "--ffn") options.ffn = next();
     else if (arg == "--iters") options.iterations = next();
     else if (arg == "--per-slot") options.perSlot = true;
+    else if (arg == "--profile" && i + 1 < argc) options.profile = argv[++i];
     else throw ConfigError(fmt::format("unknown argument '{}' (see the header of bench/moe_bench.cc)", arg));
   }
   return options;
 }
 
 // Median wall time of `iterations` runs of `body`, each followed by a device sync.
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
 double medianMs(int iterations, const std::function<void()>& body) {
   std::vector<double> times;
   for (int i = 0; i < iterations; ++i) {
@@ -68,8 +81,7 @@ double medianMs(int iterations, const std::function<void()>& body) {
     BENCH_CHECK(cudaDeviceSynchronize());
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return median(std::move(times));
 }
 
 }  // namespace
@@ -97,6 +109,22 @@ int main(int argc, char** argv) {
     };
     for (int i = 0; i < 3; ++i) step();
     const double stepMs = medianMs(options.iterations, step);
+    if (!options.profile.empty()) {
+      // Kernels and ATen ops of 5 steps, each step a "step" range in the trace.
+      namespace profiler = torch::autograd::profiler;
+      const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+      const std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CPU,
+                                                                     torch::profiler::impl::ActivityType::CUDA};
+      profiler::prepareProfiler(config, activities);
+      profiler::enableProfiler(config, activities);
+      for (int i = 0; i < 5; ++i) {
+        RECORD_USER_SCOPE("step");
+        step();
+        BENCH_CHECK(cudaDeviceSynchronize());
+      }
+      auto trace = profiler::disableProfiler();
+      if (me == 0) trace->save(options.profile);
+    }
 
     // Correctness beside a layer holding all experts on this GPU (ep 1).
     auto local = parallel::ProcessGroups::create(runtime->worldPtr(), parallel::LayoutOptions{}, {.warmup = false});
@@ -109,8 +137,11 @@ int main(int argc, char** argv) {
       relative = ((ours - theirs).abs().max() / theirs.abs().max()).item<double>();
     }
 
-    // Dispatch + combine alone, and raw NCCL moving the same rows.
-    moe::TokenDispatcher dispatcher(groups.ep(), {.numExperts = options.experts, .oncePerRank = !options.perSlot});
+    // Dispatch + combine alone, and raw NCCL moving the same rows. The
+    // dispatcher's ep group is timed: its exchanges (counts, tokens with their
+    // routing, results) are measured where they run, inside these dispatches.
+    auto timedEp = std::make_shared<bench::TimedCommunicator>(groups.ep());
+    moe::TokenDispatcher dispatcher(timedEp, {.numExperts = options.experts, .oncePerRank = !options.perSlot});
     at::Tensor tokens = input.detach();
     moe::Routing routing = layer.router().route(tokens);
     moe::DispatchPlan plan = dispatcher.dispatch(tokens, routing);
@@ -120,13 +151,26 @@ int main(int argc, char** argv) {
       dispatcher.combine(p, p.expertInput);
     };
     for (int i = 0; i < 3; ++i) roundTrip();
-    const double oursMs = medianMs(options.iterations, roundTrip);
+    timedEp->collect();
+    std::vector<double> wall, inExchanges;
+    std::vector<std::vector<double>> perExchange;  // [exchange][iteration]
+    for (int i = 0; i < options.iterations; ++i) {
+      wall.push_back(medianMs(1, roundTrip));
+      std::vector<double> times = timedEp->collect();
+      perExchange.resize(times.size());
+      for (size_t e = 0; e < times.size(); ++e) perExchange[e].push_back(times[e]);
+      inExchanges.push_back(std::accumulate(times.begin(), times.end(), 0.0));
+    }
+    const double oursMs = median(wall), exchangesMs = median(inExchanges);
+    std::vector<std::string> eachExchangeMs;
+    for (auto& times : perExchange) eachExchangeMs.push_back(fmt::format("{:.3f}", median(times)));
     // Where a step's time goes (each phase alone, synced): printed for study.
     const double routeMs = medianMs(options.iterations, [&] { layer.router().route(tokens); });
     const double dispatchMs = medianMs(options.iterations, [&] {
       c10::NoGradGuard noGrad;
       dispatcher.dispatch(tokens, routing);
     });
+    timedEp->collect();
     const double forwardMs = medianMs(options.iterations, [&] {
       c10::NoGradGuard noGrad;
       layer.forward(input);
@@ -186,6 +230,8 @@ int main(int argc, char** argv) {
       fmt::print("DISPATCH_COMBINE_MS {:.3f}\n", oursMs);
       fmt::print("RAW_ALLTOALL_MS {:.3f}\n", rawMs);
       fmt::print("EXCHANGE_ONLY_MS {:.3f}\n", exchangeMs);
+      fmt::print("DISPATCHER_EXCHANGES_MS {:.3f}\n", exchangesMs);
+      fmt::print("DISPATCHER_EXCHANGES {}\n", fmt::join(eachExchangeMs, " "));
       fmt::print("DISPATCH_COMBINE_GBPS {:.1f}\n", bytes / oursMs / 1e6);
       fmt::print("RAW_ALLTOALL_GBPS {:.1f}\n", bytes / rawMs / 1e6);
       fmt::print("MAX_REL_DIFF_VS_EP1 {:.4g}\n", relative);

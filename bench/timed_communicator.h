@@ -1,0 +1,92 @@
+#pragma once
+// A communicator that times the all-to-alls passing through it, for the MoE
+// bench: it wraps the ep group handed to a dispatcher, so the exchanges are
+// timed inside a real dispatch and combine (their order, their neighbours
+// on the stream), not re-enacted. Every call is forwarded unchanged.
+//
+// Timing: a pair of CUDA events on the default stream, which is where the
+// bench issues all of its work (the NCCL backend issues on the current
+// stream, the default one here), so each pair spans exactly that exchange.
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bench/bench_check.h"
+#include "runtime/communicator.h"
+
+namespace bulkhead::bench {
+
+class TimedCommunicator final : public Communicator {
+ public:
+  explicit TimedCommunicator(CommunicatorPtr inner) : inner_(std::move(inner)) {}
+  ~TimedCommunicator() override { release(); }
+
+  // Milliseconds spent in each all-to-all since the last call, in issue
+  // order; waits for them to finish.
+  std::vector<double> collect() {
+    std::vector<double> times;
+    for (auto [start, end] : pairs_) {
+      BENCH_CHECK(cudaEventSynchronize(end));
+      float ms = 0;
+      BENCH_CHECK(cudaEventElapsedTime(&ms, start, end));
+      times.push_back(ms);
+    }
+    release();
+    return times;
+  }
+
+  WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits, std::vector<int64_t> recvSplits,
+                   CallOptions options) override {
+    std::pair<cudaEvent_t, cudaEvent_t> pair{};
+    BENCH_CHECK(cudaEventCreate(&pair.first));
+    BENCH_CHECK(cudaEventCreate(&pair.second));
+    pairs_.push_back(pair);
+    BENCH_CHECK(cudaEventRecord(pair.first, nullptr));
+    WorkPtr work = inner_->allToAll(std::move(send), std::move(recv), std::move(sendSplits), std::move(recvSplits),
+                                    options);
+    BENCH_CHECK(cudaEventRecord(pair.second, nullptr));
+    return work;
+  }
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  const std::string& name() const override { return inner_->name(); }
+  const std::vector<int>& members() const override { return inner_->members(); }
+  const char* backend() const override { return inner_->backend(); }
+  c10::Device device() const override { return inner_->device(); }
+  WorkPtr allReduce(at::Tensor tensor, ReduceOptions options) override { return inner_->allReduce(tensor, options); }
+  WorkPtr allGather(at::Tensor input, at::Tensor output, CallOptions options) override {
+    return inner_->allGather(input, output, options);
+  }
+  WorkPtr reduceScatter(at::Tensor input, at::Tensor output, ReduceOptions options) override {
+    return inner_->reduceScatter(input, output, options);
+  }
+  WorkPtr broadcast(at::Tensor tensor, int root, CallOptions options) override {
+    return inner_->broadcast(tensor, root, options);
+  }
+  WorkPtr barrier(CallOptions options) override { return inner_->barrier(options); }
+  WorkPtr send(at::Tensor tensor, int peer, CallOptions options) override { return inner_->send(tensor, peer, options); }
+  WorkPtr recv(at::Tensor tensor, int peer, CallOptions options) override { return inner_->recv(tensor, peer, options); }
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name, SplitOptions options) override {
+    return inner_->split(color, key, name, options);
+  }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+  bool isAborted() const override { return inner_->isAborted(); }
+
+ private:
+  void release() {
+    for (auto [start, end] : pairs_) {
+      cudaEventDestroy(start);
+      cudaEventDestroy(end);
+    }
+    pairs_.clear();
+  }
+
+  CommunicatorPtr inner_;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> pairs_;
+};
+
+}  // namespace bulkhead::bench
