@@ -4,6 +4,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -24,8 +26,57 @@ template <typename T, typename A> __device__ __forceinline__ void store(T* p, A 
 template <> __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 template <> __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half(v); }
 
+// 16-byte vectors of row elements: rows whose bytes and base addresses are
+// multiples of 16 move in whole vectors (the layer's rows always do); others
+// take the element-wise kernels below.
+template <typename T> constexpr int kVector = 16 / sizeof(T);
+
+template <typename T, typename A>
+__device__ __forceinline__ void loadVector(const T* p, A (&values)[kVector<T>]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const T* items = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVector<T>; ++i) values[i] = load(items + i);
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ void storeVector(T* p, const A (&values)[kVector<T>]) {
+  uint4 raw;
+  T* items = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVector<T>; ++i) store(items + i, values[i]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
 // One block per output row: the row's table entries and weights go to shared
-// memory, then threads stride over the row's elements.
+// memory, then threads stride over the row's vectors.
+template <typename T, typename W>
+__global__ void forwardVectorKernel(const T* source, T* out, const int64_t* table, const W* weights, int64_t columns,
+                                    int64_t width) {
+  using A = typename Acc<T>::type;
+  constexpr int kSize = kVector<T>;
+  __shared__ int64_t index[kMaxColumns];
+  __shared__ A scale[kMaxColumns];
+  const int64_t row = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < columns; c += blockDim.x) {
+    index[c] = table[row * columns + c];
+    scale[c] = weights ? static_cast<A>(weights[row * columns + c]) : A(1);
+  }
+  __syncthreads();
+  for (int64_t v = threadIdx.x; v < width / kSize; v += blockDim.x) {
+    A sum[kSize] = {};
+    for (int64_t c = 0; c < columns; ++c) {
+      if (index[c] < 0) continue;
+      A x[kSize];
+      loadVector(source + index[c] * width + v * kSize, x);
+#pragma unroll
+      for (int i = 0; i < kSize; ++i) sum[i] += scale[c] * x[i];
+    }
+    storeVector(out + row * width + v * kSize, sum);
+  }
+}
+
+// The element-wise form of forwardVectorKernel.
 template <typename T, typename W>
 __global__ void forwardKernel(const T* source, T* out, const int64_t* table, const W* weights, int64_t columns,
                               int64_t width) {
@@ -59,6 +110,47 @@ __device__ A blockSum(A value, A* scratch) {
   return total;
 }
 
+// Per output row and column: the scaled gradient to the source row, and the
+// weight's gradient as a block-wide dot product.
+template <typename T, typename W>
+__global__ void backwardVectorKernel(const T* source, const T* gradOut, T* gradSource, W* gradWeights,
+                                     const int64_t* table, const W* weights, int64_t columns, int64_t width) {
+  using A = typename Acc<T>::type;
+  constexpr int kSize = kVector<T>;
+  __shared__ A scratch[kThreads / 32];
+  const int64_t row = blockIdx.x;
+  for (int64_t c = 0; c < columns; ++c) {
+    const int64_t index = table[row * columns + c];
+    if (index < 0) {
+      if (gradWeights && threadIdx.x == 0) gradWeights[row * columns + c] = W(0);
+      continue;
+    }
+    const A scale = weights ? static_cast<A>(weights[row * columns + c]) : A(1);
+    A dot = 0;
+    for (int64_t v = threadIdx.x; v < width / kSize; v += blockDim.x) {
+      A g[kSize];
+      loadVector(gradOut + row * width + v * kSize, g);
+      if (gradSource) {
+        A scaled[kSize];
+#pragma unroll
+        for (int i = 0; i < kSize; ++i) scaled[i] = scale * g[i];
+        storeVector(gradSource + index * width + v * kSize, scaled);
+      }
+      if (gradWeights) {
+        A x[kSize];
+        loadVector(source + index * width + v * kSize, x);
+#pragma unroll
+        for (int i = 0; i < kSize; ++i) dot += g[i] * x[i];
+      }
+    }
+    if (gradWeights) {
+      const A total = blockSum(dot, scratch);
+      if (threadIdx.x == 0) gradWeights[row * columns + c] = static_cast<W>(total);
+    }
+  }
+}
+
+// The element-wise form of backwardVectorKernel.
 template <typename T, typename W>
 __global__ void backwardKernel(const T* source, const T* gradOut, T* gradSource, W* gradWeights, const int64_t* table,
                                const W* weights, int64_t columns, int64_t width) {
@@ -89,10 +181,20 @@ void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
+// True when rows of `width` elements at these addresses split into whole 16-byte vectors.
+template <typename T>
+bool vectorRows(int64_t width, std::initializer_list<const void*> rows) {
+  if (width * static_cast<int64_t>(sizeof(T)) % 16 != 0) return false;
+  for (const void* base : rows)
+    if (base && reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  return true;
+}
+
 template <typename T, typename W>
 void launchForward(const GatherSumArgs& args, const void* source, void* out) {
   if (args.outputs == 0) return;
-  forwardKernel<T, W><<<args.outputs, kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(
+  auto kernel = vectorRows<T>(args.width, {source, out}) ? forwardVectorKernel<T, W> : forwardKernel<T, W>;
+  kernel<<<args.outputs, kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(
       static_cast<const T*>(source), static_cast<T*>(out), args.table, static_cast<const W*>(args.weights),
       args.columns, args.width);
   check(cudaGetLastError(), "gather-sum forward kernel launch");
@@ -102,7 +204,9 @@ template <typename T, typename W>
 void launchBackward(const GatherSumArgs& args, const void* source, const void* gradOut, void* gradSource,
                     void* gradWeights) {
   if (args.outputs == 0) return;
-  backwardKernel<T, W><<<args.outputs, kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(
+  auto kernel = vectorRows<T>(args.width, {source, gradOut, gradSource}) ? backwardVectorKernel<T, W>
+                                                                          : backwardKernel<T, W>;
+  kernel<<<args.outputs, kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(
       static_cast<const T*>(source), static_cast<const T*>(gradOut), static_cast<T*>(gradSource),
       static_cast<W*>(gradWeights), args.table, static_cast<const W*>(args.weights), args.columns, args.width);
   check(cudaGetLastError(), "gather-sum backward kernel launch");

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <tuple>
+#include <utility>
 
 #include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
@@ -19,14 +20,17 @@ namespace {
 
 TEST_CASE("gather-sum kernels equal the reference, forward and backward", "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
-  for (auto dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
+  // Widths: whole 16-byte vectors (96), more vectors than threads (2056), and
+  // rows that are not whole vectors (37), which take the element-wise kernels.
+  for (auto [dtype, width] : {std::pair{at::kDouble, 96}, {at::kFloat, 96}, {at::kBFloat16, 96}, {at::kDouble, 37},
+                              {at::kFloat, 37}, {at::kBFloat16, 37}, {at::kBFloat16, 2056}, {at::kFloat, 2056}}) {
     const double tolerance = dtype == at::kDouble ? 1e-12 : dtype == at::kFloat ? 1e-5 : 2e-2;
     // 300 source rows, each named once by a [120, 5] table with gaps.
     at::Tensor table = at::randperm(600, testing::sharedGenerator(1), at::kLong).view({120, 5});
     table = at::where(table.lt(300), table, at::full_like(table, -1));
-    at::Tensor source = at::randn({300, 96}, testing::sharedGenerator(2), at::kDouble);
+    at::Tensor source = at::randn({300, width}, testing::sharedGenerator(2), at::kDouble);
     at::Tensor weights = at::rand({120, 5}, testing::sharedGenerator(3), at::kDouble);
-    at::Tensor grad = at::randn({120, 96}, testing::sharedGenerator(4), at::kDouble);
+    at::Tensor grad = at::randn({120, width}, testing::sharedGenerator(4), at::kDouble);
     for (bool weighted : {true, false}) {
       auto run = [&](bool kernels) {
         at::Tensor s = source.to(gpu, dtype).requires_grad_(true);
@@ -40,7 +44,7 @@ TEST_CASE("gather-sum kernels equal the reference, forward and backward", "[moe]
       };
       auto [out, gradSource, gradWeights] = run(true);
       auto [refOut, refSource, refWeights] = run(false);
-      INFO("dtype " << c10::toString(dtype) << " weighted " << weighted);
+      INFO("dtype " << c10::toString(dtype) << " width " << width << " weighted " << weighted);
       CHECK(at::allclose(out, refOut, tolerance, tolerance));
       CHECK(at::allclose(gradSource, refSource, tolerance, tolerance));
       if (weighted) CHECK(at::allclose(gradWeights, refWeights, tolerance, tolerance * 10));
