@@ -79,7 +79,10 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
                       {.rank = worldRank_, .expected = "tokens [..., hidden]"});
   }
   at::Tensor tokens = input.reshape({-1, options_.hidden});
-  Routing routing = router_.route(tokens);
+  Routing routing = router_.select(tokens);
+  DispatchPlan plan = dispatcher_.dispatch(tokens, routing);
+  at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.tokensPerLocalExpertDevice);
+  router_.addLosses(routing);  // launched while the experts run (see Router::select)
   if (options_.globalAuxLoss && options_.router.auxLossCoeff != 0) {
     // Slot counts and the token count, summed over every replica's batch.
     at::Tensor counts = at::cat({routing.tokensPerExpert, at::full({1}, tokens.size(0), routing.tokensPerExpert.options())});
@@ -92,8 +95,6 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
     // An empty batch on every replica has no balance to measure: 0, not 0/0.
     routing.auxLoss = router_.switchLoss(slots, 1.0, routing.meanProb) / total.squeeze(0).clamp_min(1);
   }
-  DispatchPlan plan = dispatcher_.dispatch(tokens, routing);
-  at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.tokensPerLocalExpertDevice);
   at::Tensor output = dispatcher_.combine(plan, expertOutput);
   if (sharedW1_.defined()) {
     output = output + at::matmul(at::silu(at::matmul(tokens, sharedW1_.t())) * at::matmul(tokens, sharedW3_.t()),

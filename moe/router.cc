@@ -31,47 +31,56 @@ Router::Router(RouterOptions options, at::Tensor gateWeight) : options_(options)
 }
 
 Routing Router::route(const at::Tensor& tokens) const {
+  Routing routing = select(tokens);
+  addLosses(routing);
+  return routing;
+}
+
+Routing Router::select(const at::Tensor& tokens) const {
   const int64_t numTokens = tokens.size(0);
   const int64_t numExperts = options_.numExperts;
   // Scores in at least float32: bf16 softmax over many experts loses the ranking.
   const auto scoreType = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
-
-  at::Tensor scores = options_.scoreFunction == ScoreFunction::Softmax ? at::softmax(logits, -1) : at::sigmoid(logits);
-  at::Tensor selection = options_.expertBias ? scores.detach() + bias_.to(scoreType) : scores.detach();
-  at::Tensor indices = std::get<1>(at::topk(selection, options_.topK, -1));
-  at::Tensor weights = scores.gather(1, indices);
-  if (options_.normalizeWeights) weights = weights / weights.sum(-1, true);
-
   Routing routing;
-  routing.indices = indices;
-  routing.weights = weights;
-  routing.tokensPerExpert = countValues(indices, numExperts);
+  routing.logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
+  routing.scores = options_.scoreFunction == ScoreFunction::Softmax ? at::softmax(routing.logits, -1)
+                                                                    : at::sigmoid(routing.logits);
+  at::Tensor selection = options_.expertBias ? routing.scores.detach() + bias_.to(scoreType) : routing.scores.detach();
+  routing.indices = std::get<1>(at::topk(selection, options_.topK, -1));
+  routing.weights = routing.scores.gather(1, routing.indices);
+  if (options_.normalizeWeights) routing.weights = routing.weights / routing.weights.sum(-1, true);
 
   if (options_.capacityFactor > 0) {
     const auto capacity = static_cast<int64_t>(
         std::ceil(options_.capacityFactor * static_cast<double>(numTokens * options_.topK) / numExperts));
-    routing.keep = capacityKeep(indices, weights.detach(), options_.numExperts, capacity);
+    routing.keep = capacityKeep(routing.indices, routing.weights.detach(), options_.numExperts, capacity);
     routing.droppedSlots = routing.keep.numel() - routing.keep.sum().item<int64_t>();
   } else {
-    routing.keep = at::ones_like(indices, indices.options().dtype(at::kBool));
+    routing.keep = at::ones_like(routing.indices, routing.indices.options().dtype(at::kBool));
   }
+  return routing;
+}
 
+void Router::addLosses(Routing& routing) const {
+  const int64_t numTokens = routing.indices.size(0);
+  const int64_t numExperts = options_.numExperts;
+  routing.tokensPerExpert = countValues(routing.indices, numExperts);
   if (numTokens > 0) {
-    at::Tensor probs = options_.scoreFunction == ScoreFunction::Softmax ? scores : scores / scores.sum(-1, true);
+    at::Tensor probs = options_.scoreFunction == ScoreFunction::Softmax
+                           ? routing.scores
+                           : routing.scores / routing.scores.sum(-1, true);
     routing.meanProb = probs.mean(0);
   } else {
-    routing.meanProb = at::zeros({numExperts}, logits.options());
+    routing.meanProb = at::zeros({numExperts}, routing.logits.options());
   }
   routing.auxLoss = numTokens > 0 ? switchLoss(routing.tokensPerExpert, static_cast<double>(numTokens * options_.topK),
                                                routing.meanProb)
-                                  : at::zeros({}, logits.options());
+                                  : at::zeros({}, routing.logits.options());
   if (options_.zLossCoeff != 0 && numTokens > 0) {
-    routing.zLoss = options_.zLossCoeff * at::logsumexp(logits, -1).pow(2).mean();
+    routing.zLoss = options_.zLossCoeff * at::logsumexp(routing.logits, -1).pow(2).mean();
   } else {
-    routing.zLoss = at::zeros({}, logits.options());
+    routing.zLoss = at::zeros({}, routing.logits.options());
   }
-  return routing;
 }
 
 at::Tensor Router::switchLoss(const at::Tensor& slotsPerExpert, double totalSlots, const at::Tensor& meanProb) const {

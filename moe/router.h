@@ -51,6 +51,7 @@ struct Routing {
   at::Tensor tokensPerExpert;  // [E] int64: slots selected per expert, before dropping
   at::Tensor meanProb;         // [E] P_i over this rank's tokens (autograd; zeros without tokens)
   int64_t droppedSlots = 0;
+  at::Tensor logits, scores;   // [T, E] in the score dtype (autograd): what the losses are computed from
 };
 
 class Router {
@@ -58,7 +59,14 @@ class Router {
   // gateWeight: [E, H], the caller's parameter.
   Router(RouterOptions options, at::Tensor gateWeight);
 
-  Routing route(const at::Tensor& tokens) const;  // tokens [T, H]
+  Routing route(const at::Tensor& tokens) const;  // tokens [T, H]: select, then addLosses
+
+  // route() in two steps: the selection (indices, weights, keep, dropped
+  // slots), then the losses, meanProb and tokensPerExpert. The layer adds the
+  // losses after the dispatch, so their many small kernels are launched while
+  // the experts run rather than before the dispatch's device sync.
+  Routing select(const at::Tensor& tokens) const;
+  void addLosses(Routing& routing) const;
 
   // coeff * E * sum_i (slots_i / totalSlots) * meanProb_i: the aux loss from
   // slot counts gathered over any set of ranks (see MoEOptions::globalAuxLoss).
