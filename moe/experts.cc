@@ -62,9 +62,10 @@ at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<i
                                    const at::Tensor& deviceCounts) const {
   const parallel::TpGroup etp{.comm = expertTp_, .timeout = options_.timeout, .paramGroup = parallel::ParamGroup::Expert};
   at::Tensor x = parallel::copyToTensorParallel(tokens, etp);
-  at::Tensor gate = groupedLinear(x, w1_, counts, deviceCounts, options_.groupedMm);
-  at::Tensor up = groupedLinear(x, w3_, counts, deviceCounts, options_.groupedMm);
-  at::Tensor partial = groupedLinear(at::silu(gate) * up, w2_, counts, deviceCounts, options_.groupedMm);
+  const at::Tensor ends = groupEndsFor(x, deviceCounts, options_.groupedMm);
+  at::Tensor gate = groupedLinear(x, w1_, counts, ends);
+  at::Tensor up = groupedLinear(x, w3_, counts, ends);
+  at::Tensor partial = groupedLinear(at::silu(gate) * up, w2_, counts, ends);
   return parallel::reduceFromTensorParallel(partial, etp);
 }
 
@@ -84,8 +85,18 @@ std::vector<parallel::Parameter> GroupedExperts::parameters(const std::string& p
           make(".w2", w2_, {experts, hidden, ffn}, {firstExpert_, 0, column})};
 }
 
+at::Tensor groupEndsFor(const at::Tensor& rows, const at::Tensor& deviceCounts, bool allowed) {
+#if BULKHEAD_HAVE_GROUPED_MM
+  if (allowed && rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.size(0) > 0)
+    return at::cumsum(deviceCounts, 0, at::kInt);
+#else
+  (void)rows, (void)deviceCounts, (void)allowed;
+#endif
+  return {};
+}
+
 at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, const std::vector<int64_t>& counts,
-                         const at::Tensor& deviceCounts, bool allowGroupedMm) {
+                         const at::Tensor& groupEnds) {
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
   if (total != rows.size(0) || static_cast<int64_t>(counts.size()) != weights.size(0)) {
     throw ConfigError(fmt::format("grouped linear: {} rows in {} groups of sizes summing to {}, for {} weights",
@@ -93,13 +104,7 @@ at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, cons
                       {.expected = "one count per weight, summing to the number of rows"});
   }
 #if BULKHEAD_HAVE_GROUPED_MM
-  if (allowGroupedMm && rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && total > 0) {
-    at::Tensor offsets = at::cumsum(deviceCounts, 0, at::kInt);
-    return at::_grouped_mm(rows, weights.transpose(-2, -1), offsets);
-  }
-#else
-  (void)deviceCounts;
-  (void)allowGroupedMm;
+  if (groupEnds.defined()) return at::_grouped_mm(rows, weights.transpose(-2, -1), groupEnds);
 #endif
   std::vector<at::Tensor> parts = rows.split_with_sizes(counts);
   for (size_t group = 0; group < parts.size(); ++group) parts[group] = at::mm(parts[group], weights[group].t());

@@ -64,8 +64,14 @@ class GroupedExperts {
 };
 
 // rows [N, K] grouped by `counts`, weights [G, Out, K] -> [N, Out]: each
-// group's rows times its weight transposed.
+// group's rows times its weight transposed. groupEnds: the running sum of
+// counts as int32 on the rows' device (what at::_grouped_mm takes), shared by
+// the calls of one step; undefined where no grouped matrix product applies.
 at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, const std::vector<int64_t>& counts,
-                         const at::Tensor& deviceCounts, bool allowGroupedMm);
+                         const at::Tensor& groupEnds);
+
+// groupEnds for groupedLinear: defined where at::_grouped_mm serves these rows
+// (libtorch has it, CUDA bf16 rows, some rows, `allowed`).
+at::Tensor groupEndsFor(const at::Tensor& rows, const at::Tensor& deviceCounts, bool allowed);
 
 }  // namespace bulkhead::moe
