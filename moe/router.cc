@@ -97,9 +97,7 @@ void Router::updateBias(const at::Tensor& loads) {
 
 at::Tensor countValues(const at::Tensor& values, int64_t bins) {
   at::Tensor flat = values.reshape(-1);
-  at::Tensor valid = flat.ge(0);
-  at::Tensor index = at::where(valid, flat, at::zeros_like(flat));
-  return at::zeros({bins}, flat.options().dtype(at::kLong)).scatter_add_(0, index, valid.to(at::kLong));
+  return at::zeros({bins}, flat.options().dtype(at::kLong)).scatter_add_(0, flat, at::ones_like(flat, at::kLong));
 }
 
 at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, int numExperts, int64_t capacity) {

@@ -83,8 +83,8 @@ class Router {
   at::Tensor bias_;  // [E] float32, zero until updated
 };
 
-// How many entries of `values` (int64) equal each of 0..bins-1; negative
-// entries count nowhere. Unlike at::bincount, no device sync on CUDA.
+// How many entries of `values` (int64, each in [0, bins)) equal each of
+// 0..bins-1. Unlike at::bincount, no device sync on CUDA.
 at::Tensor countValues(const at::Tensor& values, int64_t bins);
 
 // The capacity policy on its own (exposed for tests): keep flags for the
