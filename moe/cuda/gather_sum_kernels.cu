@@ -26,58 +26,40 @@ template <typename T, typename A> __device__ __forceinline__ void store(T* p, A 
 template <> __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 template <> __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half(v); }
 
-// 16-byte vectors of row elements: rows whose bytes and base addresses are
-// multiples of 16 move in whole vectors (the layer's rows always do); others
-// take the element-wise kernels below.
+// Threads move rows in groups of kSize elements: 16-byte vectors (kVector)
+// where every row's bytes and base address are multiples of 16 (the layer's
+// rows always are), single elements otherwise.
 template <typename T> constexpr int kVector = 16 / sizeof(T);
 
-template <typename T, typename A>
-__device__ __forceinline__ void loadVector(const T* p, A (&values)[kVector<T>]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const T* items = reinterpret_cast<const T*>(&raw);
+template <int kSize, typename T, typename A>
+__device__ __forceinline__ void loadGroup(const T* p, A (&values)[kSize]) {
+  if constexpr (kSize == 1) {
+    values[0] = load(p);
+  } else {
+    static_assert(kSize * sizeof(T) == 16, "a group is one 16-byte vector");
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* items = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-  for (int i = 0; i < kVector<T>; ++i) values[i] = load(items + i);
+    for (int i = 0; i < kSize; ++i) values[i] = load(items + i);
+  }
 }
 
-template <typename T, typename A>
-__device__ __forceinline__ void storeVector(T* p, const A (&values)[kVector<T>]) {
-  uint4 raw;
-  T* items = reinterpret_cast<T*>(&raw);
+template <int kSize, typename T, typename A>
+__device__ __forceinline__ void storeGroup(T* p, const A (&values)[kSize]) {
+  if constexpr (kSize == 1) {
+    store(p, values[0]);
+  } else {
+    uint4 raw;
+    T* items = reinterpret_cast<T*>(&raw);
 #pragma unroll
-  for (int i = 0; i < kVector<T>; ++i) store(items + i, values[i]);
-  *reinterpret_cast<uint4*>(p) = raw;
+    for (int i = 0; i < kSize; ++i) store(items + i, values[i]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  }
 }
 
 // One block per output row: the row's table entries and weights go to shared
-// memory, then threads stride over the row's vectors.
-template <typename T, typename W>
-__global__ void forwardVectorKernel(const T* source, T* out, const int64_t* table, const W* weights, int64_t columns,
-                                    int64_t width) {
-  using A = typename Acc<T>::type;
-  constexpr int kSize = kVector<T>;
-  __shared__ int64_t index[kMaxColumns];
-  __shared__ A scale[kMaxColumns];
-  const int64_t row = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < columns; c += blockDim.x) {
-    index[c] = table[row * columns + c];
-    scale[c] = weights ? static_cast<A>(weights[row * columns + c]) : A(1);
-  }
-  __syncthreads();
-  for (int64_t v = threadIdx.x; v < width / kSize; v += blockDim.x) {
-    A sum[kSize] = {};
-    for (int64_t c = 0; c < columns; ++c) {
-      if (index[c] < 0) continue;
-      A x[kSize];
-      loadVector(source + index[c] * width + v * kSize, x);
-#pragma unroll
-      for (int i = 0; i < kSize; ++i) sum[i] += scale[c] * x[i];
-    }
-    storeVector(out + row * width + v * kSize, sum);
-  }
-}
-
-// The element-wise form of forwardVectorKernel.
-template <typename T, typename W>
+// memory, then threads stride over the row's groups.
+template <typename T, typename W, int kSize>
 __global__ void forwardKernel(const T* source, T* out, const int64_t* table, const W* weights, int64_t columns,
                               int64_t width) {
   using A = typename Acc<T>::type;
@@ -89,11 +71,16 @@ __global__ void forwardKernel(const T* source, T* out, const int64_t* table, con
     scale[c] = weights ? static_cast<A>(weights[row * columns + c]) : A(1);
   }
   __syncthreads();
-  for (int64_t e = threadIdx.x; e < width; e += blockDim.x) {
-    A sum = 0;
-    for (int64_t c = 0; c < columns; ++c)
-      if (index[c] >= 0) sum += scale[c] * load(source + index[c] * width + e);
-    store(out + row * width + e, sum);
+  for (int64_t e = threadIdx.x * kSize; e < width; e += blockDim.x * kSize) {
+    A sum[kSize] = {};
+    for (int64_t c = 0; c < columns; ++c) {
+      if (index[c] < 0) continue;
+      A x[kSize];
+      loadGroup<kSize>(source + index[c] * width + e, x);
+#pragma unroll
+      for (int i = 0; i < kSize; ++i) sum[i] += scale[c] * x[i];
+    }
+    storeGroup<kSize>(out + row * width + e, sum);
   }
 }
 
@@ -112,46 +99,7 @@ __device__ A blockSum(A value, A* scratch) {
 
 // Per output row and column: the scaled gradient to the source row, and the
 // weight's gradient as a block-wide dot product.
-template <typename T, typename W>
-__global__ void backwardVectorKernel(const T* source, const T* gradOut, T* gradSource, W* gradWeights,
-                                     const int64_t* table, const W* weights, int64_t columns, int64_t width) {
-  using A = typename Acc<T>::type;
-  constexpr int kSize = kVector<T>;
-  __shared__ A scratch[kThreads / 32];
-  const int64_t row = blockIdx.x;
-  for (int64_t c = 0; c < columns; ++c) {
-    const int64_t index = table[row * columns + c];
-    if (index < 0) {
-      if (gradWeights && threadIdx.x == 0) gradWeights[row * columns + c] = W(0);
-      continue;
-    }
-    const A scale = weights ? static_cast<A>(weights[row * columns + c]) : A(1);
-    A dot = 0;
-    for (int64_t v = threadIdx.x; v < width / kSize; v += blockDim.x) {
-      A g[kSize];
-      loadVector(gradOut + row * width + v * kSize, g);
-      if (gradSource) {
-        A scaled[kSize];
-#pragma unroll
-        for (int i = 0; i < kSize; ++i) scaled[i] = scale * g[i];
-        storeVector(gradSource + index * width + v * kSize, scaled);
-      }
-      if (gradWeights) {
-        A x[kSize];
-        loadVector(source + index * width + v * kSize, x);
-#pragma unroll
-        for (int i = 0; i < kSize; ++i) dot += g[i] * x[i];
-      }
-    }
-    if (gradWeights) {
-      const A total = blockSum(dot, scratch);
-      if (threadIdx.x == 0) gradWeights[row * columns + c] = static_cast<W>(total);
-    }
-  }
-}
-
-// The element-wise form of backwardVectorKernel.
-template <typename T, typename W>
+template <typename T, typename W, int kSize>
 __global__ void backwardKernel(const T* source, const T* gradOut, T* gradSource, W* gradWeights, const int64_t* table,
                                const W* weights, int64_t columns, int64_t width) {
   using A = typename Acc<T>::type;
@@ -165,10 +113,21 @@ __global__ void backwardKernel(const T* source, const T* gradOut, T* gradSource,
     }
     const A scale = weights ? static_cast<A>(weights[row * columns + c]) : A(1);
     A dot = 0;
-    for (int64_t e = threadIdx.x; e < width; e += blockDim.x) {
-      const A g = load(gradOut + row * width + e);
-      if (gradSource) store(gradSource + index * width + e, scale * g);
-      if (gradWeights) dot += g * load(source + index * width + e);
+    for (int64_t e = threadIdx.x * kSize; e < width; e += blockDim.x * kSize) {
+      A g[kSize];
+      loadGroup<kSize>(gradOut + row * width + e, g);
+      if (gradSource) {
+        A scaled[kSize];
+#pragma unroll
+        for (int i = 0; i < kSize; ++i) scaled[i] = scale * g[i];
+        storeGroup<kSize>(gradSource + index * width + e, scaled);
+      }
+      if (gradWeights) {
+        A x[kSize];
+        loadGroup<kSize>(source + index * width + e, x);
+#pragma unroll
+        for (int i = 0; i < kSize; ++i) dot += g[i] * x[i];
+      }
     }
     if (gradWeights) {
       const A total = blockSum(dot, scratch);
@@ -193,7 +152,7 @@ bool vectorRows(int64_t width, std::initializer_list<const void*> rows) {
 template <typename T, typename W>
 void launchForward(const GatherSumArgs& args, const void* source, void* out) {
   if (args.outputs == 0) return;
-  auto kernel = vectorRows<T>(args.width, {source, out}) ? forwardVectorKernel<T, W> : forwardKernel<T, W>;
+  auto kernel = vectorRows<T>(args.width, {source, out}) ? forwardKernel<T, W, kVector<T>> : forwardKernel<T, W, 1>;
   kernel<<<args.outputs, kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(
       static_cast<const T*>(source), static_cast<T*>(out), args.table, static_cast<const W*>(args.weights),
       args.columns, args.width);
@@ -204,8 +163,8 @@ template <typename T, typename W>
 void launchBackward(const GatherSumArgs& args, const void* source, const void* gradOut, void* gradSource,
                     void* gradWeights) {
   if (args.outputs == 0) return;
-  auto kernel = vectorRows<T>(args.width, {source, gradOut, gradSource}) ? backwardVectorKernel<T, W>
-                                                                          : backwardKernel<T, W>;
+  auto kernel = vectorRows<T>(args.width, {source, gradOut, gradSource}) ? backwardKernel<T, W, kVector<T>>
+                                                                          : backwardKernel<T, W, 1>;
   kernel<<<args.outputs, kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(
       static_cast<const T*>(source), static_cast<const T*>(gradOut), static_cast<T*>(gradSource),
       static_cast<W*>(gradWeights), args.table, static_cast<const W*>(args.weights), args.columns, args.width);
