@@ -2,11 +2,15 @@
 
 #include "moe/gather_sum.h"
 #include "parallel/tensor_parallel.h"
+#include "runtime/errors.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <memory>
 #include <numeric>
@@ -120,6 +124,14 @@ RoutedRows exchangeRouted(const CommunicatorPtr& group, const at::Tensor& tokens
                           const at::Tensor& tokenTable, const at::Tensor& weights, const at::Tensor& ids,
                           const std::vector<int64_t>& sendSplits, const std::vector<int64_t>& recvSplits,
                           Timeout timeout) {
+  if (ids.sizes() != weights.sizes() || ids.scalar_type() != weights.scalar_type() || tokens.dim() != 2 ||
+      weights.dim() != 2 || rowToken.size(0) != weights.size(0)) {
+    throw ConfigError(fmt::format("routed exchange on {}: tokens [{}], {} rows of weights [{}] and ids [{}] do not fit",
+                                  group->name(), fmt::join(tokens.sizes(), ", "), rowToken.size(0),
+                                  fmt::join(weights.sizes(), ", "), fmt::join(ids.sizes(), ", ")),
+                      {.rank = group->rank(), .group = group->name(),
+                       .expected = "tokens [T, H]; weights and ids [rows, m] of one dtype, one per row sent"});
+  }
   const RoutedLayout layout(tokens, weights);
   const at::ScalarType tokenType = tokens.scalar_type(), sideType = weights.scalar_type();
   at::Tensor send = at::empty({rowToken.size(0), layout.width}, tokens.options().dtype(at::kByte));

@@ -163,7 +163,9 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
 
   // One expert row per (received row, local expert), ordered by local expert.
   const int64_t columns = arrived.ids.size(1);
-  plan.recvWeights = arrived.weights;
+  // A copy, so the plan does not keep the whole receive buffer (token rows
+  // included) alive until the combine.
+  plan.recvWeights = arrived.weights.contiguous();
   Grouping byExpert;
   at::Tensor arrivedRow;
   {

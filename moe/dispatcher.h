@@ -8,9 +8,10 @@
 // - dispatch() and combine() issue the same collectives on every rank of the
 //   ep group, in the same order, whatever the rank holds (zero tokens, zero
 //   selected slots): dispatch exchanges row counts (read to the host in the
-//   dispatch's one device sync), then routing metadata and combine weights in
-//   one exchange, then tokens; combine exchanges the results. Backward (via
-//   autograd) runs the mirror exchanges, again on every rank.
+//   dispatch's one device sync), then the tokens with their routing (combine
+//   weights, local expert ids) in one exchange; combine exchanges the results.
+//   Backward (via autograd) sends the results' gradients out, then the
+//   tokens' and the weights' gradients back (two exchanges), on every rank.
 // - Once per rank (the default): a token goes once to each rank that holds
 //   any of its selected experts and is expanded there into one row per
 //   selected local expert; the weighted sum over those experts is formed there

@@ -28,7 +28,8 @@ template <> __device__ __forceinline__ void store(__half* p, float v) { *p = __f
 
 // Threads move rows in groups of kSize elements: 16-byte vectors (kVector)
 // where every row's bytes and base address are multiples of 16 (the layer's
-// rows always are), single elements otherwise.
+// rows are whenever the hidden size is a multiple of 8), single elements
+// otherwise.
 template <typename T> constexpr int kVector = 16 / sizeof(T);
 
 template <int kSize, typename T, typename A>
