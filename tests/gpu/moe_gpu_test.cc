@@ -1,15 +1,17 @@
 // The MoE layer over NCCL, one rank per GPU (ep = every rank): its outputs
 // and gradients against the same layer over MPI in float64 on the same
 // inputs (float32 on the GPU), and, in bf16, against the layer with every
-// expert on the rank's own GPU. This runs the CUDA grouping and gather-sum
-// kernels, the routed exchange of bf16 tokens with float32 routing, and
-// _grouped_mm where libtorch has it.
+// expert on the rank's own GPU computing one product per expert. This runs
+// the CUDA grouping and gather-sum kernels, the routed exchange of bf16 tokens
+// with float32 routing, and _grouped_mm where libtorch has it; with starved
+// experts, the last rank receives no token at all.
 #include <ATen/ATen.h>
 
 #include <fmt/format.h>
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "moe/moe_layer.h"
 #include "parallel/process_groups.h"
@@ -23,14 +25,32 @@ namespace {
 
 constexpr int kTokens = 257, kHidden = 64, kFfn = 96, kExperts = 8, kTopK = 3;
 
-moe::MoEOptions layerOptions(bool oncePerRank) {
+moe::MoEOptions layerOptions(bool oncePerRank, bool starve) {
   return {.hidden = kHidden,
           .ffnHidden = kFfn,
-          .router = {.numExperts = kExperts, .topK = kTopK, .auxLossCoeff = 0.05, .zLossCoeff = 0.01},
+          .router = {.numExperts = kExperts,
+                     .topK = kTopK,
+                     .auxLossCoeff = 0.05,
+                     .zLossCoeff = 0.01,
+                     .expertBias = starve,
+                     // Enough to starve (scores lie in (0, 1)), small enough
+                     // for float32 selection to keep the scores' resolution.
+                     .biasUpdateRate = 1},
           .oncePerRank = oncePerRank,
           .sharedExpertHidden = 32,
-          .initStd = 0.3,
+          // Router scores well apart: a starving bias of 1 leaves float32
+          // selection a resolution of 1e-7, which peaked scores would test.
+          .initStd = 0.05,
           .seed = 91};
+}
+
+// The upper half of the experts look overloaded: the bias keeps every token
+// away from them, so at ep 2 the last rank receives no token (and on one GPU,
+// half the experts get none).
+void starveUpperExperts(moe::MoELayer& layer) {
+  at::Tensor loads = at::ones({kExperts}, at::kLong);
+  loads.narrow(0, kExperts / 2, kExperts / 2).fill_(1000);
+  layer.router().updateBias(loads);
 }
 
 struct Result {
@@ -44,9 +64,14 @@ Result run(const CommunicatorPtr& world, parallel::LayoutOptions layout, const m
            const at::TensorOptions& tensorOptions, const at::Tensor& tokens, const at::Tensor& projection) {
   auto groups = parallel::ProcessGroups::create(world, layout, {.warmup = false});
   moe::MoELayer layer(options, groups, tensorOptions);
+  if (options.router.expertBias) starveUpperExperts(layer);
   at::Tensor input = tokens.to(tensorOptions).detach().requires_grad_(true);  // a leaf of its own, never `tokens`
   moe::MoEOutput out = layer.forward(input);
   ((out.output * projection.to(tensorOptions)).sum() + out.auxLoss + out.zLoss).backward();
+  if (options.router.expertBias) {
+    const std::vector<int64_t> loads = layer.stats().tokensPerExpert;
+    for (int expert = kExperts / 2; expert < kExperts; ++expert) CHECK(loads[expert] == 0);
+  }
   Result result{.output = out.output.detach().to(at::kCPU, at::kDouble),
                 .inputGrad = input.grad().to(at::kCPU, at::kDouble)};
   for (auto& parameter : layer.parameters()) {
@@ -56,9 +81,12 @@ Result run(const CommunicatorPtr& world, parallel::LayoutOptions layout, const m
   return result;
 }
 
+// Max error over the reference's largest magnitude (absolute where the
+// reference is all zeros: a starved expert's gradient).
 double relativeError(const at::Tensor& value, const at::Tensor& reference) {
   const double scale = reference.abs().max().item<double>();
-  return (value - reference).abs().max().item<double>() / scale;
+  const double error = (value - reference).abs().max().item<double>();
+  return scale > 0 ? error / scale : error;
 }
 
 void compare(const Result& ours, const Result& reference, double tolerance) {
@@ -75,15 +103,18 @@ void compare(const Result& ours, const Result& reference, double tolerance) {
 
 TEST_CASE("the MoE layer over NCCL matches the layer over MPI in float64") {
   const int ranks = gpuWorld().size(), me = gpuWorld().rank();
+  if (ranks < 2) WARN("one GPU: ep 1, so no token crosses between ranks here");
   at::Tensor tokens = at::randn({kTokens, kHidden}, sharedGenerator(300 + me), at::kDouble);
   at::Tensor projection = at::randn({kTokens, kHidden}, sharedGenerator(400 + me), at::kDouble);
   for (bool oncePerRank : {true, false}) {
-    INFO(fmt::format("rank {} ep {} oncePerRank {}", me, ranks, oncePerRank));
-    const moe::MoEOptions options = layerOptions(oncePerRank);
-    Result reference = run(cpuWorldPtr(), {.ep = ranks}, options, at::kDouble, tokens, projection);
-    Result ours = run(gpuWorldPtr(), {.ep = ranks}, options, at::TensorOptions(at::kFloat).device(gpu()), tokens,
-                      projection);
-    compare(ours, reference, 1e-4);
+    for (bool starve : {false, true}) {
+      INFO(fmt::format("rank {} ep {} oncePerRank {} starve {}", me, ranks, oncePerRank, starve));
+      const moe::MoEOptions options = layerOptions(oncePerRank, starve);
+      Result reference = run(cpuWorldPtr(), {.ep = ranks}, options, at::kDouble, tokens, projection);
+      Result ours = run(gpuWorldPtr(), {.ep = ranks}, options, at::TensorOptions(at::kFloat).device(gpu()), tokens,
+                        projection);
+      compare(ours, reference, 1e-4);
+    }
   }
 }
 
@@ -94,12 +125,14 @@ TEST_CASE("in bf16, the MoE layer over NCCL matches the layer holding every expe
   const auto bf16 = at::TensorOptions(at::kBFloat16).device(gpu());
   for (bool oncePerRank : {true, false}) {
     INFO(fmt::format("rank {} ep {} oncePerRank {}", me, ranks, oncePerRank));
-    const moe::MoEOptions options = layerOptions(oncePerRank);
-    Result local = run(gpuWorldPtr(), {}, options, bf16, tokens, projection);
+    const moe::MoEOptions options = layerOptions(oncePerRank, false);
+    moe::MoEOptions perExpert = options;
+    perExpert.groupedMm = false;  // the reference multiplies expert by expert
+    Result local = run(gpuWorldPtr(), {}, perExpert, bf16, tokens, projection);
     Result ours = run(gpuWorldPtr(), {.ep = ranks}, options, bf16, tokens, projection);
     // Expert gradients: the local layer holds every expert with the gradient
-    // of this rank's tokens; at ep, this rank holds a block of experts with
-    // the gradient of every rank's tokens.
+    // of this rank's tokens; at ep = world size, world rank r holds expert
+    // block r with the gradient of every rank's tokens.
     for (auto& [name, grad] : ours.grads) {
       if (!ours.expert.at(name)) continue;
       at::Tensor& full = local.grads.at(name);

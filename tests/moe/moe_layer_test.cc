@@ -8,6 +8,7 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "moe/moe_layer.h"
@@ -282,24 +283,56 @@ TEST_CASE("the expert bias moves by the rate against the loads summed over dp", 
   CHECK(layer.router().bias().abs().sum().item<double>() > 0);
 }
 
+TEST_CASE("with globalAuxLoss the aux loss counts the slots of every replica's batch", "[moe][layer]") {
+  // Every shard routed by a layer that holds every expert (same router weights).
+  auto local = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  MoELayer referenceLayer(layerOptions(true, 0, true), local, at::kDouble);
+  at::Tensor slots = at::zeros({kExperts}, at::kDouble);
+  int64_t tokensInAll = 0;
+  for (int shard = 0; shard < kShards; ++shard) {
+    slots += referenceLayer.router().route(shardTokens(shard)).tokensPerExpert.to(at::kDouble);
+    tokensInAll += shardTokens(shard).size(0);
+  }
+  for (int ep : {2, 8}) {
+    auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = ep},
+                                                  {.warmup = false});
+    MoEOptions options = layerOptions(true, 0, true);
+    options.globalAuxLoss = true;
+    MoELayer layer(options, groups, at::kDouble);
+    const int shard = groups.dp()->rank();
+    at::Tensor tokens = shardTokens(shard).requires_grad_(true);
+    MoEOutput out = layer.forward(tokens);
+    const at::Tensor meanProb = referenceLayer.router().route(shardTokens(shard)).meanProb;
+    const at::Tensor expected =
+        options.router.auxLossCoeff * kExperts * (slots / static_cast<double>(tokensInAll * kTopK) * meanProb).sum();
+    INFO("ep " << ep << " shard " << shard);
+    CHECK(relativeError(out.auxLoss.detach(), expected) < 1e-12);
+    ((out.output * shardProjection(shard)).sum() + out.auxLoss + out.zLoss).backward();
+    if (shard != kEmptyShard) CHECK(tokens.grad().abs().sum().item<double>() > 0);
+  }
+}
+
 TEST_CASE("dispatch and combine around identity experts return each token's weighted sum", "[moe][dispatcher]") {
   auto& world = testing::world();
   for (int ep : {2, 8}) {
     auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = ep},
                                                   {.warmup = false});
     for (bool oncePerRank : {true, false}) {
-      // float32 too: routing metadata travels in the weights' dtype.
-      for (at::ScalarType dtype : {at::kDouble, at::kFloat}) {
+      // Routing travels beside the tokens in the weights' dtype (at least
+      // float32), whose elements may be wider than the tokens'.
+      for (auto [dtype, weightType] : {std::pair{at::kDouble, at::kDouble}, {at::kFloat, at::kFloat},
+                                       {at::kFloat, at::kDouble}}) {
         TokenDispatcher dispatcher(groups.ep(), {.numExperts = kExperts, .oncePerRank = oncePerRank});
         at::Tensor tokens = shardTokens(world.rank()).to(dtype);
         Routing routing;
         routing.indices = std::get<1>(
             at::randn({tokens.size(0), kExperts}, testing::sharedGenerator(300 + world.rank()), at::kDouble).topk(1));
-        routing.weights = at::ones({tokens.size(0), 1}, dtype);
+        routing.weights = at::ones({tokens.size(0), 1}, weightType);
         routing.keep = at::ones({tokens.size(0), 1}, at::kBool);
         DispatchPlan plan = dispatcher.dispatch(tokens, routing);
-        INFO("ep " << ep << " oncePerRank " << oncePerRank << " dtype " << c10::toString(dtype));
-        CHECK(plan.recvWeights.scalar_type() == dtype);
+        INFO("ep " << ep << " oncePerRank " << oncePerRank << " dtype " << c10::toString(dtype) << " weights "
+                   << c10::toString(weightType));
+        CHECK(plan.recvWeights.scalar_type() == weightType);
         CHECK(at::equal(plan.tokensPerLocalExpertDevice,
                         at::tensor(plan.tokensPerLocalExpert, at::kLong)));
         // Top-1 with weight 1: the round trip is exact.
