@@ -61,18 +61,21 @@ Options parse(int argc, char** argv) {
     else if (arg == "--ffn") options.ffn = next();
     else if (arg == "--iters") options.iterations = next();
     else if (arg == "--per-slot") options.perSlot = true;
-    else if (arg == "--profile" && i + 1 < argc) options.profile = argv[++i];
+    else if (arg == "--profile") {
+      if (i + 1 >= argc) throw ConfigError("--profile needs a file name");
+      options.profile = argv[++i];
+    }
     else throw ConfigError(fmt::format("unknown argument '{}' (see the header of bench/moe_bench.cc)", arg));
   }
   return options;
 }
 
-// Median wall time of `iterations` runs of `body`, each followed by a device sync.
 double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   return values[values.size() / 2];
 }
 
+// Median wall time of `iterations` runs of `body`, each followed by a device sync.
 double medianMs(int iterations, const std::function<void()>& body) {
   std::vector<double> times;
   for (int i = 0; i < iterations; ++i) {
@@ -212,6 +215,26 @@ int main(int argc, char** argv) {
     };
     for (int i = 0; i < 3; ++i) rawRoundTrip();
     const double rawMs = medianMs(options.iterations, rawRoundTrip);
+    // The same round trip timed as the dispatcher's exchanges are (CUDA events
+    // on the default stream), for the exchange ratio.
+    std::vector<double> rawInEvents;
+    {
+      cudaEvent_t start, end;
+      BENCH_CHECK(cudaEventCreate(&start));
+      BENCH_CHECK(cudaEventCreate(&end));
+      for (int i = 0; i < options.iterations; ++i) {
+        BENCH_CHECK(cudaEventRecord(start, nullptr));
+        rawRoundTrip();
+        BENCH_CHECK(cudaEventRecord(end, nullptr));
+        BENCH_CHECK(cudaEventSynchronize(end));
+        float ms = 0;
+        BENCH_CHECK(cudaEventElapsedTime(&ms, start, end));
+        rawInEvents.push_back(ms);
+      }
+      cudaEventDestroy(start);
+      cudaEventDestroy(end);
+    }
+    const double rawEventsMs = median(std::move(rawInEvents));
     // The same rows through Bulkhead's communicator alone (deadline, ledger; no index work):
     // what the transport costs beside raw NCCL, apart from the dispatcher's planning.
     auto exchangeRoundTrip = [&] {
@@ -229,6 +252,7 @@ int main(int argc, char** argv) {
       fmt::print("ROWS_SENT {}\n", sent);
       fmt::print("DISPATCH_COMBINE_MS {:.3f}\n", oursMs);
       fmt::print("RAW_ALLTOALL_MS {:.3f}\n", rawMs);
+      fmt::print("RAW_ALLTOALL_EVENTS_MS {:.3f}\n", rawEventsMs);
       fmt::print("EXCHANGE_ONLY_MS {:.3f}\n", exchangeMs);
       fmt::print("DISPATCHER_EXCHANGES_MS {:.3f}\n", exchangesMs);
       fmt::print("DISPATCHER_EXCHANGES {}\n", fmt::join(eachExchangeMs, " "));

@@ -4,9 +4,11 @@
 // timed inside a real dispatch and combine (their order, their neighbours
 // on the stream), not re-enacted. Every call is forwarded unchanged.
 //
-// Timing: a pair of CUDA events on the default stream, which is where the
-// bench issues all of its work (the NCCL backend issues on the current
-// stream, the default one here), so each pair spans exactly that exchange.
+// Timing: a pair of CUDA events on the call's stream (the current one, the
+// default stream in the bench, where the caller names none). A pair spans
+// the exchange on the GPU, including the time its kernel waits for the
+// slower peer, and, where the stream was idle when the call came, the host's
+// issue cost (ledger, NCCL calls) before the kernel starts.
 
 #include <cuda_runtime_api.h>
 
@@ -44,10 +46,11 @@ class TimedCommunicator final : public Communicator {
     BENCH_CHECK(cudaEventCreate(&pair.first));
     BENCH_CHECK(cudaEventCreate(&pair.second));
     pairs_.push_back(pair);
-    BENCH_CHECK(cudaEventRecord(pair.first, nullptr));
+    auto stream = static_cast<cudaStream_t>(options.stream);
+    BENCH_CHECK(cudaEventRecord(pair.first, stream));
     WorkPtr work = inner_->allToAll(std::move(send), std::move(recv), std::move(sendSplits), std::move(recvSplits),
                                     options);
-    BENCH_CHECK(cudaEventRecord(pair.second, nullptr));
+    BENCH_CHECK(cudaEventRecord(pair.second, stream));
     return work;
   }
 
