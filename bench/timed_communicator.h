@@ -24,7 +24,13 @@ namespace bulkhead::bench {
 class TimedCommunicator final : public Communicator {
  public:
   explicit TimedCommunicator(CommunicatorPtr inner) : inner_(std::move(inner)) {}
-  ~TimedCommunicator() override { release(); }
+  ~TimedCommunicator() override {
+    release();
+    for (auto [start, end] : spare_) {
+      cudaEventDestroy(start);
+      cudaEventDestroy(end);
+    }
+  }
 
   // Milliseconds spent in each all-to-all since the last call, in issue
   // order; waits for them to finish.
@@ -43,8 +49,13 @@ class TimedCommunicator final : public Communicator {
   WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits, std::vector<int64_t> recvSplits,
                    CallOptions options) override {
     std::pair<cudaEvent_t, cudaEvent_t> pair{};
-    BENCH_CHECK(cudaEventCreate(&pair.first));
-    BENCH_CHECK(cudaEventCreate(&pair.second));
+    if (spare_.empty()) {  // events are reused, so the timed calls create none once warm
+      BENCH_CHECK(cudaEventCreate(&pair.first));
+      BENCH_CHECK(cudaEventCreate(&pair.second));
+    } else {
+      pair = spare_.back();
+      spare_.pop_back();
+    }
     pairs_.push_back(pair);
     auto stream = static_cast<cudaStream_t>(options.stream);
     BENCH_CHECK(cudaEventRecord(pair.first, stream));
@@ -81,15 +92,12 @@ class TimedCommunicator final : public Communicator {
 
  private:
   void release() {
-    for (auto [start, end] : pairs_) {
-      cudaEventDestroy(start);
-      cudaEventDestroy(end);
-    }
+    spare_.insert(spare_.end(), pairs_.begin(), pairs_.end());
     pairs_.clear();
   }
 
   CommunicatorPtr inner_;
-  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> pairs_;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> pairs_, spare_;
 };
 
 }  // namespace bulkhead::bench
