@@ -63,35 +63,10 @@ struct AllToAllBackward : Node {
   }
 };
 
-// Where a routed row's parts sit in its bytes: the token, then the weights
-// and the ids (each at its element alignment), padded to 16 bytes so every
-// part of every row stays aligned.
-struct RoutedLayout {
-  int64_t rowBytes, sideOffset, sideBytes, width;
-
-  RoutedLayout(const at::Tensor& tokens, const at::Tensor& weights) {
-    const int64_t sideElement = weights.element_size();
-    rowBytes = tokens.size(1) * tokens.element_size();
-    sideOffset = (rowBytes + sideElement - 1) / sideElement * sideElement;
-    sideBytes = 2 * weights.size(1) * sideElement;
-    width = (sideOffset + sideBytes + 15) / 16 * 16;
-  }
-
-  // Views of a [rows, width] byte buffer. Each part is a dtype view of a byte
-  // slice (a view autograd does not track), so the results can take the
-  // exchange's own gradient node.
-  RoutedRows parts(const at::Tensor& bytes, at::ScalarType tokenType, at::ScalarType sideType) const {
-    const int64_t half = sideBytes / 2;
-    return {.rows = bytes.narrow(1, 0, rowBytes).view(tokenType),
-            .weights = bytes.narrow(1, sideOffset, half).view(sideType),
-            .ids = bytes.narrow(1, sideOffset + half, half).view(sideType)};
-  }
-};
-
 struct RoutedBackward : Node {
   CommunicatorPtr group;
   std::vector<int64_t> sendSplits, recvSplits;
-  at::Tensor tokenTable;
+  at::Tensor tokenTable, weightTable;
   std::vector<int64_t> rowsShape, weightsShape;
   at::TensorOptions rowOptions, weightOptions;
   Timeout timeout;
@@ -100,7 +75,7 @@ struct RoutedBackward : Node {
     at::Tensor rows = exchangeRows(*group, materialize(grads[0], rowsShape, rowOptions), recvSplits, sendSplits, timeout);
     at::Tensor weights =
         exchangeRows(*group, materialize(grads[1], weightsShape, weightOptions), recvSplits, sendSplits, timeout);
-    return {gatherSum(rows, tokenTable, at::Tensor()), weights};
+    return {gatherSum(rows, tokenTable, at::Tensor()), gatherSum(weights, weightTable, at::Tensor())};
   }
 };
 
@@ -120,43 +95,51 @@ at::Tensor exchangeRows(Communicator& group, const at::Tensor& input, const std:
   return recv;
 }
 
-RoutedRows exchangeRouted(const CommunicatorPtr& group, const at::Tensor& tokens, const at::Tensor& rowToken,
-                          const at::Tensor& tokenTable, const at::Tensor& weights, const at::Tensor& ids,
-                          const std::vector<int64_t>& sendSplits, const std::vector<int64_t>& recvSplits,
-                          Timeout timeout) {
-  if (ids.sizes() != weights.sizes() || ids.scalar_type() != weights.scalar_type() || tokens.dim() != 2 ||
-      weights.dim() != 2 || rowToken.size(0) != weights.size(0)) {
-    throw ConfigError(fmt::format("routed exchange on {}: tokens [{}], {} rows of weights [{}] and ids [{}] do not fit",
-                                  group->name(), fmt::join(tokens.sizes(), ", "), rowToken.size(0),
-                                  fmt::join(weights.sizes(), ", "), fmt::join(ids.sizes(), ", ")),
+RoutedLayout::RoutedLayout(const at::Tensor& tokens, at::ScalarType side, int64_t sideColumns)
+    : tokenType(tokens.scalar_type()), sideType(side), columns(sideColumns) {
+  const int64_t sideElement = static_cast<int64_t>(c10::elementSize(sideType));
+  rowBytes = tokens.size(1) * tokens.element_size();
+  sideOffset = (rowBytes + sideElement - 1) / sideElement * sideElement;
+  width = (sideOffset + 2 * columns * sideElement + 15) / 16 * 16;
+}
+
+RoutedRows RoutedLayout::parts(const at::Tensor& bytes) const {
+  const int64_t half = columns * static_cast<int64_t>(c10::elementSize(sideType));
+  return {.rows = bytes.narrow(1, 0, rowBytes).view(tokenType),
+          .weights = bytes.narrow(1, sideOffset, half).view(sideType),
+          .ids = bytes.narrow(1, sideOffset + half, half).view(sideType)};
+}
+
+RoutedRows exchangeRouted(const CommunicatorPtr& group, const RoutedSend& send, const std::vector<int64_t>& sendSplits,
+                          const std::vector<int64_t>& recvSplits, Timeout timeout) {
+  const RoutedLayout& layout = send.layout;
+  if (send.bytes.dim() != 2 || send.bytes.size(1) != layout.width || send.bytes.scalar_type() != at::kByte ||
+      send.weights.dim() != 2 || send.weights.size(1) != layout.columns ||
+      send.weights.scalar_type() != layout.sideType || send.tokens.scalar_type() != layout.tokenType) {
+    throw ConfigError(fmt::format("routed exchange on {}: bytes [{}], tokens [{}] and weights [{}] do not fit a "
+                                  "layout of {}-byte rows with {} weights",
+                                  group->name(), fmt::join(send.bytes.sizes(), ", "),
+                                  fmt::join(send.tokens.sizes(), ", "), fmt::join(send.weights.sizes(), ", "),
+                                  layout.width, layout.columns),
                       {.rank = group->rank(), .group = group->name(),
-                       .expected = "tokens [T, H]; weights and ids [rows, m] of one dtype, one per row sent"});
+                       .expected = "bytes [rows, width] packed from tokens [T, H] and weights [S, m] of the layout"});
   }
-  const RoutedLayout layout(tokens, weights);
-  const at::ScalarType tokenType = tokens.scalar_type(), sideType = weights.scalar_type();
-  at::Tensor send = at::empty({rowToken.size(0), layout.width}, tokens.options().dtype(at::kByte));
-  {
-    const torch::autograd::AutoGradMode untracked(false);
-    RoutedRows outgoing = layout.parts(send, tokenType, sideType);
-    at::index_select_out(outgoing.rows, tokens.detach(), 0, rowToken);  // gathered straight into the send buffer
-    outgoing.weights.copy_(weights.detach());
-    outgoing.ids.copy_(ids);
-  }
-  RoutedRows arrived = layout.parts(exchangeRows(*group, send, sendSplits, recvSplits, timeout), tokenType, sideType);
+  RoutedRows arrived = layout.parts(exchangeRows(*group, send.bytes, sendSplits, recvSplits, timeout));
   const bool tracked =
-      torch::autograd::GradMode::is_enabled() && (tokens.requires_grad() || weights.requires_grad());
+      torch::autograd::GradMode::is_enabled() && (send.tokens.requires_grad() || send.weights.requires_grad());
   if (!tracked) return arrived;
   auto node = makeNode<RoutedBackward>();
   node->group = group;
   node->sendSplits = sendSplits;
   node->recvSplits = recvSplits;
-  node->tokenTable = tokenTable;
+  node->tokenTable = send.tokenTable;
+  node->weightTable = send.weightTable;
   node->rowsShape = arrived.rows.sizes().vec();
   node->weightsShape = arrived.weights.sizes().vec();
-  node->rowOptions = tokens.options();
-  node->weightOptions = weights.options();
+  node->rowOptions = send.tokens.options();
+  node->weightOptions = send.weights.options();
   node->timeout = timeout;
-  node->set_next_edges(torch::autograd::collect_next_edges(tokens, weights));
+  node->set_next_edges(torch::autograd::collect_next_edges(send.tokens, send.weights));
   torch::autograd::set_history(arrived.rows, node);
   torch::autograd::set_history(arrived.weights, node);
   return arrived;

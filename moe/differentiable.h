@@ -30,23 +30,41 @@ using Timeout = std::optional<std::chrono::milliseconds>;
 at::Tensor allToAll(const CommunicatorPtr& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
                     const std::vector<int64_t>& recvSplits, Timeout timeout = std::nullopt);
 
-// The dispatch's exchange: tokens and their routing in one collective. Row i
-// sent is tokens[rowToken[i]] followed by weights[i] (combine weights, with
-// autograd) and ids[i] (local expert ids, same dtype and shape as weights, no
-// autograd); the rows travel as raw bytes and the results are views into the
-// one receive buffer. tokenTable follows gatherRows' contract (the rows
-// reading each token), for the backward: the gradients of the rows and of the
-// weights go back in two exchanges, and the rows' gradients are summed per
-// token without atomics.
+// The dispatch's exchange: tokens and their routing in one collective. Each
+// row travels as raw bytes (RoutedLayout): a token, its combine weights and
+// its local expert ids; the results are views into the one receive buffer.
 struct RoutedRows {
   at::Tensor rows;     // [R, H], the tokens' dtype
   at::Tensor weights;  // [R, m]
-  at::Tensor ids;      // [R, m]
+  at::Tensor ids;      // [R, m], the weights' dtype
 };
-RoutedRows exchangeRouted(const CommunicatorPtr& group, const at::Tensor& tokens, const at::Tensor& rowToken,
-                          const at::Tensor& tokenTable, const at::Tensor& weights, const at::Tensor& ids,
-                          const std::vector<int64_t>& sendSplits, const std::vector<int64_t>& recvSplits,
-                          Timeout timeout = std::nullopt);
+
+// Where a routed row's parts sit in its bytes: the token, then `columns`
+// weights and `columns` ids of the side type, each part at its element
+// alignment, the row padded to 16 bytes so every part of every row stays
+// aligned.
+struct RoutedLayout {
+  RoutedLayout(const at::Tensor& tokens, at::ScalarType sideType, int64_t columns);
+  // Dtype views of a [rows, width] byte buffer (views autograd does not track).
+  RoutedRows parts(const at::Tensor& bytes) const;
+
+  at::ScalarType tokenType, sideType;
+  int64_t columns, rowBytes, sideOffset, width;
+};
+
+// What a routed exchange sends: `bytes` [rows, layout.width], packed from
+// tokens [T, H] and weights [S, m] (the side type, with autograd). For the
+// backward, the tables follow gatherRows' contract: row tokenTable[t, c]
+// carries token t and row weightTable[s, c] carries weights' row s. The
+// gradients of the rows and of the weights go back in two exchanges, and are
+// summed per token and per weight row without atomics.
+struct RoutedSend {
+  at::Tensor bytes;
+  RoutedLayout layout;
+  at::Tensor tokens, tokenTable, weights, weightTable;
+};
+RoutedRows exchangeRouted(const CommunicatorPtr& group, const RoutedSend& send, const std::vector<int64_t>& sendSplits,
+                          const std::vector<int64_t>& recvSplits, Timeout timeout = std::nullopt);
 
 // The same exchange without autograd (counts, routing metadata).
 at::Tensor exchangeRows(Communicator& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,

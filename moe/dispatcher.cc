@@ -10,64 +10,12 @@
 
 #include "moe/differentiable.h"
 #include "moe/gather_sum.h"
+#include "moe/routes.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::moe {
 namespace {
-
-// Candidate rows, before the counts are read: one per (token, rank) pair or
-// per (token, slot). Candidate (t, j) is flat grid position t * m + j.
-struct Candidates {
-  at::Tensor key;      // [T, m] int64: the row's destination rank, `ranks` where no row is sent
-  at::Tensor meta;     // [T * m, m']: local expert ids at the destination, -1 for none (pack dtype)
-  bool perSlot = false;
-};
-
-// The counts of a dispatch live in one [2, ranks, localExperts + 1] tensor:
-// row 0 what this rank sends, row 1 what it receives, both read to the host
-// in one copy. Per destination: the entries per local expert, then the rows.
-at::Tensor countEntries(const Routing& routing, const at::Tensor& destination, int localExperts, int ranks) {
-  at::Tensor counts = at::zeros({2, ranks, localExperts + 1}, routing.indices.options().dtype(at::kLong));
-  // Entry (r, e) of row 0 is flat position r * (L + 1) + e = global expert + r.
-  at::Tensor entry = routing.indices + destination;
-  counts.view(-1).scatter_add_(0, entry.reshape(-1), routing.keep.to(at::kLong).reshape(-1));
-  return counts;
-}
-
-// One row per kept slot, grouped by destination rank (slots keep token order).
-Candidates perSlotCandidates(const Routing& routing, at::Tensor& counts, int localExperts, int ranks,
-                             at::ScalarType packType) {
-  at::Tensor destination = routing.indices.div(localExperts, "floor");
-  counts = countEntries(routing, destination, localExperts, ranks);
-  at::Tensor sent = counts.select(0, 0);
-  sent.select(1, localExperts).copy_(sent.narrow(1, 0, localExperts).sum(1));  // a row per kept slot
-  Candidates candidates;
-  candidates.key = at::where(routing.keep, destination, ranks);
-  candidates.meta = routing.indices.remainder(localExperts).to(packType).reshape({-1, 1});
-  candidates.perSlot = true;
-  return candidates;
-}
-
-// One row per (token, destination rank) with any kept slot, grouped by rank;
-// each row lists the token's local experts at that rank (-1 in other columns).
-Candidates perRankCandidates(const Routing& routing, at::Tensor& counts, int localExperts, int ranks,
-                             at::ScalarType packType) {
-  const int64_t numTokens = routing.indices.size(0), k = routing.indices.size(1);
-  at::Tensor destination = routing.indices.div(localExperts, "floor");
-  counts = countEntries(routing, destination, localExperts, ranks);
-  at::Tensor rankOrNone = at::where(routing.keep, destination, ranks);                 // [T, k]
-  at::Tensor rankIds = at::arange(ranks, destination.options());
-  at::Tensor atRank = rankOrNone.unsqueeze(1).eq(rankIds.view({1, ranks, 1}));        // [T, R, k]
-  at::Tensor paired = atRank.any(2);                                                   // [T, R]
-  at::Tensor rowsColumn = counts.select(0, 0).select(1, localExperts);
-  at::sum_out(rowsColumn, paired, at::IntArrayRef{0});
-  Candidates candidates;
-  candidates.key = at::where(paired, rankIds, ranks);
-  at::Tensor local = routing.indices.remainder(localExperts).to(packType).unsqueeze(1);  // [T, 1, k]
-  candidates.meta = at::where(atRank, local, -1.0).view({numTokens * ranks, k});
-  return candidates;
-}
 
 // Stable grouping by a key in [0, groups], where `groups` (the largest key)
 // marks entries outside every group; `count` entries are inside.
@@ -103,33 +51,34 @@ TokenDispatcher::TokenDispatcher(CommunicatorPtr ep, DispatcherOptions options)
 
 DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& routing) const {
   const int ranks = ep_->size(), experts = localExperts_;
+  const RouteShape shape{.localExperts = experts, .ranks = ranks, .perSlot = !options_.oncePerRank};
   // Metadata travels in the combine weights' dtype, at least float32: local
   // expert ids are small integers, exact there.
   const at::ScalarType packType = at::promote_types(routing.weights.scalar_type(), at::kFloat);
-  at::Tensor counts;
-  Candidates candidates;
-  {
-    const c10::NoGradGuard metadata;
-    candidates = options_.oncePerRank ? perRankCandidates(routing, counts, experts, ranks, packType)
-                                      : perSlotCandidates(routing, counts, experts, ranks, packType);
-  }
+  RoutePlan routes = planRoutes(routing, shape);
   at::Tensor weights = routing.weights.to(packType);  // with autograd
 
   // Counts first (equal splits: one row per rank), then both rows to the host
   // in one copy: the one device sync of a dispatch.
   const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
-  WorkPtr work = ep_->allToAll(counts.select(0, 0), counts.select(0, 1), {}, {}, {.deadline = deadline});
+  WorkPtr work = ep_->allToAll(routes.counts.select(0, 0), routes.counts.select(0, 1), {}, {}, {.deadline = deadline});
   at::Tensor host;
-  if (counts.is_cuda()) {
-    host = counts.to(at::kCPU);  // ordered after the exchange on the stream
+  if (routes.counters.is_cuda()) {
+    host = routes.counters.to(at::kCPU);  // ordered after the exchange on the stream
     // Already complete, so no second sync: this only raises the exchange's
     // error (a timed-out, aborted exchange leaves no counts to trust).
     work->wait(deadline);
   } else {
     work->wait(deadline);
-    host = counts;
+    host = routes.counters;
   }
-  const auto hostCounts = host.accessor<int64_t, 3>();
+  if (const int64_t invalid = host[-1].item<int64_t>(); invalid > 0) {
+    throw ConfigError(fmt::format("dispatch on {}: {} kept slots name an expert outside [0, {})", ep_->name(), invalid,
+                                  options_.numExperts),
+                      {.rank = ep_->rank(), .group = ep_->name(), .expected = "routing indices in [0, numExperts)"});
+  }
+  const at::Tensor hostCountsTensor = host.narrow(0, 0, routes.counts.numel()).view(routes.counts.sizes());
+  const auto hostCounts = hostCountsTensor.accessor<int64_t, 3>();
   DispatchPlan plan;
   plan.numTokens = tokens.size(0);
   plan.tokensPerLocalExpert.assign(experts, 0);
@@ -138,27 +87,28 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
     plan.recvSplits.push_back(hostCounts[1][rank][experts]);
     for (int expert = 0; expert < experts; ++expert) plan.tokensPerLocalExpert[expert] += hostCounts[1][rank][expert];
   }
-  plan.tokensPerLocalExpertDevice = counts.select(0, 1).narrow(1, 0, experts).sum(0);
+  plan.tokensPerLocalExpertDevice = routes.counts.select(0, 1).narrow(1, 0, experts).sum(0);
 
   // Rows to send, grouped by rank, each with its combine weights and local
   // expert ids, in one exchange.
   RoutedRows arrived;
   {
     Grouping grouping;
-    at::Tensor rowToken, metaRows;
     {
       const c10::NoGradGuard metadata;
-      grouping = groupByKey(candidates.key, ranks, sum(plan.sendSplits));
-      rowToken = rowsOf(grouping.order, candidates.key.size(1));
-      metaRows = candidates.meta.index_select(0, grouping.order);
+      grouping = groupByKey(routes.key, ranks, sum(plan.sendSplits));
     }
     plan.sendTable = grouping.table;
-    at::Tensor weightRows =
-        candidates.perSlot
-            ? gatherRows(weights.reshape({-1, 1}), grouping.order, grouping.table.view({-1, 1}))
-            : gatherRows(weights, rowToken, grouping.table);
-    arrived = exchangeRouted(ep_, tokens, rowToken, grouping.table, weightRows, metaRows, plan.sendSplits,
-                             plan.recvSplits, options_.timeout);
+    const RoutedLayout layout(tokens, packType, shape.perSlot ? 1 : routing.indices.size(1));
+    RoutedSend send{.bytes = packRoutes(layout, tokens.detach(), weights.detach(), routing, shape, grouping.order,
+                                        grouping.table),
+                    .layout = layout,
+                    .tokens = tokens,
+                    .tokenTable = grouping.table,
+                    // Per slot, weight row t * k + j travels in the row of slot (t, j).
+                    .weights = shape.perSlot ? weights.reshape({-1, 1}) : weights,
+                    .weightTable = shape.perSlot ? grouping.table.view({-1, 1}) : grouping.table};
+    arrived = exchangeRouted(ep_, send, plan.sendSplits, plan.recvSplits, options_.timeout);
   }
 
   // One expert row per (received row, local expert), ordered by local expert.

@@ -15,6 +15,7 @@
 
 #include "moe/cuda/gather_sum_kernels.h"
 #include "moe/cuda/group_kernels.h"
+#include "moe/cuda/route_kernels.h"
 #endif
 
 namespace bulkhead::moe {
@@ -105,6 +106,29 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
 
 namespace {
 
+// gatherRows as one kernel that reads each source row once (by the table);
+// undefined where the kernels are not built or do not take these tensors.
+at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Tensor& table) {
+#if BULKHEAD_MOE_KERNELS
+  if (source.is_cuda() && source.dim() == 2 && source.stride(1) == 1 && table.size(1) <= cuda::kMaxRouteColumns) {
+    const c10::cuda::CUDAGuard device(source.device());
+    at::Tensor index = table.contiguous();
+    at::Tensor out = at::empty({rows, source.size(1)}, source.options());
+    cuda::expandRows({.source = source.data_ptr(),
+                      .sourceRows = source.size(0),
+                      .sourceStride = source.stride(0) * source.element_size(),
+                      .rowBytes = source.size(1) * source.element_size(),
+                      .table = index.data_ptr<int64_t>(),
+                      .columns = index.size(1),
+                      .out = out.data_ptr(),
+                      .stream = c10::cuda::getCurrentCUDAStream(source.device().index()).stream()});
+    return out;
+  }
+#endif
+  (void)source, (void)rows, (void)table;
+  return at::Tensor();
+}
+
 struct GatherRowsBackward : torch::autograd::Node {
   at::Tensor table;
   std::string name() const override { return "bulkhead::GatherRowsBackward"; }
@@ -121,7 +145,8 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const a
   at::Tensor output;
   {
     const c10::NoGradGuard untracked;
-    output = source.index_select(0, index);
+    output = expandRowsKernel(source, index.size(0), table);
+    if (!output.defined()) output = source.index_select(0, index);
   }
   if (!tracked) return output;
   auto node = std::shared_ptr<GatherRowsBackward>(new GatherRowsBackward(), torch::autograd::deleteNode);

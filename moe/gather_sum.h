@@ -25,6 +25,8 @@ at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table,
 // Contract: table is int64 [S, m] and lists, in row s, the output rows that
 // read source row s (-1 for none): every output row appears exactly once in
 // the table, in the row of the source row it reads (index[table[s, c]] == s).
+// On CUDA, where the kernels are built, it runs as one kernel driven by the
+// table, which reads each source row once (`index` then only gives the count).
 at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const at::Tensor& table);
 
 // The stable grouping behind the dispatcher's groupEntries, as kernels of our

@@ -1,6 +1,7 @@
 // The combine's gather-sum kernels (moe/cuda) against the ATen reference, on
 // one GPU: forward and both gradients, for every row dtype; the grouping
-// kernels against the sort the CPU runs. Skipped (exit 77)
+// kernels against the sort the CPU runs (route_gpu_test.cc adds the routing
+// kernels). Skipped (exit 77)
 // where libtorch has no CUDA or no GPU is present.
 #define CATCH_CONFIG_RUNNER
 #include <ATen/ATen.h>

@@ -1,0 +1,46 @@
+#pragma once
+// The dispatcher's index work (design section 7): where each token's selected
+// slots go, and the send rows that carry them. On CUDA tensors where the
+// kernels are built (moe/cuda/route_kernels.h) each function is one kernel
+// launch; elsewhere ATen operations compute the same values. A dispatch
+// waits for its counts on the host, so every launch saved before that sync
+// is time the whole step waits.
+//
+// Slots: Routing::indices [T, k] and keep [T, k]; with L local experts per
+// rank, slot (t, j) goes to rank indices / L as local expert indices % L.
+// Candidate rows: per slot, one per slot (m = k columns); once per rank, one
+// per (token, rank) (m = R columns). Kept slots make candidates real rows.
+
+#include <ATen/core/Tensor.h>
+
+#include "moe/differentiable.h"
+#include "moe/router.h"
+
+namespace bulkhead::moe {
+
+struct RouteShape {
+  int localExperts = 1;
+  int ranks = 1;
+  bool perSlot = false;
+};
+
+struct RoutePlan {
+  // One int64 buffer, read to the host in one copy:
+  at::Tensor counters;  // [2 * R * (L + 1) + 1], the two views below
+  at::Tensor counts;    // [2, R, L + 1]: row 0 what this rank sends (per rank: kept slots per
+                        // local expert, then rows); row 1 is left for what it receives
+  at::Tensor invalid;   // [1]: kept slots whose expert id is not in [0, R * L) (never sent)
+  at::Tensor key;       // [T, m]: each candidate row's rank, R where it is not sent
+};
+RoutePlan planRoutes(const Routing& routing, const RouteShape& shape);
+
+// The send rows of a dispatch, bytes in `layout` (side columns: k once per
+// rank, 1 per slot). Row table[t, c] (a stable grouping of `key` by rank,
+// `rows` of them) carries token t, its combine weights (weights [T, k], the
+// side type: all k once per rank, weights[t, c] per slot) and the local expert
+// ids of those weights (-1 where the slot is not at that row's rank). No
+// autograd: exchangeRouted attaches it.
+at::Tensor packRoutes(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
+                      const Routing& routing, const RouteShape& shape, const at::Tensor& order, const at::Tensor& table);
+
+}  // namespace bulkhead::moe

@@ -1,0 +1,127 @@
+// The dispatcher's planning, packing and expansion kernels (moe/routes.h,
+// gatherRows) against the ATen forms the CPU runs, on one GPU: equal values,
+// bit for bit. Part of bulkhead_moe_gpu_tests (its main skips without a GPU).
+#include <ATen/ATen.h>
+
+#include <tuple>
+#include <utility>
+
+#include "moe/dispatcher.h"
+#include "moe/gather_sum.h"
+#include "moe/routes.h"
+#include "tests/catch_compat.h"
+#include "tests/support/inputs.h"
+
+namespace bulkhead::moe {
+namespace {
+
+struct Case {
+  int64_t tokens, hidden;
+  int ranks, localExperts, topK;
+  at::ScalarType tokenType, sideType;
+};
+
+// Distinct experts per token (as top-k gives), about one slot in seven dropped.
+Routing randomRouting(const Case& c, uint64_t seed) {
+  const int64_t experts = static_cast<int64_t>(c.ranks) * c.localExperts;
+  Routing routing;
+  routing.indices = std::get<1>(at::rand({c.tokens, experts}, testing::sharedGenerator(seed)).topk(c.topK, 1));
+  routing.keep = at::rand({c.tokens, c.topK}, testing::sharedGenerator(seed + 1)).lt(0.85);
+  routing.weights = at::rand({c.tokens, c.topK}, testing::sharedGenerator(seed + 2), c.sideType);
+  return routing;
+}
+
+Routing onDevice(const Routing& routing, const at::Device& device) {
+  Routing moved;
+  moved.indices = routing.indices.to(device);
+  moved.keep = routing.keep.to(device);
+  moved.weights = routing.weights.to(device);
+  return moved;
+}
+
+TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gpu]") {
+  const at::Device gpu(at::kCUDA, 0);
+  // Rows of 16-byte vectors (bf16 x 96), of 4-byte words (float x 37) and of
+  // odd bytes (bf16 x 37, whose side part then sits at a 4-byte offset).
+  for (const Case& c : {Case{37, 96, 1, 8, 2, at::kBFloat16, at::kFloat}, Case{4096, 96, 2, 32, 8, at::kBFloat16, at::kFloat},
+                        Case{1000, 37, 4, 4, 6, at::kFloat, at::kDouble}, Case{777, 37, 8, 8, 8, at::kBFloat16, at::kFloat},
+                        Case{300, 64, 3, 5, 4, at::kDouble, at::kDouble}, Case{0, 96, 2, 4, 2, at::kBFloat16, at::kFloat}}) {
+    for (bool perSlot : {false, true}) {
+      INFO("tokens " << c.tokens << " hidden " << c.hidden << " ranks " << c.ranks << " local experts "
+                     << c.localExperts << " top-k " << c.topK << " per slot " << perSlot);
+      const RouteShape shape{.localExperts = c.localExperts, .ranks = c.ranks, .perSlot = perSlot};
+      const Routing routing = randomRouting(c, 40 + c.tokens);
+      const Routing gpuRouting = onDevice(routing, gpu);
+      const RoutePlan expected = planRoutes(routing, shape);
+      const RoutePlan got = planRoutes(gpuRouting, shape);
+      REQUIRE(got.counters.is_cuda());
+      CHECK(at::equal(got.counters.cpu(), expected.counters));
+      CHECK(at::equal(got.key.cpu(), expected.key));
+
+      const int64_t rows = expected.counts[0].select(1, c.localExperts).sum().item<int64_t>();
+      const Grouping grouping = groupEntries(expected.key, c.ranks, rows);
+      const at::Tensor tokens = at::randn({c.tokens, c.hidden}, testing::sharedGenerator(7), c.tokenType);
+      const RoutedLayout layout(tokens, c.sideType, perSlot ? 1 : c.topK);
+      const RoutedRows want =
+          layout.parts(packRoutes(layout, tokens, routing.weights, routing, shape, grouping.order, grouping.table));
+      const RoutedRows have = layout.parts(packRoutes(layout, tokens.to(gpu), gpuRouting.weights, gpuRouting, shape,
+                                                      grouping.order.to(gpu), grouping.table.to(gpu)).cpu());
+      CHECK(at::equal(have.rows, want.rows));
+      CHECK(at::equal(have.weights, want.weights));
+      CHECK(at::equal(have.ids, want.ids));
+    }
+  }
+}
+
+TEST_CASE("route planning on the GPU counts kept slots with no such expert and leaves them out", "[moe][gpu]") {
+  const at::Device gpu(at::kCUDA, 0);
+  const Case c{64, 96, 2, 4, 3, at::kBFloat16, at::kFloat};
+  for (bool perSlot : {false, true}) {
+    const RouteShape shape{.localExperts = c.localExperts, .ranks = c.ranks, .perSlot = perSlot};
+    Routing routing = randomRouting(c, 90);
+    routing.keep.fill_(true);
+    Routing broken = onDevice(routing, gpu);
+    broken.indices[5][1] = 8;   // past the last expert, kept
+    broken.indices[9][0] = -1;  // before the first, kept
+    broken.indices[11][2] = 9;  // past the last, but dropped
+    broken.keep[11][2] = false;
+    const RoutePlan got = planRoutes(broken, shape);
+    routing.keep[5][1] = false;
+    routing.keep[9][0] = false;
+    routing.keep[11][2] = false;
+    const RoutePlan expected = planRoutes(routing, shape);
+    INFO("per slot " << perSlot);
+    CHECK(got.invalid.item<int64_t>() == 2);
+    CHECK(at::equal(got.counts.cpu(), expected.counts));
+    CHECK(at::equal(got.key.cpu(), expected.key));
+  }
+}
+
+TEST_CASE("gatherRows' kernel reads strided rows once and matches index_select, with its gradient", "[moe][gpu]") {
+  const at::Device gpu(at::kCUDA, 0);
+  for (auto [dtype, width] : {std::pair{at::kBFloat16, 96}, {at::kFloat, 37}, {at::kBFloat16, 37}}) {
+    INFO("dtype " << c10::toString(dtype) << " width " << width);
+    // 200 source rows, some read by up to 4 output rows, some by none; the
+    // source is a column slice of a wider buffer (as received rows are).
+    at::Tensor group = at::randint(-1, 4, {200, 4}, testing::sharedGenerator(11), at::kLong);
+    const int64_t count = group.ge(0).sum().item<int64_t>();
+    const Grouping grouping = groupEntries(group, 4, count);
+    at::Tensor index = grouping.order.div(4, "floor");
+    at::Tensor wide = at::randn({200, width + 13}, testing::sharedGenerator(12), at::kDouble).to(dtype);
+    at::Tensor grad = at::randn({count, width}, testing::sharedGenerator(13), at::kDouble).to(dtype);
+    auto run = [&](const at::Device& device) {
+      at::Tensor buffer = wide.clone().to(device).requires_grad_(true);
+      at::Tensor out = gatherRows(buffer.narrow(1, 0, width), index.to(device), grouping.table.to(device));
+      out.backward(grad.to(device));
+      return std::make_pair(out.cpu(), buffer.grad().cpu());
+    };
+    auto [out, gradSource] = run(gpu);
+    auto [refOut, refSource] = run(at::kCPU);
+    CHECK(at::equal(out, refOut));
+    const double tolerance = dtype == at::kBFloat16 ? 2e-2 : 1e-5;  // sums of up to 4 rows, in another order
+    CHECK(at::allclose(gradSource.to(at::kDouble), refSource.to(at::kDouble), tolerance, tolerance));
+  }
+}
+
+}  // namespace
+}  // namespace bulkhead::moe
