@@ -1,11 +1,15 @@
 #include "moe/dispatcher.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <fmt/format.h>
 
 #include <numeric>
+#include <optional>
+#include <thread>
 #include <utility>
 
 #include "moe/differentiable.h"
@@ -17,23 +21,36 @@
 namespace bulkhead::moe {
 namespace {
 
-// Stable grouping by a key in [0, groups], where `groups` (the largest key)
-// marks entries outside every group; `count` entries are inside.
-Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count) {
-  Grouping grouping;
-  if (groupByKeyKernels(key, groups, count, grouping.order, grouping.table)) return grouping;
-  at::Tensor sorted = std::get<1>(at::sort(key.reshape(-1), /*stable=*/true, 0, false));
-  at::TensorOptions longs = key.options().dtype(at::kLong);
-  grouping.order = sorted.narrow(0, 0, count);
-  grouping.table = at::full({key.numel()}, -1, longs)
-                       .scatter_(0, grouping.order, at::arange(count, longs))
-                       .view(key.sizes());
-  return grouping;
-}
-
 at::Tensor rowsOf(const at::Tensor& order, int64_t columns) {
   return columns == 1 ? order : order.div(columns, "floor");
 }
+
+// A copy of a small tensor to the host that, on a GPU, runs behind the work
+// already queued and lets the host wait for it alone, not for work queued
+// after it.
+class HostCopy {
+ public:
+  explicit HostCopy(const at::Tensor& source) : source_(source) {
+    if (!source.is_cuda()) return;
+    host_ = at::empty(source.sizes(), source.options().device(at::kCPU).pinned_memory(true));
+    host_.copy_(source, /*non_blocking=*/true);
+    const c10::impl::VirtualGuardImpl device(source.device().type());
+    copied_.emplace(source.device().type());
+    copied_->record(device.getStream(source.device()));
+  }
+  // The host copy, once complete or once `deadline` passes: the caller then
+  // learns from its collective's wait() why the copy never completed, before
+  // it reads. CPU sources are returned as they are.
+  at::Tensor get(Deadline deadline) const {
+    if (!copied_) return source_;
+    while (!copied_->query() && !deadline.expired()) std::this_thread::yield();
+    return host_;
+  }
+
+ private:
+  at::Tensor source_, host_;
+  std::optional<c10::Event> copied_;
+};
 
 int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
 
@@ -55,23 +72,19 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   // Metadata travels in the combine weights' dtype, at least float32: local
   // expert ids are small integers, exact there.
   const at::ScalarType packType = at::promote_types(routing.weights.scalar_type(), at::kFloat);
-  RoutePlan routes = planRoutes(routing, shape);
+  const RoutePlan routes = planRoutes(routing, shape);
   at::Tensor weights = routing.weights.to(packType);  // with autograd
 
-  // Counts first (equal splits: one row per rank), then both rows to the host
-  // in one copy: the one device sync of a dispatch.
+  // Counts first (equal splits: one row per rank), on their way to the host
+  // while the GPU packs the rows to send. The host then waits for the counts
+  // alone: the one device sync of a dispatch.
   const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
   WorkPtr work = ep_->allToAll(routes.counts.select(0, 0), routes.counts.select(0, 1), {}, {}, {.deadline = deadline});
-  at::Tensor host;
-  if (routes.counters.is_cuda()) {
-    host = routes.counters.to(at::kCPU);  // ordered after the exchange on the stream
-    // Already complete, so no second sync: this only raises the exchange's
-    // error (a timed-out, aborted exchange leaves no counts to trust).
-    work->wait(deadline);
-  } else {
-    work->wait(deadline);
-    host = routes.counters;
-  }
+  HostCopy counters(routes.counters);
+  const RoutedLayout layout(tokens, packType, shape.perSlot ? 1 : routing.indices.size(1));
+  const SendRows outgoing = packSendRows(layout, tokens.detach(), weights.detach(), routing, shape, routes);
+  const at::Tensor host = counters.get(deadline);
+  work->wait(deadline);  // on a GPU already complete, unless it failed: then this raises why
   if (const int64_t invalid = host[-1].item<int64_t>(); invalid > 0) {
     throw ConfigError(fmt::format("dispatch on {}: {} kept slots name an expert outside [0, {})", ep_->name(), invalid,
                                   options_.numExperts),
@@ -87,29 +100,18 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
     plan.recvSplits.push_back(hostCounts[1][rank][experts]);
     for (int expert = 0; expert < experts; ++expert) plan.tokensPerLocalExpert[expert] += hostCounts[1][rank][expert];
   }
-  plan.tokensPerLocalExpertDevice = routes.counts.select(0, 1).narrow(1, 0, experts).sum(0);
 
-  // Rows to send, grouped by rank, each with its combine weights and local
-  // expert ids, in one exchange.
-  RoutedRows arrived;
-  {
-    Grouping grouping;
-    {
-      const c10::NoGradGuard metadata;
-      grouping = groupByKey(routes.key, ranks, sum(plan.sendSplits));
-    }
-    plan.sendTable = grouping.table;
-    const RoutedLayout layout(tokens, packType, shape.perSlot ? 1 : routing.indices.size(1));
-    RoutedSend send{.bytes = packRoutes(layout, tokens.detach(), weights.detach(), routing, shape, grouping.order,
-                                        grouping.table),
-                    .layout = layout,
-                    .tokens = tokens,
-                    .tokenTable = grouping.table,
-                    // Per slot, weight row t * k + j travels in the row of slot (t, j).
-                    .weights = shape.perSlot ? weights.reshape({-1, 1}) : weights,
-                    .weightTable = shape.perSlot ? grouping.table.view({-1, 1}) : grouping.table};
-    arrived = exchangeRouted(ep_, send, plan.sendSplits, plan.recvSplits, options_.timeout);
-  }
+  // The rows, each with its combine weights and local expert ids, in one exchange.
+  plan.sendTable = outgoing.table;
+  const RoutedSend send{.bytes = outgoing.bytes.narrow(0, 0, sum(plan.sendSplits)),
+                        .layout = layout,
+                        .tokens = tokens,
+                        .tokenTable = outgoing.table,
+                        // Per slot, weight row t * k + j travels in the row of slot (t, j).
+                        .weights = shape.perSlot ? weights.reshape({-1, 1}) : weights,
+                        .weightTable = shape.perSlot ? outgoing.table.view({-1, 1}) : outgoing.table};
+  const RoutedRows arrived = exchangeRouted(ep_, send, plan.sendSplits, plan.recvSplits, options_.timeout);
+  plan.tokensPerLocalExpertDevice = routes.counts.select(0, 1).narrow(1, 0, experts).sum(0);
 
   // One expert row per (received row, local expert), ordered by local expert.
   const int64_t columns = arrived.ids.size(1);

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "moe/router.h"
+#include "moe/routes.h"
 #include "runtime/communicator.h"
 
 namespace bulkhead::moe {
@@ -72,13 +73,9 @@ class TokenDispatcher {
 };
 
 // Entries of a [P, m] grid assigned to groups 0..groups-1 (-1: none), listed
-// group by group and, within a group, in grid order; `count` is the number of
-// assigned entries (known on the host, so no device sync is needed). table
-// [P, m] gives each entry's position in that list, -1 for none.
-struct Grouping {
-  at::Tensor order;  // [count] flat grid positions
-  at::Tensor table;  // [P, m] int64
-};
+// group by group and, within a group, in grid order (Grouping, moe/routes.h);
+// `count` is the number of assigned entries (known on the host, so no device
+// sync is needed).
 Grouping groupEntries(const at::Tensor& group, int groups, int64_t count);
 
 // Rows of `tokens` in grouping order (row i is token order[i] / m), and back:

@@ -3,6 +3,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
+
+#include "moe/gather_sum.h"
+
 #if BULKHEAD_MOE_KERNELS
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -96,35 +100,55 @@ RoutePlan planRoutes(const Routing& routing, const RouteShape& shape) {
   return plan;
 }
 
-at::Tensor packRoutes(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
-                      const Routing& routing, const RouteShape& shape, const at::Tensor& order, const at::Tensor& table) {
+Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count) {
+  Grouping grouping;
+  if (groupByKeyKernels(key, groups, count, grouping.order, grouping.table)) return grouping;
+  at::Tensor sorted = std::get<1>(at::sort(key.reshape(-1), /*stable=*/true, 0, false));
+  at::TensorOptions longs = key.options().dtype(at::kLong);
+  grouping.order = sorted.narrow(0, 0, count);
+  grouping.table = at::full({key.numel()}, -1, longs)
+                       .scatter_(0, grouping.order, at::arange(count, longs))
+                       .view(key.sizes());
+  return grouping;
+}
+
+SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
+                      const Routing& routing, const RouteShape& shape, const RoutePlan& plan) {
   const c10::NoGradGuard untracked;
-  at::Tensor bytes = at::empty({order.size(0), layout.width}, tokens.options().dtype(at::kByte));
+  const int64_t columns = plan.key.size(1);
 #if BULKHEAD_MOE_KERNELS
-  if (kernelsTake(routing, shape) && tokens.is_cuda()) {
+  Grouping candidates;
+  // The kernels need no count: order has room for every candidate (unused here).
+  if (kernelsTake(routing, shape) && tokens.is_cuda() &&
+      groupByKeyKernels(plan.key, shape.ranks, plan.key.numel(), candidates.order, candidates.table)) {
     const c10::cuda::CUDAGuard device(tokens.device());
-    at::Tensor source = tokens.contiguous(), side = weights.contiguous(), rowOf = table.contiguous();
+    const int64_t capacity = plan.key.size(0) * std::min(columns, routing.indices.size(1));
+    at::Tensor bytes = at::empty({capacity, layout.width}, tokens.options().dtype(at::kByte));
+    at::Tensor source = tokens.contiguous(), side = weights.contiguous();
     at::Tensor indices = routing.indices.contiguous(), keep = routing.keep.contiguous();
     cuda::packRoutes({.route = kernelArgs(routing, shape, indices, keep),
                       .tokens = source.data_ptr(),
                       .rowBytes = layout.rowBytes,
                       .weights = side.data_ptr(),
                       .sideBytes = static_cast<int>(side.element_size()),
-                      .table = rowOf.data_ptr<int64_t>(),
+                      .table = candidates.table.data_ptr<int64_t>(),
                       .rows = bytes.data_ptr(),
                       .width = layout.width,
                       .sideOffset = layout.sideOffset});
-    return bytes;
+    return {.bytes = bytes, .table = candidates.table};
   }
 #endif
+  // Counted here (on a GPU without the kernels, a device sync of its own).
+  const int64_t rows = plan.key.lt(shape.ranks).sum().item<int64_t>();
+  const Grouping grouping = groupByKey(plan.key, shape.ranks, rows);
+  at::Tensor bytes = at::empty({rows, layout.width}, tokens.options().dtype(at::kByte));
   RoutedRows outgoing = layout.parts(bytes);
-  const int64_t m = table.size(1);
-  at::Tensor rowToken = m == 1 ? order : order.div(m, "floor");
+  at::Tensor rowToken = columns == 1 ? grouping.order : grouping.order.div(columns, "floor");
   at::index_select_out(outgoing.rows, tokens, 0, rowToken);  // gathered straight into the send buffer
-  outgoing.weights.copy_(shape.perSlot ? weights.reshape({-1, 1}).index_select(0, order)
+  outgoing.weights.copy_(shape.perSlot ? weights.reshape({-1, 1}).index_select(0, grouping.order)
                                        : weights.index_select(0, rowToken));
-  outgoing.ids.copy_(candidateIds(routing, shape, layout.sideType).index_select(0, order));
-  return bytes;
+  outgoing.ids.copy_(candidateIds(routing, shape, layout.sideType).index_select(0, grouping.order));
+  return {.bytes = bytes, .table = grouping.table};
 }
 
 }  // namespace bulkhead::moe

@@ -18,6 +18,17 @@
 
 namespace bulkhead::moe {
 
+// A stable grouping: entries listed group by group, in entry order within a
+// group. table (the key's shape) gives each entry's position in that list,
+// -1 for none.
+struct Grouping {
+  at::Tensor order;  // [count] flat entry positions
+  at::Tensor table;  // int64, the key's shape
+};
+// Grouping by an int64 key in [0, groups], where `groups` (the largest key)
+// marks entries outside every group; `count` entries are inside.
+Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count);
+
 struct RouteShape {
   int localExperts = 1;
   int ranks = 1;
@@ -34,13 +45,18 @@ struct RoutePlan {
 };
 RoutePlan planRoutes(const Routing& routing, const RouteShape& shape);
 
-// The send rows of a dispatch, bytes in `layout` (side columns: k once per
-// rank, 1 per slot). Row table[t, c] (a stable grouping of `key` by rank,
-// `rows` of them) carries token t, its combine weights (weights [T, k], the
-// side type: all k once per rank, weights[t, c] per slot) and the local expert
-// ids of those weights (-1 where the slot is not at that row's rank). No
-// autograd: exchangeRouted attaches it.
-at::Tensor packRoutes(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
-                      const Routing& routing, const RouteShape& shape, const at::Tensor& order, const at::Tensor& table);
+// The send rows of a dispatch, grouped by rank, packed before the host knows
+// how many there are (so the GPU packs while the counts travel). Row table[t, c]
+// carries token t, its combine weights (weights [T, k] of the side type: all k
+// once per rank, weights[t, c] per slot) and the local expert ids of those
+// weights (-1 where the slot is not at that row's rank), in `layout` (side
+// columns: k once per rank, 1 per slot). No autograd: exchangeRouted attaches it.
+struct SendRows {
+  at::Tensor bytes;  // [rows, layout.width]: where the kernels run, room for the most rows a
+                     // dispatch can send (T * min(m, k)); the rows sent come first
+  at::Tensor table;  // [T, m]: each candidate's row, -1 where none is sent
+};
+SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
+                      const Routing& routing, const RouteShape& shape, const RoutePlan& plan);
 
 }  // namespace bulkhead::moe

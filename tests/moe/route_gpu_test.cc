@@ -58,14 +58,16 @@ TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gp
       CHECK(at::equal(got.counters.cpu(), expected.counters));
       CHECK(at::equal(got.key.cpu(), expected.key));
 
-      const int64_t rows = expected.counts[0].select(1, c.localExperts).sum().item<int64_t>();
-      const Grouping grouping = groupEntries(expected.key, c.ranks, rows);
       const at::Tensor tokens = at::randn({c.tokens, c.hidden}, testing::sharedGenerator(7), c.tokenType);
       const RoutedLayout layout(tokens, c.sideType, perSlot ? 1 : c.topK);
-      const RoutedRows want =
-          layout.parts(packRoutes(layout, tokens, routing.weights, routing, shape, grouping.order, grouping.table));
-      const RoutedRows have = layout.parts(packRoutes(layout, tokens.to(gpu), gpuRouting.weights, gpuRouting, shape,
-                                                      grouping.order.to(gpu), grouping.table.to(gpu)).cpu());
+      const SendRows cpuRows = packSendRows(layout, tokens, routing.weights, routing, shape, expected);
+      const SendRows gpuRows = packSendRows(layout, tokens.to(gpu), gpuRouting.weights, gpuRouting, shape, got);
+      const int64_t rows = expected.counts[0].select(1, c.localExperts).sum().item<int64_t>();
+      REQUIRE(cpuRows.bytes.size(0) == rows);
+      REQUIRE(gpuRows.bytes.size(0) >= rows);  // room for the most rows a dispatch can send
+      CHECK(at::equal(gpuRows.table.cpu(), cpuRows.table));
+      const RoutedRows want = layout.parts(cpuRows.bytes);
+      const RoutedRows have = layout.parts(gpuRows.bytes.narrow(0, 0, rows).cpu());
       CHECK(at::equal(have.rows, want.rows));
       CHECK(at::equal(have.weights, want.weights));
       CHECK(at::equal(have.ids, want.ids));
