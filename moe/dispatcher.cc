@@ -6,9 +6,11 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <numeric>
 #include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -27,7 +29,7 @@ at::Tensor rowsOf(const at::Tensor& order, int64_t columns) {
 
 // A copy of a small tensor to the host that, on a GPU, runs behind the work
 // already queued and lets the host wait for it alone, not for work queued
-// after it.
+// after it (the dispatch's packing).
 class HostCopy {
  public:
   explicit HostCopy(const at::Tensor& source) : source_(source) {
@@ -38,13 +40,20 @@ class HostCopy {
     copied_.emplace(source.device().type());
     copied_->record(device.getStream(source.device()));
   }
-  // The host copy, once complete or once `deadline` passes: the caller then
-  // learns from its collective's wait() why the copy never completed, before
-  // it reads. CPU sources are returned as they are.
-  at::Tensor get(Deadline deadline) const {
-    if (!copied_) return source_;
-    while (!copied_->query() && !deadline.expired()) std::this_thread::yield();
-    return host_;
+  // The copy of a collective's output, once `work` has completed and the copy
+  // behind it too; raises work's error where it never completes (by its
+  // deadline). CPU sources are returned as they are, once `work` completes.
+  // Polls by yielding: the copy lands microseconds after the collective, and
+  // a sleep would add the timer's slack to every dispatch.
+  at::Tensor get(Work& work, Deadline deadline) const {
+    if (copied_) {
+      while (!copied_->query()) {
+        if (deadline.expired()) work.wait(deadline);  // raises, or returns with the copy right behind it
+        std::this_thread::yield();
+      }
+    }
+    work.wait(deadline);  // already complete on a GPU, unless it failed: then this raises why
+    return copied_ ? host_ : source_;
   }
 
  private:
@@ -68,6 +77,13 @@ TokenDispatcher::TokenDispatcher(CommunicatorPtr ep, DispatcherOptions options)
 
 DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& routing) const {
   const int ranks = ep_->size(), experts = localExperts_;
+  if (tokens.dim() != 2 || routing.indices.dim() != 2 || routing.indices.size(0) != tokens.size(0) ||
+      routing.weights.sizes() != routing.indices.sizes() || routing.keep.sizes() != routing.indices.sizes()) {
+    throw ConfigError(fmt::format("dispatch on {}: tokens [{}] with routing indices [{}], weights [{}], keep [{}]",
+                                  ep_->name(), fmt::join(tokens.sizes(), ", "), fmt::join(routing.indices.sizes(), ", "),
+                                  fmt::join(routing.weights.sizes(), ", "), fmt::join(routing.keep.sizes(), ", ")),
+                      {.rank = ep_->rank(), .group = ep_->name(), .expected = "tokens [T, H]; indices, weights, keep [T, k]"});
+  }
   const RouteShape shape{.localExperts = experts, .ranks = ranks, .perSlot = !options_.oncePerRank};
   // Metadata travels in the combine weights' dtype, at least float32: local
   // expert ids are small integers, exact there.
@@ -75,23 +91,28 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   const RoutePlan routes = planRoutes(routing, shape);
   at::Tensor weights = routing.weights.to(packType);  // with autograd
 
-  // Counts first (equal splits: one row per rank), on their way to the host
-  // while the GPU packs the rows to send. The host then waits for the counts
-  // alone: the one device sync of a dispatch.
+  // Counts first (equal splits: one row per rank) and on their way to the
+  // host. The packing queued behind them runs while the host waits for the
+  // counts alone: the one device sync of a dispatch.
   const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
   WorkPtr work = ep_->allToAll(routes.counts.select(0, 0), routes.counts.select(0, 1), {}, {}, {.deadline = deadline});
-  HostCopy counters(routes.counters);
+  const HostCopy counts(routes.counts);
   const RoutedLayout layout(tokens, packType, shape.perSlot ? 1 : routing.indices.size(1));
   const SendRows outgoing = packSendRows(layout, tokens.detach(), weights.detach(), routing, shape, routes);
-  const at::Tensor host = counters.get(deadline);
-  work->wait(deadline);  // on a GPU already complete, unless it failed: then this raises why
-  if (const int64_t invalid = host[-1].item<int64_t>(); invalid > 0) {
-    throw ConfigError(fmt::format("dispatch on {}: {} kept slots name an expert outside [0, {})", ep_->name(), invalid,
-                                  options_.numExperts),
+  const at::Tensor host = counts.get(*work, deadline);
+  const auto hostCounts = host.accessor<int64_t, 3>();
+  // Every rank learns of every rank's invalid slots from the exchange, so all
+  // raise together rather than leave the others waiting in the next one.
+  std::vector<std::string> invalid;
+  for (int rank = 0; rank < ranks; ++rank) {
+    if (const int64_t slots = hostCounts[1][rank][experts + 1]; slots > 0)
+      invalid.push_back(fmt::format("{} on rank {}", slots, rank));
+  }
+  if (!invalid.empty()) {
+    throw ConfigError(fmt::format("dispatch on {}: kept slots name an expert outside [0, {}): {}", ep_->name(),
+                                  options_.numExperts, fmt::join(invalid, ", ")),
                       {.rank = ep_->rank(), .group = ep_->name(), .expected = "routing indices in [0, numExperts)"});
   }
-  const at::Tensor hostCountsTensor = host.narrow(0, 0, routes.counts.numel()).view(routes.counts.sizes());
-  const auto hostCounts = hostCountsTensor.accessor<int64_t, 3>();
   DispatchPlan plan;
   plan.numTokens = tokens.size(0);
   plan.tokensPerLocalExpert.assign(experts, 0);

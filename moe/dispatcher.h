@@ -18,7 +18,9 @@
 //   and one row comes back. Per slot: one row each way for every selected
 //   (token, expert) slot, as common dispatchers do. Both give the same result
 //   up to the order of floating-point additions.
-// - Dropped slots (Routing::keep false) are neither sent nor counted.
+// - Dropped slots (Routing::keep false) are neither sent nor counted. Kept
+//   slots naming no expert (outside [0, numExperts)) travel as counts in the
+//   counts exchange, and every rank of the group raises ConfigError there.
 // - Expert inputs are ordered by local expert, tokensPerLocalExpert[e] rows
 //   each (experts with no rows included).
 

@@ -107,10 +107,12 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
 namespace {
 
 // gatherRows as one kernel that reads each source row once (by the table);
-// undefined where the kernels are not built or do not take these tensors.
+// undefined where the kernels are not built or do not take these tensors
+// (index_select then checks them).
 at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Tensor& table) {
 #if BULKHEAD_MOE_KERNELS
-  if (source.is_cuda() && source.dim() == 2 && source.stride(1) == 1 && table.size(1) <= cuda::kMaxRouteColumns) {
+  if (source.is_cuda() && source.dim() == 2 && source.stride(1) == 1 && table.device() == source.device() &&
+      table.dim() == 2 && table.size(0) == source.size(0) && table.size(1) <= cuda::kMaxRouteColumns) {
     const c10::cuda::CUDAGuard device(source.device());
     at::Tensor index = table.contiguous();
     at::Tensor out = at::empty({rows, source.size(1)}, source.options());

@@ -29,7 +29,7 @@ at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table,
 // table, which reads each source row once (`index` then only gives the count).
 at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const at::Tensor& table);
 
-// The stable grouping behind the dispatcher's groupEntries, as kernels of our
+// The stable grouping behind groupByKey (moe/routes.h), as kernels of our
 // own (moe/cuda/group_kernels.h) for an int64 CUDA `key` whose values lie in
 // [0, groups] (`groups`: in no group), `count` of them in a group: order
 // [count] lists the entries group by group, in entry order within a group;

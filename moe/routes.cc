@@ -4,8 +4,13 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "moe/gather_sum.h"
+#include "runtime/errors.h"
 
 #if BULKHEAD_MOE_KERNELS
 #include <c10/cuda/CUDAGuard.h>
@@ -18,26 +23,31 @@ namespace bulkhead::moe {
 namespace {
 
 RoutePlan emptyPlan(const Routing& routing, const RouteShape& shape) {
-  const int64_t perRow = shape.ranks * (shape.localExperts + 1);
   RoutePlan plan;
-  plan.counters = at::zeros({2 * perRow + 1}, routing.indices.options().dtype(at::kLong));
-  plan.counts = plan.counters.narrow(0, 0, 2 * perRow).view({2, shape.ranks, shape.localExperts + 1});
-  plan.invalid = plan.counters.narrow(0, 2 * perRow, 1);
+  plan.counts = at::zeros({2, shape.ranks, shape.localExperts + 2}, routing.indices.options().dtype(at::kLong));
   return plan;
 }
 
-// The ATen form. Out-of-range expert ids fail in scatter_add_ (on a GPU, as a
-// device-side assert), which the kernel form reports through `invalid`.
+// Kept slots with an expert id in [0, R * L), and the ids with every other
+// one replaced by 0, so that index arithmetic on them stays in range.
+std::pair<at::Tensor, at::Tensor> validSlots(const Routing& routing, const RouteShape& shape) {
+  const at::Tensor valid =
+      routing.indices.ge(0).logical_and(routing.indices.lt(static_cast<int64_t>(shape.ranks) * shape.localExperts));
+  return {routing.keep.logical_and(valid), at::where(valid, routing.indices, 0)};
+}
+
 void planWithAten(const Routing& routing, const RouteShape& shape, RoutePlan& plan) {
   const int L = shape.localExperts, R = shape.ranks;
-  at::Tensor destination = routing.indices.div(L, "floor");
-  // Entry (r, e) of row 0 is flat position r * (L + 1) + e = global expert + r.
-  at::Tensor sent = plan.counts.select(0, 0);
-  sent.view(-1).scatter_add_(0, (routing.indices + destination).reshape(-1), routing.keep.to(at::kLong).reshape(-1));
-  at::Tensor rankOrNone = at::where(routing.keep, destination, R);  // [T, k]
-  at::Tensor rowsColumn = sent.select(1, L);
+  const auto [sent, expert] = validSlots(routing, shape);
+  at::Tensor destination = expert.div(L, "floor");
+  // Entry (r, e) of row 0 is flat position r * (L + 2) + e = global expert + 2r.
+  at::Tensor outgoing = plan.counts.select(0, 0);
+  outgoing.view(-1).scatter_add_(0, (expert + 2 * destination).reshape(-1), sent.to(at::kLong).reshape(-1));
+  outgoing.select(1, L + 1).fill_(routing.keep.sum() - sent.sum());  // the invalid slots, for every rank
+  at::Tensor rankOrNone = at::where(sent, destination, R);  // [T, k]
+  at::Tensor rowsColumn = outgoing.select(1, L);
   if (shape.perSlot) {
-    rowsColumn.copy_(sent.narrow(1, 0, L).sum(1));  // a row per kept slot
+    rowsColumn.copy_(outgoing.narrow(1, 0, L).sum(1));  // a row per kept slot
     plan.key = rankOrNone;
     return;
   }
@@ -50,12 +60,32 @@ void planWithAten(const Routing& routing, const RouteShape& shape, RoutePlan& pl
 // Local expert ids of every candidate row, [T * m, side columns].
 at::Tensor candidateIds(const Routing& routing, const RouteShape& shape, at::ScalarType sideType) {
   const int L = shape.localExperts, R = shape.ranks;
-  at::Tensor local = routing.indices.remainder(L).to(sideType);
+  const auto [sent, expert] = validSlots(routing, shape);
+  at::Tensor local = expert.remainder(L).to(sideType);
   if (shape.perSlot) return local.reshape({-1, 1});
   const int64_t tokens = routing.indices.size(0), k = routing.indices.size(1);
-  at::Tensor rankOrNone = at::where(routing.keep, routing.indices.div(L, "floor"), R);
+  at::Tensor rankOrNone = at::where(sent, expert.div(L, "floor"), R);
   at::Tensor atRank = rankOrNone.unsqueeze(1).eq(at::arange(R, rankOrNone.options()).view({1, R, 1}));  // [T, R, k]
   return at::where(atRank, local.unsqueeze(1), -1.0).view({tokens * R, k});
+}
+
+// The kernels write where the layout says: a layout that does not fit the
+// inputs would write past the rows, so it is refused here.
+void checkPackInputs(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
+                     const Routing& routing, const RouteShape& shape) {
+  const int64_t slots = routing.indices.size(1);
+  const bool fits = tokens.dim() == 2 && tokens.size(0) == routing.indices.size(0) &&
+                    tokens.scalar_type() == layout.tokenType && tokens.size(1) * tokens.element_size() == layout.rowBytes &&
+                    weights.sizes() == routing.indices.sizes() && weights.scalar_type() == layout.sideType &&
+                    routing.keep.sizes() == routing.indices.sizes() && layout.columns == (shape.perSlot ? 1 : slots);
+  if (fits) return;
+  throw ConfigError(
+      fmt::format("packing send rows: tokens [{}] ({}), weights [{}] ({}) and indices [{}] do not fit a layout of "
+                  "{}-byte tokens ({}) with {} side columns ({})",
+                  fmt::join(tokens.sizes(), ", "), c10::toString(tokens.scalar_type()), fmt::join(weights.sizes(), ", "),
+                  c10::toString(weights.scalar_type()), fmt::join(routing.indices.sizes(), ", "), layout.rowBytes,
+                  c10::toString(layout.tokenType), layout.columns, c10::toString(layout.sideType)),
+      {.expected = "tokens [T, H] and weights [T, k] of the layout's dtypes; k side columns once per rank, 1 per slot"});
 }
 
 #if BULKHEAD_MOE_KERNELS
@@ -76,7 +106,7 @@ cuda::RouteArgs kernelArgs(const Routing& routing, const RouteShape& shape, cons
 }
 
 bool kernelsTake(const Routing& routing, const RouteShape& shape) {
-  return routing.indices.is_cuda() && shape.ranks <= cuda::kMaxRouteRanks &&
+  return routing.indices.is_cuda() && (shape.perSlot || shape.ranks <= cuda::kMaxRouteRanks) &&
          columnsOf(routing, shape) <= cuda::kMaxRouteColumns;
 }
 #endif
@@ -92,7 +122,7 @@ RoutePlan planRoutes(const Routing& routing, const RouteShape& shape) {
     at::Tensor indices = routing.indices.contiguous(), keep = routing.keep.contiguous();
     plan.key = at::empty({indices.size(0), columnsOf(routing, shape)}, indices.options());
     cuda::planRoutes(kernelArgs(routing, shape, indices, keep), plan.counts.select(0, 0).data_ptr<int64_t>(),
-                     plan.key.data_ptr<int64_t>(), plan.invalid.data_ptr<int64_t>());
+                     plan.key.data_ptr<int64_t>());
     return plan;
   }
 #endif
@@ -115,6 +145,7 @@ Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count) {
 SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
                       const Routing& routing, const RouteShape& shape, const RoutePlan& plan) {
   const c10::NoGradGuard untracked;
+  checkPackInputs(layout, tokens, weights, routing, shape);
   const int64_t columns = plan.key.size(1);
 #if BULKHEAD_MOE_KERNELS
   Grouping candidates;
@@ -138,7 +169,8 @@ SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, cons
     return {.bytes = bytes, .table = candidates.table};
   }
 #endif
-  // Counted here (on a GPU without the kernels, a device sync of its own).
+  // Counted here. On a GPU without the kernels this is a device sync behind
+  // the counts exchange, which the communicator's watchdog ends at its deadline.
   const int64_t rows = plan.key.lt(shape.ranks).sum().item<int64_t>();
   const Grouping grouping = groupByKey(plan.key, shape.ranks, rows);
   at::Tensor bytes = at::empty({rows, layout.width}, tokens.options().dtype(at::kByte));

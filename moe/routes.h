@@ -1,15 +1,17 @@
 #pragma once
 // The dispatcher's index work (design section 7): where each token's selected
 // slots go, and the send rows that carry them. On CUDA tensors where the
-// kernels are built (moe/cuda/route_kernels.h) each function is one kernel
-// launch; elsewhere ATen operations compute the same values. A dispatch
-// waits for its counts on the host, so every launch saved before that sync
-// is time the whole step waits.
+// kernels are built (moe/cuda/route_kernels.h), planning is one kernel and
+// packing three (a stable grouping in two, then the packing); elsewhere ATen
+// operations compute the same values. A dispatch waits for its counts on the
+// host, so every launch saved before that wait is time the whole step waits.
 //
 // Slots: Routing::indices [T, k] and keep [T, k]; with L local experts per
 // rank, slot (t, j) goes to rank indices / L as local expert indices % L.
 // Candidate rows: per slot, one per slot (m = k columns); once per rank, one
-// per (token, rank) (m = R columns). Kept slots make candidates real rows.
+// per (token, rank) (m = R columns). Kept slots with a valid expert id (in
+// [0, R * L)) make candidates real rows; kept slots with any other id are
+// invalid: counted, never sent.
 
 #include <ATen/core/Tensor.h>
 
@@ -36,24 +38,30 @@ struct RouteShape {
 };
 
 struct RoutePlan {
-  // One int64 buffer, read to the host in one copy:
-  at::Tensor counters;  // [2 * R * (L + 1) + 1], the two views below
-  at::Tensor counts;    // [2, R, L + 1]: row 0 what this rank sends (per rank: kept slots per
-                        // local expert, then rows); row 1 is left for what it receives
-  at::Tensor invalid;   // [1]: kept slots whose expert id is not in [0, R * L) (never sent)
-  at::Tensor key;       // [T, m]: each candidate row's rank, R where it is not sent
+  // counts [2, R, L + 2] int64, read to the host in one copy. Row 0, what this
+  // rank sends: per rank, the kept slots per local expert, the rows, and this
+  // rank's invalid slots (the same in every rank's entry, so the counts
+  // exchange tells every rank). Row 1 is left for what it receives.
+  at::Tensor counts;
+  at::Tensor key;  // [T, m]: each candidate row's rank, R where it is not sent
 };
 RoutePlan planRoutes(const Routing& routing, const RouteShape& shape);
 
-// The send rows of a dispatch, grouped by rank, packed before the host knows
-// how many there are (so the GPU packs while the counts travel). Row table[t, c]
-// carries token t, its combine weights (weights [T, k] of the side type: all k
-// once per rank, weights[t, c] per slot) and the local expert ids of those
-// weights (-1 where the slot is not at that row's rank), in `layout` (side
-// columns: k once per rank, 1 per slot). No autograd: exchangeRouted attaches it.
+// The send rows of a dispatch, grouped by rank. The dispatcher queues this
+// behind the counts exchange, before the host knows how many rows there are,
+// so the GPU packs while the host reads the counts. Row table[t, c] carries
+// token t, its combine weights (weights [T, k] of the side type: all k once
+// per rank, weights[t, c] per slot) and the local expert ids of those weights
+// (-1 where the slot is dropped, invalid or at another rank), in `layout`
+// (side columns: k once per rank, 1 per slot). No autograd: exchangeRouted
+// attaches it.
 struct SendRows {
-  at::Tensor bytes;  // [rows, layout.width]: where the kernels run, room for the most rows a
-                     // dispatch can send (T * min(m, k)); the rows sent come first
+  // [rows, layout.width]. Where the kernels run, sized for the most rows a
+  // dispatch can send, T * min(m, k), with the rows sent first. Once per rank
+  // that is min(R, k) / (mean ranks per token) times the rows sent (about 1.0
+  // at ep 2, 1.5 at ep 8, top-8 of 64); per slot, the rows sent. The caller's narrowed
+  // view keeps it whole until the exchange has read it.
+  at::Tensor bytes;
   at::Tensor table;  // [T, m]: each candidate's row, -1 where none is sent
 };
 SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,

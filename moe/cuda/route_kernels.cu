@@ -19,11 +19,11 @@ void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
-// One thread per token.
+// One thread per token. Counters per rank: L local experts, rows, invalid.
 template <bool kPerSlot>
-__global__ void planKernel(RouteArgs a, int64_t* counts, int64_t* key, int64_t* invalid, bool sharedCounters) {
+__global__ void planKernel(RouteArgs a, int64_t* counts, int64_t* key, bool sharedCounters) {
   extern __shared__ unsigned int blockCounts[];
-  const int64_t counters = a.ranks * (a.localExperts + 1), experts = a.ranks * a.localExperts;
+  const int64_t perRank = a.localExperts + 2, counters = a.ranks * perRank, experts = a.ranks * a.localExperts;
   if (sharedCounters) {
     for (int64_t i = threadIdx.x; i < counters; i += blockDim.x) blockCounts[i] = 0;
     __syncthreads();
@@ -38,13 +38,14 @@ __global__ void planKernel(RouteArgs a, int64_t* counts, int64_t* key, int64_t* 
     for (int64_t j = 0; j < a.topK; ++j) {
       const int64_t slot = t * a.topK + j, expert = a.indices[slot];
       const bool valid = expert >= 0 && expert < experts;
-      if (a.keep[slot] && !valid) atomicAdd(reinterpret_cast<unsigned long long*>(invalid), 1ull);
+      if (a.keep[slot] && !valid)
+        for (int64_t rank = 0; rank < a.ranks; ++rank) add(rank * perRank + a.localExperts + 1);
       const bool sent = a.keep[slot] && valid;
       const int64_t rank = sent ? expert / a.localExperts : a.ranks;
-      if (sent) add(rank * (a.localExperts + 1) + expert % a.localExperts);
+      if (sent) add(rank * perRank + expert % a.localExperts);
       if constexpr (kPerSlot) {
         key[slot] = rank;
-        if (sent) add(rank * (a.localExperts + 1) + a.localExperts);
+        if (sent) add(rank * perRank + a.localExperts);
       } else if (sent) {
         ranksHit |= 1ull << rank;
       }
@@ -53,7 +54,7 @@ __global__ void planKernel(RouteArgs a, int64_t* counts, int64_t* key, int64_t* 
       for (int64_t rank = 0; rank < a.ranks; ++rank) {
         const bool hit = (ranksHit >> rank) & 1ull;
         key[t * a.ranks + rank] = hit ? rank : a.ranks;
-        if (hit) add(rank * (a.localExperts + 1) + a.localExperts);
+        if (hit) add(rank * perRank + a.localExperts);
       }
     }
   }
@@ -87,7 +88,8 @@ __global__ void packKernel(PackArgs p) {
     if (rowAt[c] < 0) continue;
     auto* side = reinterpret_cast<Side*>(rows + rowAt[c] * p.width + p.sideOffset);
     const int64_t slot = t * a.topK + (kPerSlot ? c : j), expert = a.indices[slot];
-    const bool here = kPerSlot || (a.keep[slot] && expert >= 0 && expert / a.localExperts == c);
+    const bool here =
+        kPerSlot || (a.keep[slot] && expert >= 0 && expert < a.ranks * a.localExperts && expert / a.localExperts == c);
     const int64_t m = kPerSlot ? 1 : a.topK;
     side[j] = weights[slot];
     side[m + j] = here ? static_cast<Side>(expert % a.localExperts) : Side(-1);
@@ -131,16 +133,16 @@ void launchPack(const PackArgs& p, int chunk, cudaStream_t stream) {
 
 }  // namespace
 
-void planRoutes(const RouteArgs& args, int64_t* counts, int64_t* key, int64_t* invalid) {
-  if (args.ranks > kMaxRouteRanks) throw std::runtime_error("planRoutes: more than 64 ranks");
+void planRoutes(const RouteArgs& args, int64_t* counts, int64_t* key) {
+  if (!args.perSlot && args.ranks > kMaxRouteRanks) throw std::runtime_error("planRoutes: more than 64 ranks");
   if (args.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((args.tokens + kThreads - 1) / kThreads);
-  const int64_t counters = args.ranks * (args.localExperts + 1);
+  const int64_t counters = args.ranks * (args.localExperts + 2);
   const bool shared = counters <= kMaxSharedCounters;
   const size_t sharedBytes = shared ? counters * sizeof(unsigned int) : 0;
   auto stream = static_cast<cudaStream_t>(args.stream);
-  if (args.perSlot) planKernel<true><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, invalid, shared);
-  else planKernel<false><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, invalid, shared);
+  if (args.perSlot) planKernel<true><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, shared);
+  else planKernel<false><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, shared);
   check(cudaGetLastError(), "route planning kernel launch");
 }
 

@@ -1,14 +1,14 @@
 #pragma once
 // CUDA kernels behind the dispatcher's planning and packing (moe/routes.h),
 // on raw pointers so this header and its .cu need no libtorch. Launched on
-// `stream`; they never synchronize. They do in one launch each what the ATen
-// forms in moe/routes.cc do in 10-20 small operations; the results are the
-// same, bit for bit.
+// `stream`; they never synchronize. Their results equal the ATen forms' in
+// moe/routes.cc bit for bit.
 //
 // Slots: indices [T, k] (global expert ids) and keep [T, k]. With L local
 // experts per rank, slot (t, j) goes to rank indices / L as local expert
 // indices % L. Rows: per slot, one per kept slot (m = k columns); once per
-// rank, one per (token, rank) holding any kept slot (m = R columns).
+// rank, one per (token, rank) holding any kept slot (m = R columns). A kept
+// slot whose id is outside [0, R * L) is invalid: counted, never sent.
 
 #include <cstdint>
 
@@ -27,17 +27,18 @@ constexpr int64_t kMaxRouteRanks = 64;
 // Most columns a row of the send table has (m).
 constexpr int64_t kMaxRouteColumns = 64;
 
-// counts [R, L + 1] (zeroed by the caller): per rank, the kept slots per local
-// expert, then the rows sent. key [T, m]: the row's rank, R where none is
-// sent. invalid (zeroed by the caller): kept slots whose expert id is outside
-// [0, R * L); they are neither counted nor sent.
-void planRoutes(const RouteArgs& args, int64_t* counts, int64_t* key, int64_t* invalid);
+// counts [R, L + 2] (zeroed by the caller), per rank: the kept slots per local
+// expert, the rows sent, and this rank's invalid slots (the same in every
+// rank's entry, so the counts exchange tells every rank). key [T, m]: the
+// row's rank, R where none is sent.
+void planRoutes(const RouteArgs& args, int64_t* counts, int64_t* key);
 
 // Fills the send rows (`width` bytes each): row table[t, c] (-1: none) gets
 // token t's `rowBytes` bytes, then at `sideOffset` its combine weights and,
 // after them, its local expert ids, both of the side type (4 or 8 bytes):
 // per slot one weight (weights[t, c]) and one id; once per rank all k weights
-// of the token and k ids (-1 where the slot is not at rank c).
+// of the token and k ids (-1 where the slot is dropped, invalid or at another
+// rank than c).
 struct PackArgs {
   RouteArgs route;
   const void* tokens = nullptr;  // [T, rowBytes] contiguous

@@ -342,5 +342,36 @@ TEST_CASE("dispatch and combine around identity experts return each token's weig
   }
 }
 
+TEST_CASE("a kept slot naming no expert makes every ep rank raise together, and the group goes on", "[moe][dispatcher]") {
+  auto& world = testing::world();
+  constexpr int kBadRank = 5;
+  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = kShards},
+                                                {.warmup = false});
+  for (bool oncePerRank : {true, false}) {
+    TokenDispatcher dispatcher(groups.ep(), {.numExperts = kExperts, .oncePerRank = oncePerRank});
+    at::Tensor tokens = gaussian(400 + world.rank(), {kTokens, kHidden});
+    Routing routing;
+    routing.indices = std::get<1>(gaussian(500 + world.rank(), {kTokens, kExperts}).topk(kTopK));
+    routing.weights = at::rand({kTokens, kTopK}, testing::sharedGenerator(600 + world.rank()), at::kDouble);
+    routing.keep = at::ones({kTokens, kTopK}, at::kBool);
+    routing.indices[7][2] = -1 - world.rank();  // dropped: no expert needed
+    routing.keep[7][2] = false;
+    Routing broken = routing;
+    broken.indices = routing.indices.clone();
+    if (world.rank() == kBadRank) broken.indices[3][1] = kExperts + 2;
+    INFO("oncePerRank " << oncePerRank);
+    try {
+      dispatcher.dispatch(tokens, broken);
+      FAIL("dispatch accepted an expert id past the last expert");
+    } catch (const ConfigError& error) {
+      INFO(error.what());
+      CHECK(std::string(error.what()).find(fmt::format("1 on rank {}", kBadRank)) != std::string::npos);
+    }
+    // Every rank ran the same exchanges: the next dispatch on the group works.
+    DispatchPlan plan = dispatcher.dispatch(tokens, routing);
+    CHECK(at::equal(plan.tokensPerLocalExpertDevice, at::tensor(plan.tokensPerLocalExpert, at::kLong)));
+  }
+}
+
 }  // namespace
 }  // namespace bulkhead::moe

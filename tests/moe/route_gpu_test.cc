@@ -3,6 +3,7 @@
 // bit for bit. Part of bulkhead_moe_gpu_tests (its main skips without a GPU).
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <tuple>
 #include <utility>
 
@@ -39,13 +40,21 @@ Routing onDevice(const Routing& routing, const at::Device& device) {
   return moved;
 }
 
+// The kernels take every layout but once-per-rank planning past 64 ranks and
+// rows of more than 64 columns; there the GPU runs the ATen forms.
+bool kernelsTake(const Case& c, bool perSlot) { return (perSlot || c.ranks <= 64) && (perSlot ? c.topK : c.ranks) <= 64; }
+
 TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
   // Rows of 16-byte vectors (bf16 x 96), of 4-byte words (float x 37) and of
-  // odd bytes (bf16 x 37, whose side part then sits at a 4-byte offset).
+  // odd bytes (bf16 x 37, whose side part then sits at a 4-byte offset); 64
+  // ranks (the last a token's rank mask holds) with more counters than a
+  // block keeps in shared memory (64 x 132), and 65 ranks (the ATen forms
+  // once per rank, the kernels per slot).
   for (const Case& c : {Case{37, 96, 1, 8, 2, at::kBFloat16, at::kFloat}, Case{4096, 96, 2, 32, 8, at::kBFloat16, at::kFloat},
                         Case{1000, 37, 4, 4, 6, at::kFloat, at::kDouble}, Case{777, 37, 8, 8, 8, at::kBFloat16, at::kFloat},
-                        Case{300, 64, 3, 5, 4, at::kDouble, at::kDouble}, Case{0, 96, 2, 4, 2, at::kBFloat16, at::kFloat}}) {
+                        Case{300, 64, 3, 5, 4, at::kDouble, at::kDouble}, Case{0, 96, 2, 4, 2, at::kBFloat16, at::kFloat},
+                        Case{50, 64, 64, 130, 8, at::kBFloat16, at::kFloat}, Case{40, 32, 65, 2, 4, at::kFloat, at::kFloat}}) {
     for (bool perSlot : {false, true}) {
       INFO("tokens " << c.tokens << " hidden " << c.hidden << " ranks " << c.ranks << " local experts "
                      << c.localExperts << " top-k " << c.topK << " per slot " << perSlot);
@@ -54,8 +63,8 @@ TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gp
       const Routing gpuRouting = onDevice(routing, gpu);
       const RoutePlan expected = planRoutes(routing, shape);
       const RoutePlan got = planRoutes(gpuRouting, shape);
-      REQUIRE(got.counters.is_cuda());
-      CHECK(at::equal(got.counters.cpu(), expected.counters));
+      REQUIRE(got.counts.is_cuda());
+      CHECK(at::equal(got.counts.cpu(), expected.counts));
       CHECK(at::equal(got.key.cpu(), expected.key));
 
       const at::Tensor tokens = at::randn({c.tokens, c.hidden}, testing::sharedGenerator(7), c.tokenType);
@@ -63,8 +72,10 @@ TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gp
       const SendRows cpuRows = packSendRows(layout, tokens, routing.weights, routing, shape, expected);
       const SendRows gpuRows = packSendRows(layout, tokens.to(gpu), gpuRouting.weights, gpuRouting, shape, got);
       const int64_t rows = expected.counts[0].select(1, c.localExperts).sum().item<int64_t>();
+      const int64_t columns = perSlot ? c.topK : c.ranks;
       REQUIRE(cpuRows.bytes.size(0) == rows);
-      REQUIRE(gpuRows.bytes.size(0) >= rows);  // room for the most rows a dispatch can send
+      // The kernels size the rows for the most a dispatch can send; the ATen form, exactly.
+      REQUIRE(gpuRows.bytes.size(0) == (kernelsTake(c, perSlot) ? c.tokens * std::min<int64_t>(columns, c.topK) : rows));
       CHECK(at::equal(gpuRows.table.cpu(), cpuRows.table));
       const RoutedRows want = layout.parts(cpuRows.bytes);
       const RoutedRows have = layout.parts(gpuRows.bytes.narrow(0, 0, rows).cpu());
@@ -75,41 +86,63 @@ TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gp
   }
 }
 
-TEST_CASE("route planning on the GPU counts kept slots with no such expert and leaves them out", "[moe][gpu]") {
+TEST_CASE("route planning and packing on the GPU count kept slots naming no expert and send none", "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
   const Case c{64, 96, 2, 4, 3, at::kBFloat16, at::kFloat};
   for (bool perSlot : {false, true}) {
+    INFO("per slot " << perSlot);
     const RouteShape shape{.localExperts = c.localExperts, .ranks = c.ranks, .perSlot = perSlot};
     Routing routing = randomRouting(c, 90);
     routing.keep.fill_(true);
-    Routing broken = onDevice(routing, gpu);
+    Routing broken = routing;
+    broken.indices = routing.indices.clone();
+    broken.keep = routing.keep.clone();
     broken.indices[5][1] = 8;   // past the last expert, kept
-    broken.indices[9][0] = -1;  // before the first, kept
+    broken.indices[9][0] = -3;  // before the first (-3 / 4 truncates to rank 0), kept
     broken.indices[11][2] = 9;  // past the last, but dropped
     broken.keep[11][2] = false;
-    const RoutePlan got = planRoutes(broken, shape);
-    routing.keep[5][1] = false;
-    routing.keep[9][0] = false;
-    routing.keep[11][2] = false;
-    const RoutePlan expected = planRoutes(routing, shape);
-    INFO("per slot " << perSlot);
-    CHECK(got.invalid.item<int64_t>() == 2);
-    CHECK(at::equal(got.counts.cpu(), expected.counts));
-    CHECK(at::equal(got.key.cpu(), expected.key));
+    const Routing gpuBroken = onDevice(broken, gpu);
+    const RoutePlan got = planRoutes(gpuBroken, shape);
+    const RoutePlan cpu = planRoutes(broken, shape);
+    CHECK(at::equal(got.counts.cpu(), cpu.counts));
+    CHECK(at::equal(got.key.cpu(), cpu.key));
+    CHECK(at::equal(cpu.counts[0].select(1, c.localExperts + 1), at::full({c.ranks}, 2, at::kLong)));
+    // The rest is what the slots' being dropped gives.
+    Routing dropped = routing;
+    dropped.keep = broken.keep.clone();
+    dropped.keep[5][1] = false;
+    dropped.keep[9][0] = false;
+    const RoutePlan expected = planRoutes(dropped, shape);
+    CHECK(at::equal(cpu.counts.narrow(2, 0, c.localExperts + 1), expected.counts.narrow(2, 0, c.localExperts + 1)));
+    CHECK(at::equal(cpu.key, expected.key));
+
+    const at::Tensor tokens = at::randn({c.tokens, c.hidden}, testing::sharedGenerator(8), c.tokenType);
+    const RoutedLayout layout(tokens, c.sideType, perSlot ? 1 : c.topK);
+    const SendRows cpuRows = packSendRows(layout, tokens, broken.weights, broken, shape, cpu);
+    const SendRows gpuRows = packSendRows(layout, tokens.to(gpu), gpuBroken.weights, gpuBroken, shape, got);
+    const int64_t rows = cpuRows.bytes.size(0);
+    const RoutedRows want = layout.parts(cpuRows.bytes);
+    const RoutedRows have = layout.parts(gpuRows.bytes.narrow(0, 0, rows).cpu());
+    CHECK(at::equal(have.rows, want.rows));
+    CHECK(at::equal(have.weights, want.weights));
+    CHECK(at::equal(have.ids, want.ids));
+    CHECK(want.ids.ge(-1).all().item<bool>());  // -1 or a local expert, never a negative id's remainder
   }
 }
 
 TEST_CASE("gatherRows' kernel reads strided rows once and matches index_select, with its gradient", "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
-  for (auto [dtype, width] : {std::pair{at::kBFloat16, 96}, {at::kFloat, 37}, {at::kBFloat16, 37}}) {
-    INFO("dtype " << c10::toString(dtype) << " width " << width);
+  // Row strides of 208 and 400 bytes (16-byte vectors), 200 (4-byte words) and 100 (bytes).
+  for (auto [dtype, width, pad] : {std::tuple{at::kBFloat16, 96, 8}, {at::kFloat, 96, 4}, {at::kFloat, 37, 13},
+                                   {at::kBFloat16, 37, 13}}) {
+    INFO("dtype " << c10::toString(dtype) << " width " << width << " pad " << pad);
     // 200 source rows, some read by up to 4 output rows, some by none; the
     // source is a column slice of a wider buffer (as received rows are).
     at::Tensor group = at::randint(-1, 4, {200, 4}, testing::sharedGenerator(11), at::kLong);
     const int64_t count = group.ge(0).sum().item<int64_t>();
     const Grouping grouping = groupEntries(group, 4, count);
     at::Tensor index = grouping.order.div(4, "floor");
-    at::Tensor wide = at::randn({200, width + 13}, testing::sharedGenerator(12), at::kDouble).to(dtype);
+    at::Tensor wide = at::randn({200, width + pad}, testing::sharedGenerator(12), at::kDouble).to(dtype);
     at::Tensor grad = at::randn({count, width}, testing::sharedGenerator(13), at::kDouble).to(dtype);
     auto run = [&](const at::Device& device) {
       at::Tensor buffer = wide.clone().to(device).requires_grad_(true);
