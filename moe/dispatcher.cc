@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <chrono>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -18,6 +19,7 @@
 #include "moe/gather_sum.h"
 #include "moe/routes.h"
 #include "parallel/tensor_parallel.h"
+#include "runtime/backoff.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::moe {
@@ -41,15 +43,20 @@ class HostCopy {
     copied_->record(device.getStream(source.device()));
   }
   // The copy of a collective's output, once `work` has completed and the copy
-  // behind it too; raises work's error where it never completes (by its
-  // deadline). CPU sources are returned as they are, once `work` completes.
-  // Polls by yielding: the copy lands microseconds after the collective, and
-  // a sleep would add the timer's slack to every dispatch.
+  // behind it too; raises work's error where it fails or never completes (by
+  // its deadline). CPU sources are returned as they are, once `work` completes.
+  // Polls by yielding for the first millisecond (the copy usually lands within
+  // it, and a sleep would add the timer's slack to every dispatch), then
+  // backs off, leaving the core to others while a slow peer is awaited.
   at::Tensor get(Work& work, Deadline deadline) const {
     if (copied_) {
+      const auto spinUntil = Deadline::Clock::now() + std::chrono::milliseconds(1);
+      Backoff backoff;
       while (!copied_->query()) {
-        if (deadline.expired()) work.wait(deadline);  // raises, or returns with the copy right behind it
-        std::this_thread::yield();
+        // Raises, or returns with the copy right behind the completed collective.
+        if (deadline.expired() || work.exception()) work.wait(deadline);
+        if (Deadline::Clock::now() < spinUntil) std::this_thread::yield();
+        else backoff.pause(deadline);
       }
     }
     work.wait(deadline);  // already complete on a GPU, unless it failed: then this raises why
@@ -67,10 +74,10 @@ int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.
 
 TokenDispatcher::TokenDispatcher(CommunicatorPtr ep, DispatcherOptions options)
     : ep_(std::move(ep)), options_(options), localExperts_(0) {
-  if (options_.numExperts % ep_->size() != 0) {
+  if (options_.numExperts < 1 || options_.numExperts % ep_->size() != 0) {
     throw ConfigError(fmt::format("dispatcher: {} experts do not divide over the {} ranks of {}", options_.numExperts,
                                   ep_->size(), ep_->name()),
-                      {.rank = ep_->rank(), .group = ep_->name(), .expected = "numExperts a multiple of ep"});
+                      {.rank = ep_->rank(), .group = ep_->name(), .expected = "numExperts a positive multiple of ep"});
   }
   localExperts_ = options_.numExperts / ep_->size();
 }
@@ -78,11 +85,14 @@ TokenDispatcher::TokenDispatcher(CommunicatorPtr ep, DispatcherOptions options)
 DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& routing) const {
   const int ranks = ep_->size(), experts = localExperts_;
   if (tokens.dim() != 2 || routing.indices.dim() != 2 || routing.indices.size(0) != tokens.size(0) ||
-      routing.weights.sizes() != routing.indices.sizes() || routing.keep.sizes() != routing.indices.sizes()) {
-    throw ConfigError(fmt::format("dispatch on {}: tokens [{}] with routing indices [{}], weights [{}], keep [{}]",
+      routing.weights.sizes() != routing.indices.sizes() || routing.keep.sizes() != routing.indices.sizes() ||
+      routing.indices.scalar_type() != at::kLong || routing.keep.scalar_type() != at::kBool) {
+    throw ConfigError(fmt::format("dispatch on {}: tokens [{}] with routing indices [{}] ({}), weights [{}], keep [{}] ({})",
                                   ep_->name(), fmt::join(tokens.sizes(), ", "), fmt::join(routing.indices.sizes(), ", "),
-                                  fmt::join(routing.weights.sizes(), ", "), fmt::join(routing.keep.sizes(), ", ")),
-                      {.rank = ep_->rank(), .group = ep_->name(), .expected = "tokens [T, H]; indices, weights, keep [T, k]"});
+                                  c10::toString(routing.indices.scalar_type()), fmt::join(routing.weights.sizes(), ", "),
+                                  fmt::join(routing.keep.sizes(), ", "), c10::toString(routing.keep.scalar_type())),
+                      {.rank = ep_->rank(), .group = ep_->name(),
+                       .expected = "tokens [T, H]; indices (int64), weights, keep (bool) [T, k]"});
   }
   const RouteShape shape{.localExperts = experts, .ranks = ranks, .perSlot = !options_.oncePerRank};
   // Metadata travels in the combine weights' dtype, at least float32: local

@@ -6,8 +6,13 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <memory>
 #include <string>
+
+#include "runtime/errors.h"
 
 #if BULKHEAD_MOE_KERNELS
 #include <c10/cuda/CUDAGuard.h>
@@ -107,12 +112,11 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
 namespace {
 
 // gatherRows as one kernel that reads each source row once (by the table);
-// undefined where the kernels are not built or do not take these tensors
-// (index_select then checks them).
+// undefined where the kernels are not built or do not take this layout.
+// The caller has checked that the table fits the source.
 at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Tensor& table) {
 #if BULKHEAD_MOE_KERNELS
-  if (source.is_cuda() && source.dim() == 2 && source.stride(1) == 1 && table.device() == source.device() &&
-      table.dim() == 2 && table.size(0) == source.size(0) && table.size(1) <= cuda::kMaxRouteColumns) {
+  if (source.is_cuda() && source.stride(1) == 1 && table.size(1) <= cuda::kMaxRouteColumns) {
     const c10::cuda::CUDAGuard device(source.device());
     at::Tensor index = table.contiguous();
     at::Tensor out = at::empty({rows, source.size(1)}, source.options());
@@ -143,6 +147,14 @@ struct GatherRowsBackward : torch::autograd::Node {
 }  // namespace
 
 at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const at::Tensor& table) {
+  if (source.dim() != 2 || table.dim() != 2 || table.size(0) != source.size(0) || table.scalar_type() != at::kLong ||
+      table.device() != source.device() || index.device() != source.device()) {
+    throw ConfigError(fmt::format("gatherRows: source [{}] on {}, index [{}] on {}, table [{}] ({}) on {}",
+                                  fmt::join(source.sizes(), ", "), source.device().str(), fmt::join(index.sizes(), ", "),
+                                  index.device().str(), fmt::join(table.sizes(), ", "),
+                                  c10::toString(table.scalar_type()), table.device().str()),
+                      {.expected = "source [S, W]; index and an int64 table [S, m] on the source's device"});
+  }
   const bool tracked = torch::autograd::GradMode::is_enabled() && source.requires_grad();
   at::Tensor output;
   {

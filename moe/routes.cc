@@ -72,20 +72,26 @@ at::Tensor candidateIds(const Routing& routing, const RouteShape& shape, at::Sca
 // The kernels write where the layout says: a layout that does not fit the
 // inputs would write past the rows, so it is refused here.
 void checkPackInputs(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
-                     const Routing& routing, const RouteShape& shape) {
-  const int64_t slots = routing.indices.size(1);
-  const bool fits = tokens.dim() == 2 && tokens.size(0) == routing.indices.size(0) &&
+                     const Routing& routing, const RouteShape& shape, const RoutePlan& plan) {
+  const int64_t slots = routing.indices.size(1), columns = shape.perSlot ? slots : shape.ranks;
+  const at::Device device = routing.indices.device();
+  const bool together = tokens.device() == device && weights.device() == device && routing.keep.device() == device &&
+                        plan.key.device() == device;
+  const bool fits = together && plan.key.dim() == 2 && plan.key.size(0) == routing.indices.size(0) &&
+                    plan.key.size(1) == columns && tokens.dim() == 2 && tokens.size(0) == routing.indices.size(0) &&
                     tokens.scalar_type() == layout.tokenType && tokens.size(1) * tokens.element_size() == layout.rowBytes &&
                     weights.sizes() == routing.indices.sizes() && weights.scalar_type() == layout.sideType &&
                     routing.keep.sizes() == routing.indices.sizes() && layout.columns == (shape.perSlot ? 1 : slots);
   if (fits) return;
   throw ConfigError(
-      fmt::format("packing send rows: tokens [{}] ({}), weights [{}] ({}) and indices [{}] do not fit a layout of "
-                  "{}-byte tokens ({}) with {} side columns ({})",
-                  fmt::join(tokens.sizes(), ", "), c10::toString(tokens.scalar_type()), fmt::join(weights.sizes(), ", "),
-                  c10::toString(weights.scalar_type()), fmt::join(routing.indices.sizes(), ", "), layout.rowBytes,
-                  c10::toString(layout.tokenType), layout.columns, c10::toString(layout.sideType)),
-      {.expected = "tokens [T, H] and weights [T, k] of the layout's dtypes; k side columns once per rank, 1 per slot"});
+      fmt::format("packing send rows: tokens [{}] ({}, {}), weights [{}] ({}, {}), indices [{}] and keys [{}] ({}) "
+                  "do not fit a layout of {}-byte tokens ({}) with {} side columns ({})",
+                  fmt::join(tokens.sizes(), ", "), c10::toString(tokens.scalar_type()), tokens.device().str(),
+                  fmt::join(weights.sizes(), ", "), c10::toString(weights.scalar_type()), weights.device().str(),
+                  fmt::join(routing.indices.sizes(), ", "), fmt::join(plan.key.sizes(), ", "), plan.key.device().str(),
+                  layout.rowBytes, c10::toString(layout.tokenType), layout.columns, c10::toString(layout.sideType)),
+      {.expected = "tokens [T, H], weights [T, k] of the layout's dtypes and keys [T, m] on the routing's device; "
+                   "k side columns once per rank, 1 per slot"});
 }
 
 #if BULKHEAD_MOE_KERNELS
@@ -145,7 +151,7 @@ Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count) {
 SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
                       const Routing& routing, const RouteShape& shape, const RoutePlan& plan) {
   const c10::NoGradGuard untracked;
-  checkPackInputs(layout, tokens, weights, routing, shape);
+  checkPackInputs(layout, tokens, weights, routing, shape, plan);
   const int64_t columns = plan.key.size(1);
 #if BULKHEAD_MOE_KERNELS
   Grouping candidates;
@@ -170,7 +176,8 @@ SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, cons
   }
 #endif
   // Counted here. On a GPU without the kernels this is a device sync behind
-  // the counts exchange, which the communicator's watchdog ends at its deadline.
+  // the counts exchange, with no deadline of its own: it relies on the
+  // communicator's watchdog to end that exchange at its deadline.
   const int64_t rows = plan.key.lt(shape.ranks).sum().item<int64_t>();
   const Grouping grouping = groupByKey(plan.key, shape.ranks, rows);
   at::Tensor bytes = at::empty({rows, layout.width}, tokens.options().dtype(at::kByte));

@@ -8,6 +8,7 @@
 
 #include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
+#include "runtime/errors.h"
 #include "tests/catch_compat.h"
 #include "tests/support/inputs.h"
 
@@ -52,6 +53,11 @@ TEST_CASE("the row gather's output and gradient equal index_select's", "[moe][di
   CHECK(at::allclose(source.grad(), reference.grad(), 1e-15, 1e-15));
   CHECK(source.grad()[1].abs().sum().item<double>() == 0);
   CHECK(source.grad()[2].abs().sum().item<double>() > 0);
+
+  // A table that does not list the source's rows is refused up front, not
+  // found out in the backward.
+  CHECK_THROWS_AS(gatherRows(source, index, table.narrow(0, 0, 6)), ConfigError);
+  CHECK_THROWS_AS(gatherRows(source, index, table.to(at::kInt)), ConfigError);
 }
 
 TEST_CASE("the row gather of a permutation carries gradients both ways", "[moe][dispatcher]") {

@@ -121,12 +121,25 @@ TEST_CASE("route planning and packing on the GPU count kept slots naming no expe
     const SendRows cpuRows = packSendRows(layout, tokens, broken.weights, broken, shape, cpu);
     const SendRows gpuRows = packSendRows(layout, tokens.to(gpu), gpuBroken.weights, gpuBroken, shape, got);
     const int64_t rows = cpuRows.bytes.size(0);
+    CHECK(at::equal(gpuRows.table.cpu(), cpuRows.table));
     const RoutedRows want = layout.parts(cpuRows.bytes);
     const RoutedRows have = layout.parts(gpuRows.bytes.narrow(0, 0, rows).cpu());
     CHECK(at::equal(have.rows, want.rows));
     CHECK(at::equal(have.weights, want.weights));
     CHECK(at::equal(have.ids, want.ids));
-    CHECK(want.ids.ge(-1).all().item<bool>());  // -1 or a local expert, never a negative id's remainder
+    // The invalid slots (token 5 slot 1, token 9 slot 0) travel nowhere: per
+    // slot in no row, once per rank as id -1 in every row of their token.
+    for (auto [token, slot] : {std::pair<int64_t, int64_t>{5, 1}, {9, 0}}) {
+      INFO("token " << token << " slot " << slot);
+      if (perSlot) {
+        CHECK(cpuRows.table[token][slot].item<int64_t>() == -1);
+        continue;
+      }
+      for (int64_t rank = 0; rank < c.ranks; ++rank) {
+        const int64_t row = cpuRows.table[token][rank].item<int64_t>();
+        if (row >= 0) CHECK(have.ids[row][slot].item<double>() == -1);
+      }
+    }
   }
 }
 
