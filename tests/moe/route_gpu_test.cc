@@ -40,6 +40,17 @@ Routing onDevice(const Routing& routing, const at::Device& device) {
   return moved;
 }
 
+// The same tables, and the same first `rows` rows part by part (the padding
+// bytes between the parts are never written).
+void checkSameRows(const RoutedLayout& layout, const SendRows& cpuRows, const SendRows& gpuRows, int64_t rows) {
+  CHECK(at::equal(gpuRows.table.cpu(), cpuRows.table));
+  const RoutedRows want = layout.parts(cpuRows.bytes.narrow(0, 0, rows));
+  const RoutedRows have = layout.parts(gpuRows.bytes.narrow(0, 0, rows).cpu());
+  CHECK(at::equal(have.rows, want.rows));
+  CHECK(at::equal(have.weights, want.weights));
+  CHECK(at::equal(have.ids, want.ids));
+}
+
 // The kernels take every layout but once-per-rank planning past 64 ranks and
 // rows of more than 64 columns; there the GPU runs the ATen forms.
 bool kernelsTake(const Case& c, bool perSlot) { return (perSlot || c.ranks <= 64) && (perSlot ? c.topK : c.ranks) <= 64; }
@@ -76,12 +87,7 @@ TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gp
       REQUIRE(cpuRows.bytes.size(0) == rows);
       // The kernels size the rows for the most a dispatch can send; the ATen form, exactly.
       REQUIRE(gpuRows.bytes.size(0) == (kernelsTake(c, perSlot) ? c.tokens * std::min<int64_t>(columns, c.topK) : rows));
-      CHECK(at::equal(gpuRows.table.cpu(), cpuRows.table));
-      const RoutedRows want = layout.parts(cpuRows.bytes);
-      const RoutedRows have = layout.parts(gpuRows.bytes.narrow(0, 0, rows).cpu());
-      CHECK(at::equal(have.rows, want.rows));
-      CHECK(at::equal(have.weights, want.weights));
-      CHECK(at::equal(have.ids, want.ids));
+      checkSameRows(layout, cpuRows, gpuRows, rows);
     }
   }
 }
@@ -120,13 +126,8 @@ TEST_CASE("route planning and packing on the GPU count kept slots naming no expe
     const RoutedLayout layout(tokens, c.sideType, perSlot ? 1 : c.topK);
     const SendRows cpuRows = packSendRows(layout, tokens, broken.weights, broken, shape, cpu);
     const SendRows gpuRows = packSendRows(layout, tokens.to(gpu), gpuBroken.weights, gpuBroken, shape, got);
-    const int64_t rows = cpuRows.bytes.size(0);
-    CHECK(at::equal(gpuRows.table.cpu(), cpuRows.table));
-    const RoutedRows want = layout.parts(cpuRows.bytes);
-    const RoutedRows have = layout.parts(gpuRows.bytes.narrow(0, 0, rows).cpu());
-    CHECK(at::equal(have.rows, want.rows));
-    CHECK(at::equal(have.weights, want.weights));
-    CHECK(at::equal(have.ids, want.ids));
+    checkSameRows(layout, cpuRows, gpuRows, cpuRows.bytes.size(0));
+    const RoutedRows have = layout.parts(gpuRows.bytes.narrow(0, 0, cpuRows.bytes.size(0)).cpu());
     // The invalid slots (token 5 slot 1, token 9 slot 0) travel nowhere: per
     // slot in no row, once per rank as id -1 in every row of their token.
     for (auto [token, slot] : {std::pair<int64_t, int64_t>{5, 1}, {9, 0}}) {
