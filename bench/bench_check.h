@@ -1,6 +1,6 @@
 #pragma once
-// The benches' one check of a raw CUDA or NCCL return code (their reference
-// calls bypass Bulkhead's own conversions on purpose).
+// The benches' one check of a CUDA runtime return code (their timing events
+// and syncs; the library converts its own in runtime/nccl/nccl_check.cc).
 
 #include <fmt/format.h>
 

@@ -8,20 +8,19 @@
 //                                   [--topk 8] [--ffn 768] [--iters 20] [--per-slot]
 //                                   [--profile trace.json]
 //
-// This program includes nccl.h on purpose: the raw calls are the reference.
+// The raw reference is bare NCCL (runtime/nccl/raw_nccl.h): no ledger,
+// watchdog or per-operation deadline.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nccl.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <functional>
 #include <numeric>
 #include <set>
@@ -34,7 +33,9 @@
 #include "parallel/process_groups.h"
 #include "bench/bench_check.h"
 #include "bench/timed_communicator.h"
+#include "runtime/env.h"
 #include "runtime/errors.h"
+#include "runtime/nccl/raw_nccl.h"
 
 using namespace bulkhead;
 
@@ -179,39 +180,14 @@ int main(int argc, char** argv) {
       layer.forward(input);
     });
 
-    ncclUniqueId id;
-    at::Tensor idBytes = at::empty({static_cast<int64_t>(sizeof(id))}, at::kByte);
-    if (me == 0) {
-      BENCH_CHECK(ncclGetUniqueId(&id));
-      std::memcpy(idBytes.data_ptr(), &id, sizeof(id));
-    }
-    runtime->cpuWorld().broadcast(idBytes, 0)->wait();
-    std::memcpy(&id, idBytes.data_ptr(), sizeof(id));
-    ncclComm_t raw;
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    BENCH_CHECK(ncclCommInitRankConfig(&raw, ranks, id, me, &config));
+    const nccl::RawNccl raw(runtime->cpuWorld(), Deadline::afterSeconds(env::kInitTimeout.seconds()));
     const int64_t sent = std::accumulate(plan.sendSplits.begin(), plan.sendSplits.end(), int64_t{0});
     const int64_t received = std::accumulate(plan.recvSplits.begin(), plan.recvSplits.end(), int64_t{0});
     at::Tensor sendRows = at::randn({sent, options.hidden}, tensorOptions);
     at::Tensor recvRows = at::empty({received, options.hidden}, tensorOptions);
-    auto exchange = [&](at::Tensor& from, at::Tensor& to, const std::vector<int64_t>& out,
-                        const std::vector<int64_t>& in) {
-      const size_t row = static_cast<size_t>(options.hidden) * 2;
-      size_t sendOffset = 0, recvOffset = 0;
-      BENCH_CHECK(ncclGroupStart());
-      for (int peer = 0; peer < ranks; ++peer) {
-        BENCH_CHECK(ncclSend(static_cast<char*>(from.data_ptr()) + sendOffset, out[peer] * options.hidden,
-                             ncclBfloat16, peer, raw, nullptr));
-        BENCH_CHECK(ncclRecv(static_cast<char*>(to.data_ptr()) + recvOffset, in[peer] * options.hidden,
-                             ncclBfloat16, peer, raw, nullptr));
-        sendOffset += out[peer] * row;
-        recvOffset += in[peer] * row;
-      }
-      BENCH_CHECK(ncclGroupEnd());
-    };
-    auto rawRoundTrip = [&] {
-      exchange(sendRows, recvRows, plan.sendSplits, plan.recvSplits);
-      exchange(recvRows, sendRows, plan.recvSplits, plan.sendSplits);
+    auto rawRoundTrip = [&] {  // on the default stream, as the dispatcher's exchanges run in this bench
+      raw.exchangeRows(sendRows, recvRows, plan.sendSplits, plan.recvSplits, nullptr);
+      raw.exchangeRows(recvRows, sendRows, plan.recvSplits, plan.sendSplits, nullptr);
     };
     for (int i = 0; i < 3; ++i) rawRoundTrip();
     const double rawMs = medianMs(options.iterations, rawRoundTrip);
@@ -243,7 +219,6 @@ int main(int argc, char** argv) {
     };
     for (int i = 0; i < 3; ++i) exchangeRoundTrip();
     const double exchangeMs = medianMs(options.iterations, exchangeRoundTrip);
-    BENCH_CHECK(ncclCommDestroy(raw));
 
     const double bytes = static_cast<double>(sent + received) * options.hidden * 2;
     if (me == 0) {

@@ -4,23 +4,24 @@
 //
 //   mpirun -np 2 bulkhead-nccl-bench [--max-bytes 1G] [--out bench/results/nccl.md]
 //
-// This program includes nccl.h on purpose: the raw calls are the reference.
+// The reference is bare NCCL (runtime/nccl/raw_nccl.h): no ledger, watchdog or
+// per-operation deadline.
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
-#include <nccl.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "launch/init.h"
 #include "bench/bench_check.h"
+#include "runtime/env.h"
 #include "runtime/errors.h"
+#include "runtime/nccl/raw_nccl.h"
 
 using namespace bulkhead;
 
@@ -95,17 +96,7 @@ int main(int argc, char** argv) {
     int n = world.size(), me = world.rank();
 
     // The reference: a plain blocking NCCL communicator over the same ranks.
-    ncclUniqueId id;
-    at::Tensor idBytes = at::empty({static_cast<int64_t>(sizeof(id))}, at::kByte);
-    if (me == 0) {
-      BENCH_CHECK(ncclGetUniqueId(&id));
-      std::memcpy(idBytes.data_ptr(), &id, sizeof(id));
-    }
-    cpu.broadcast(idBytes, 0)->wait();
-    std::memcpy(&id, idBytes.data_ptr(), sizeof(id));
-    ncclComm_t raw;
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    BENCH_CHECK(ncclCommInitRankConfig(&raw, n, id, me, &config));
+    nccl::RawNccl raw(cpu, Deadline::afterSeconds(env::kInitTimeout.seconds()));
     cudaStream_t stream;
     BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
@@ -122,19 +113,14 @@ int main(int argc, char** argv) {
         if (op == "all_to_all") elements -= elements % n;
         if (elements == 0) continue;
         at::Tensor x = a.narrow(0, 0, elements), y = b.narrow(0, 0, elements);
-        size_t chunk = elements / n;
         std::function<void()> rawLaunch, ours;
         if (op == "all_reduce") {
-          rawLaunch = [&] { ncclAllReduce(x.data_ptr(), x.data_ptr(), elements, ncclBfloat16, ncclSum, raw, stream); };
+          rawLaunch = [&] { raw.allReduceSum(x, stream); };
           ours = [&] { world.allReduce(x, {.stream = stream}); };
         } else {
-          rawLaunch = [&] {
-            ncclGroupStart();
-            for (int peer = 0; peer < n; ++peer) {
-              ncclSend(static_cast<char*>(x.data_ptr()) + peer * chunk * 2, chunk, ncclBfloat16, peer, raw, stream);
-              ncclRecv(static_cast<char*>(y.data_ptr()) + peer * chunk * 2, chunk, ncclBfloat16, peer, raw, stream);
-            }
-            ncclGroupEnd();
+          // One chunk of elements / n to and from each rank (views made once, outside the timed launches).
+          rawLaunch = [&, xs = x.view({n, -1}), ys = y.view({n, -1}), one = std::vector<int64_t>(n, 1)] {
+            raw.exchangeRows(xs, ys, one, one, stream);
           };
           ours = [&] { world.allToAll(x, y, {}, {}, {.stream = stream}); };
         }
@@ -156,7 +142,7 @@ int main(int argc, char** argv) {
     // One operation at a time, each waited to completion: latency as a caller sees it.
     at::Tensor tiny = a.narrow(0, 0, 4);
     auto rawOnce = [&] {
-      ncclAllReduce(tiny.data_ptr(), tiny.data_ptr(), 4, ncclBfloat16, ncclSum, raw, stream);
+      raw.allReduceSum(tiny, stream);
       cudaStreamSynchronize(stream);
     };
     auto ourOnce = [&] { world.allReduce(tiny, {.stream = stream})->wait(); };
@@ -169,13 +155,11 @@ int main(int argc, char** argv) {
     }
     double rawLatency = median(rawOnceUs), ourLatency = median(ourOnceUs);
     BENCH_CHECK(cudaStreamSynchronize(stream));
-    ncclCommDestroy(raw);
 
     if (me == 0) {
       cudaDeviceProp props;
       cudaGetDeviceProperties(&props, device.index());
-      int version = 0;
-      ncclGetVersion(&version);
+      const std::string version = nccl::RawNccl::version();
       std::string text = fmt::format(
           "# Bulkhead nccl backend vs raw NCCL\n\n{} ranks, one {} each, NCCL {}, bf16, back-to-back launches on "
           "one stream timed with CUDA events (median of 7 alternating rounds).\n\n"

@@ -76,6 +76,12 @@ std::optional<ncclResult_t> runBounded(std::function<ncclResult_t()> call, Deadl
 ncclComm_t splitBounded(ncclComm_t parent, int color, int key, Deadline deadline, const ErrorContext& context,
                         const std::string& what);
 
+// A blocking communicator over the ranks of `bootstrap` (a CPU communicator,
+// which carries NCCL's unique id) on the current CUDA device, bootstrapped
+// under the deadline; TimeoutError names `what` where a rank does not join.
+ncclComm_t bootstrapBounded(Communicator& bootstrap, Deadline deadline, const ErrorContext& context,
+                            const std::string& what);
+
 class NcclCommunicator : public Communicator, public std::enable_shared_from_this<NcclCommunicator> {
  public:
   NcclCommunicator(ncclComm_t comm, int device, std::string name, std::vector<int> members);

@@ -427,16 +427,8 @@ CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& n
   return group;
 }
 
-CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
-  ErrorContext context{.rank = bootstrap.members().at(bootstrap.rank()), .group = "world"};
-  if (!available())
-    throw ConfigError("the nccl backend needs a GPU and a libtorch built with CUDA; use the mpi backend "
-                      "(BULKHEAD_BACKEND=mpi) on CPUs",
-                      context);
-  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
-  int device = options.device >= 0 ? options.device : options.localRank % deviceCount();
-  check(cudaSetDevice(device), "cudaSetDevice", context);
-
+ncclComm_t bootstrapBounded(Communicator& bootstrap, Deadline deadline, const ErrorContext& context,
+                            const std::string& what) {
   ncclUniqueId id;
   at::Tensor idBytes = at::empty({static_cast<int64_t>(sizeof(id))}, at::kByte);
   if (bootstrap.rank() == 0) {
@@ -453,23 +445,37 @@ CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
         context);
   if (!waitReady(boot, deadline, context)) {
     abortBounded(boot);
-    throw TimeoutError(fmt::format("NCCL bootstrap of the world ({} ranks) did not finish in {:.1f} s: some rank "
+    throw TimeoutError(fmt::format("NCCL bootstrap of {} ({} ranks) did not finish in {:.1f} s: some rank "
                                    "did not join init (crashed, stalled, or out of GPU memory). Check every rank's "
                                    "log, or raise {} if bootstrap is only slow.",
-                                   bootstrap.size(),
+                                   what, bootstrap.size(),
                                    std::chrono::duration<double>(deadline.when() - started).count(),
                                    env::kInitTimeout.name()),
                        context);
   }
-  // Bootstrap is non-blocking so that it can be bounded; the world's own
-  // communicator is a blocking child of it (see splitBounded).
-  ncclComm_t comm = splitBounded(boot, 0, bootstrap.rank(), deadline, context, "the world communicator");
+  // Bootstrap is non-blocking so that it can be bounded; the communicator
+  // handed back is a blocking child of it (see splitBounded).
+  ncclComm_t comm = splitBounded(boot, 0, bootstrap.rank(), deadline, context, what + " communicator");
   auto finalized = runBounded([boot] { return ncclCommFinalize(boot); }, deadline);
   if (finalized && waitReady(boot, deadline, context)) {
     ncclCommDestroy(boot);
   } else {
     abortBounded(boot);
   }
+  return comm;
+}
+
+CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
+  ErrorContext context{.rank = bootstrap.members().at(bootstrap.rank()), .group = "world"};
+  if (!available())
+    throw ConfigError("the nccl backend needs a GPU and a libtorch built with CUDA; use the mpi backend "
+                      "(BULKHEAD_BACKEND=mpi) on CPUs",
+                      context);
+  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
+  int device = options.device >= 0 ? options.device : options.localRank % deviceCount();
+  check(cudaSetDevice(device), "cudaSetDevice", context);
+
+  ncclComm_t comm = bootstrapBounded(bootstrap, deadline, context, "the world");
   return std::make_shared<NcclCommunicator>(comm, device, "world", bootstrap.members());
 }
 
