@@ -8,6 +8,7 @@
 #include <cmath>
 #include <utility>
 
+#include "moe/router_scores.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::moe {
@@ -43,12 +44,21 @@ Routing Router::select(const at::Tensor& tokens) const {
   const auto scoreType = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   Routing routing;
   routing.logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
-  routing.scores = options_.scoreFunction == ScoreFunction::Softmax ? at::softmax(routing.logits, -1)
-                                                                    : at::sigmoid(routing.logits);
-  at::Tensor selection = options_.expertBias ? routing.scores.detach() + bias_.to(scoreType) : routing.scores.detach();
-  routing.indices = std::get<1>(at::topk(selection, options_.topK, -1));
-  routing.weights = routing.scores.gather(1, routing.indices);
-  if (options_.normalizeWeights) routing.weights = routing.weights / routing.weights.sum(-1, true);
+  if (auto fused = fusedScores(routing.logits, options_, options_.expertBias ? bias_ : at::Tensor())) {
+    routing.indices = std::move(fused->indices);
+    routing.weights = std::move(fused->weights);
+    routing.tokensPerExpert = std::move(fused->tokensPerExpert);
+    routing.probSum = std::move(fused->probSum);
+    routing.lseSquaredSum = std::move(fused->lseSquaredSum);
+  } else {
+    routing.scores = options_.scoreFunction == ScoreFunction::Softmax ? at::softmax(routing.logits, -1)
+                                                                      : at::sigmoid(routing.logits);
+    at::Tensor selection =
+        options_.expertBias ? routing.scores.detach() + bias_.to(scoreType) : routing.scores.detach();
+    routing.indices = std::get<1>(at::topk(selection, options_.topK, -1));
+    routing.weights = routing.scores.gather(1, routing.indices);
+    if (options_.normalizeWeights) routing.weights = routing.weights / routing.weights.sum(-1, true);
+  }
 
   if (options_.capacityFactor > 0) {
     const auto capacity = static_cast<int64_t>(
@@ -64,8 +74,10 @@ Routing Router::select(const at::Tensor& tokens) const {
 void Router::addLosses(Routing& routing) const {
   const int64_t numTokens = routing.indices.size(0);
   const int64_t numExperts = options_.numExperts;
-  routing.tokensPerExpert = countValues(routing.indices, numExperts);
-  if (numTokens > 0) {
+  if (!routing.tokensPerExpert.defined()) routing.tokensPerExpert = countValues(routing.indices, numExperts);
+  if (routing.probSum.defined()) {
+    routing.meanProb = routing.probSum / static_cast<double>(numTokens);
+  } else if (numTokens > 0) {
     at::Tensor probs = options_.scoreFunction == ScoreFunction::Softmax
                            ? routing.scores
                            : routing.scores / routing.scores.sum(-1, true);
@@ -76,7 +88,9 @@ void Router::addLosses(Routing& routing) const {
   routing.auxLoss = numTokens > 0 ? switchLoss(routing.tokensPerExpert, static_cast<double>(numTokens * options_.topK),
                                                routing.meanProb)
                                   : at::zeros({}, routing.logits.options());
-  if (options_.zLossCoeff != 0 && numTokens > 0) {
+  if (options_.zLossCoeff != 0 && routing.lseSquaredSum.defined()) {
+    routing.zLoss = routing.lseSquaredSum * (options_.zLossCoeff / static_cast<double>(numTokens));
+  } else if (options_.zLossCoeff != 0 && numTokens > 0) {
     routing.zLoss = options_.zLossCoeff * at::logsumexp(routing.logits, -1).pow(2).mean();
   } else {
     routing.zLoss = at::zeros({}, routing.logits.options());

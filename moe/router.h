@@ -51,7 +51,11 @@ struct Routing {
   at::Tensor tokensPerExpert;  // [E] int64: slots selected per expert, before dropping
   at::Tensor meanProb;         // [E] P_i over this rank's tokens (autograd; zeros without tokens)
   int64_t droppedSlots = 0;
-  at::Tensor logits, scores;   // [T, E] in the score dtype (autograd): what the losses are computed from
+  at::Tensor logits;           // [T, E] in the score dtype (autograd)
+  // What the losses are made of: scores [T, E] on the ATen path; on the GPU's
+  // fused path (moe/router_scores.h) their sums probSum [E] and lseSquaredSum []
+  // instead, and tokensPerExpert from select().
+  at::Tensor scores, probSum, lseSquaredSum;
 };
 
 class Router {

@@ -1,0 +1,54 @@
+#pragma once
+// CUDA kernels behind the router's scores (moe/router_scores.h): one warp per
+// token turns its logits into scores, picks its top-k experts and adds its
+// terms of the aux and z losses, so a router step is one kernel each way
+// instead of some twenty ATen operations. Raw pointers, so that this header and
+// its .cu need no libtorch. Launched on `stream`; they never synchronize.
+//
+// Per token t, with logits l over E experts and lse = logsumexp(l):
+// - scores p: softmax(l), or sigmoid(l); normalised scores: p, or p / sum(p).
+// - selection: the top-k of p + bias (bias may be absent), descending, ties to
+//   the lower expert id, NaN above everything; weights: the selected p, divided
+//   by their sum when `normalize`.
+// All arithmetic is in the logits' type (float32 or float64).
+
+#include <cstdint>
+
+namespace bulkhead::moe::cuda {
+
+constexpr int64_t kMaxScoreExperts = 1024;
+constexpr int64_t kMaxScoreTopK = 32;
+
+struct ScoreArgs {
+  int64_t tokens = 0, experts = 0, topK = 0;
+  bool sigmoid = false;      // else softmax
+  bool normalize = true;     // weights renormalised to sum to one per token
+  bool doubles = false;      // float64 logits, weights and sums; else float32
+  const void* logits = nullptr;  // [T, E] contiguous
+  void* stream = nullptr;        // cudaStream_t
+};
+
+// Rows of the partial sums below for `tokens` tokens: one per launched warp,
+// in a fixed order, so the caller's sum over them is deterministic.
+int64_t scorePartialRows(int64_t tokens);
+
+struct ScoreOutputs {
+  int64_t* indices = nullptr;  // [T, k] selected expert ids
+  void* weights = nullptr;     // [T, k] combine weights
+  int64_t* counts = nullptr;   // [E], zeroed by the caller: slots selected per expert
+  void* probPartial = nullptr;  // [rows, E]: per row, the sum over its tokens of the normalised scores
+  void* lsePartial = nullptr;   // [rows]: per row, the sum over its tokens of lse^2
+};
+void scoreForward(const ScoreArgs& args, const float* bias, const ScoreOutputs& out);
+
+// Gradients reaching the forward's outputs; each may be null (no gradient).
+struct ScoreGrads {
+  const int64_t* indices = nullptr;      // [T, k] the forward's selection
+  const void* weights = nullptr;         // [T, k]
+  const void* probSum = nullptr;         // [E]: of the normalised scores summed over tokens
+  const void* lseSquaredSum = nullptr;   // []: of lse^2 summed over tokens
+};
+// gradLogits [T, E], contiguous, every entry written.
+void scoreBackward(const ScoreArgs& args, const ScoreGrads& grads, void* gradLogits);
+
+}  // namespace bulkhead::moe::cuda

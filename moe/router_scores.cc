@@ -1,0 +1,101 @@
+#include "moe/router_scores.h"
+
+#if BULKHEAD_MOE_KERNELS
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <memory>
+#include <string>
+
+#include "moe/cuda/score_kernels.h"
+#endif
+
+namespace bulkhead::moe {
+
+#if BULKHEAD_MOE_KERNELS
+namespace {
+
+cuda::ScoreArgs scoreArgs(const at::Tensor& logits, const RouterOptions& options) {
+  return {.tokens = logits.size(0),
+          .experts = logits.size(1),
+          .topK = options.topK,
+          .sigmoid = options.scoreFunction == ScoreFunction::Sigmoid,
+          .normalize = options.normalizeWeights,
+          .doubles = logits.scalar_type() == at::kDouble,
+          .logits = logits.data_ptr(),
+          .stream = c10::cuda::getCurrentCUDAStream(logits.device().index()).stream()};
+}
+
+const void* dataOrNull(const at::Tensor& tensor) { return tensor.defined() ? tensor.data_ptr() : nullptr; }
+
+// Gradients of (weights, probSum, lseSquaredSum) to the logits.
+struct ScoresBackward : torch::autograd::Node {
+  at::Tensor logits, indices;
+  RouterOptions options;
+  std::string name() const override { return "bulkhead::RouterScoresBackward"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (!grads[0].defined() && !grads[1].defined() && !grads[2].defined()) return {at::Tensor()};
+    const c10::cuda::CUDAGuard onDevice(logits.device());
+    auto flat = [&](const at::Tensor& grad) { return grad.defined() ? grad.to(logits.scalar_type()).contiguous() : grad; };
+    const at::Tensor weights = flat(grads[0]), probSum = flat(grads[1]), lseSquaredSum = flat(grads[2]);
+    at::Tensor gradLogits = at::empty_like(logits);
+    cuda::scoreBackward(scoreArgs(logits, options),
+                        {.indices = indices.data_ptr<int64_t>(),
+                         .weights = dataOrNull(weights),
+                         .probSum = dataOrNull(probSum),
+                         .lseSquaredSum = dataOrNull(lseSquaredSum)},
+                        gradLogits.data_ptr());
+    return {gradLogits};
+  }
+};
+
+}  // namespace
+#endif
+
+std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOptions& options, const at::Tensor& bias) {
+#if BULKHEAD_MOE_KERNELS
+  const bool applies = logits.is_cuda() && logits.dim() == 2 && logits.size(0) > 0 &&
+                       logits.size(1) <= cuda::kMaxScoreExperts && options.topK <= cuda::kMaxScoreTopK &&
+                       (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble);
+  if (!applies) return std::nullopt;
+  const c10::cuda::CUDAGuard onDevice(logits.device());
+  const at::Tensor input = logits.detach().contiguous();
+  const int64_t tokens = input.size(0), experts = input.size(1), rows = cuda::scorePartialRows(tokens);
+  const at::Tensor biasOnDevice = bias.defined() ? bias.to(input.device(), at::kFloat).contiguous() : at::Tensor();
+  FusedScores scores;
+  scores.indices = at::empty({tokens, options.topK}, input.options().dtype(at::kLong));
+  scores.weights = at::empty({tokens, options.topK}, input.options());
+  scores.tokensPerExpert = at::zeros({experts}, input.options().dtype(at::kLong));
+  at::Tensor probPartial = at::empty({rows, experts}, input.options());
+  at::Tensor lsePartial = at::empty({rows}, input.options());
+  cuda::scoreForward(scoreArgs(input, options),
+                     biasOnDevice.defined() ? biasOnDevice.data_ptr<float>() : nullptr,
+                     {.indices = scores.indices.data_ptr<int64_t>(),
+                      .weights = scores.weights.data_ptr(),
+                      .counts = scores.tokensPerExpert.data_ptr<int64_t>(),
+                      .probPartial = probPartial.data_ptr(),
+                      .lsePartial = lsePartial.data_ptr()});
+  // Sums over the kernel's fixed rows: the same order every step.
+  scores.probSum = probPartial.sum(0);
+  scores.lseSquaredSum = lsePartial.sum();
+  if (torch::autograd::GradMode::is_enabled() && logits.requires_grad()) {
+    auto node = std::shared_ptr<ScoresBackward>(new ScoresBackward(), torch::autograd::deleteNode);
+    node->logits = input;
+    node->indices = scores.indices;
+    node->options = options;
+    node->set_next_edges(torch::autograd::collect_next_edges(logits));
+    for (at::Tensor* output : {&scores.weights, &scores.probSum, &scores.lseSquaredSum})
+      torch::autograd::set_history(*output, node);
+  }
+  return scores;
+#else
+  (void)logits, (void)options, (void)bias;
+  return std::nullopt;
+#endif
+}
+
+}  // namespace bulkhead::moe
