@@ -7,7 +7,9 @@
 //   float32. Selection takes the top-k of scores + expertBias (the bias steers
 //   selection only, "aux-loss-free" balancing); the combine weights are the
 //   unbiased scores of the selected experts, renormalised to sum to one per
-//   token when normalizeWeights is set.
+//   token when normalizeWeights is set. Exact ties (float32 sigmoid saturates
+//   at 1) go to the lower expert id on the GPU's fused path; the ATen path
+//   leaves their order to at::topk.
 // - auxLoss = auxLossCoeff * E * sum_i f_i * P_i (Switch/GShard), f_i the
 //   fraction of this rank's token-slots selected for expert i, P_i the mean
 //   (per-token normalised) score of expert i. Only P carries a gradient.
@@ -66,9 +68,10 @@ class Router {
   Routing route(const at::Tensor& tokens) const;  // tokens [T, H]: select, then addLosses
 
   // route() in two steps: the selection (indices, weights, keep, dropped
-  // slots), then the losses, meanProb and tokensPerExpert. The layer adds the
-  // losses after the dispatch, so their many small kernels are launched while
-  // the experts run rather than before the dispatch's device sync.
+  // slots), then the losses, meanProb and tokensPerExpert, from the Routing
+  // select() returned, unchanged (the fused path's sums come with it). The
+  // layer adds the losses after the dispatch, so their small kernels are
+  // launched while the experts run rather than before the dispatch's sync.
   Routing select(const at::Tensor& tokens) const;
   void addLosses(Routing& routing) const;
 

@@ -7,7 +7,9 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -32,13 +34,21 @@ cuda::ScoreArgs scoreArgs(const at::Tensor& logits, const RouterOptions& options
 
 const void* dataOrNull(const at::Tensor& tensor) { return tensor.defined() ? tensor.data_ptr() : nullptr; }
 
-// Gradients of (weights, probSum, lseSquaredSum) to the logits.
+// Gradients of (weights, probSum, lseSquaredSum) to the logits. Saved as
+// SavedVariables: a logits tensor changed in place since the forward, or a
+// second backward through a freed graph, raises as it would in ATen. The
+// gradient it returns has no graph of its own (no double backward).
 struct ScoresBackward : torch::autograd::Node {
-  at::Tensor logits, indices;
+  torch::autograd::SavedVariable savedLogits, savedIndices;
   RouterOptions options;
   std::string name() const override { return "bulkhead::RouterScoresBackward"; }
+  void release_variables() override {
+    savedLogits.reset_data();
+    savedIndices.reset_data();
+  }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     if (!grads[0].defined() && !grads[1].defined() && !grads[2].defined()) return {at::Tensor()};
+    const at::Tensor logits = savedLogits.unpack(), indices = savedIndices.unpack();
     const c10::cuda::CUDAGuard onDevice(logits.device());
     auto flat = [&](const at::Tensor& grad) { return grad.defined() ? grad.to(logits.scalar_type()).contiguous() : grad; };
     const at::Tensor weights = flat(grads[0]), probSum = flat(grads[1]), lseSquaredSum = flat(grads[2]);
@@ -59,7 +69,8 @@ struct ScoresBackward : torch::autograd::Node {
 std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOptions& options, const at::Tensor& bias) {
 #if BULKHEAD_MOE_KERNELS
   const bool applies = logits.is_cuda() && logits.dim() == 2 && logits.size(0) > 0 &&
-                       logits.size(1) <= cuda::kMaxScoreExperts && options.topK <= cuda::kMaxScoreTopK &&
+                       logits.size(1) <= cuda::kMaxScoreExperts && options.topK >= 1 &&
+                       options.topK <= std::min<int64_t>(logits.size(1), cuda::kMaxScoreTopK) &&
                        (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble);
   if (!applies) return std::nullopt;
   const c10::cuda::CUDAGuard onDevice(logits.device());
@@ -84,8 +95,8 @@ std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOpt
   scores.lseSquaredSum = lsePartial.sum();
   if (torch::autograd::GradMode::is_enabled() && logits.requires_grad()) {
     auto node = std::shared_ptr<ScoresBackward>(new ScoresBackward(), torch::autograd::deleteNode);
-    node->logits = input;
-    node->indices = scores.indices;
+    node->savedLogits = torch::autograd::SavedVariable(input, /*is_output=*/false);
+    node->savedIndices = torch::autograd::SavedVariable(scores.indices, /*is_output=*/false);
     node->options = options;
     node->set_next_edges(torch::autograd::collect_next_edges(logits));
     for (at::Tensor* output : {&scores.weights, &scores.probSum, &scores.lseSquaredSum})

@@ -5,9 +5,9 @@
 // step is bound by those launches, not by the GPU's work.
 //
 // Same contract as the ATen form (moe/router.h): the selection is the top-k of
-// scores + bias, ties to the lower expert id; the weights are the selected
-// unbiased scores, renormalised if asked; probSum and lseSquaredSum are what
-// meanProb and the z-loss are made of.
+// scores + bias, exact ties to the lower expert id; the weights are the
+// selected unbiased scores, renormalised if asked; probSum and lseSquaredSum
+// are what meanProb and the z-loss are made of. No double backward.
 
 #include <ATen/core/Tensor.h>
 

@@ -8,7 +8,7 @@
 // Per token t, with logits l over E experts and lse = logsumexp(l):
 // - scores p: softmax(l), or sigmoid(l); normalised scores: p, or p / sum(p).
 // - selection: the top-k of p + bias (bias may be absent), descending, ties to
-//   the lower expert id, NaN above everything; weights: the selected p, divided
+//   the lower expert id, NaN counted as +inf; weights: the selected p, divided
 //   by their sum when `normalize`.
 // All arithmetic is in the logits' type (float32 or float64).
 

@@ -50,8 +50,8 @@ TEST_CASE("fused router scores equal the ATen form, forward and backward", "[moe
   const at::Device gpu(at::kCUDA, 0);
   // One lane's worth of experts and fewer, several per lane (64, 130), the
   // kernels' largest (1024 experts, top-32), and more tokens than warps.
-  const std::vector<ScoreCase> cases{{1, 1, 1},  {37, 7, 3},    {300, 64, 8},     {129, 130, 1},
-                                     {5, 33, 32}, {64, 1024, 32}, {4500, 64, 8}};
+  const std::vector<ScoreCase> cases{{1, 1, 1},   {37, 7, 3},   {300, 64, 8},   {129, 130, 1},
+                                     {40, 300, 6}, {5, 33, 32}, {64, 1024, 32}, {4500, 64, 8}};
   int salt = 0;
   for (const ScoreCase& c : cases) {
     for (at::ScalarType dtype : {at::kDouble, at::kFloat}) {
@@ -107,6 +107,90 @@ TEST_CASE("fused router scores equal the ATen form, forward and backward", "[moe
       }
     }
   }
+}
+
+TEST_CASE("fused router scores pass on the gradients of just the outputs that get one", "[moe][gpu][router]") {
+  const at::Device gpu(at::kCUDA, 0);
+  const int64_t tokens = 300, experts = 64;
+  const int topK = 8;
+  at::Tensor logits = 2 * at::randn({tokens, experts}, testing::sharedGenerator(41), at::kDouble);
+  at::Tensor gradWeights = at::randn({tokens, topK}, testing::sharedGenerator(42), at::kDouble);
+  at::Tensor gradProb = at::randn({experts}, testing::sharedGenerator(43), at::kDouble);
+  for (ScoreFunction function : {ScoreFunction::Softmax, ScoreFunction::Sigmoid}) {
+    const RouterOptions options{.numExperts = experts, .topK = topK, .scoreFunction = function};
+    // Which of weights, probSum and lseSquaredSum the loss uses (a z-loss or
+    // aux loss of coefficient 0 leaves its output without a gradient).
+    for (auto [useWeights, useProb, useLse] : {std::tuple{true, false, false}, {false, true, false},
+                                               {false, false, true}, {false, true, true}, {true, true, false}}) {
+      auto loss = [&, useWeights = useWeights, useProb = useProb, useLse = useLse](
+                      const at::Tensor& weights, const at::Tensor& probSum, const at::Tensor& lseSquaredSum) {
+        at::Tensor total = at::zeros({}, weights.options());
+        if (useWeights) total = total + (weights * gradWeights.to(weights.device())).sum();
+        if (useProb) total = total + (probSum * gradProb.to(probSum.device())).sum();
+        if (useLse) total = total + lseSquaredSum * 0.37;
+        return total;
+      };
+      at::Tensor input = logits.to(gpu).requires_grad_(true);
+      auto fused = fusedScores(input, options, at::Tensor());
+      REQUIRE(fused.has_value());
+      loss(fused->weights, fused->probSum, fused->lseSquaredSum).backward();
+      at::Tensor reference = logits.clone().requires_grad_(true);
+      auto [weights, probSum, lseSquaredSum] = referenceScores(reference, fused->indices.cpu(), options);
+      loss(weights, probSum, lseSquaredSum).backward();
+      INFO((function == ScoreFunction::Sigmoid ? "sigmoid" : "softmax")
+           << ", gradients to weights " << useWeights << ", probSum " << useProb << ", lse^2 " << useLse);
+      CHECK(at::allclose(input.grad().cpu(), reference.grad(), 1e-12, 1e-12));
+    }
+  }
+}
+
+TEST_CASE("fused router scores break exact ties to the lower expert id", "[moe][gpu][router]") {
+  const at::Device gpu(at::kCUDA, 0);
+  // Equal logits: every score ties. Float32 sigmoid of logits above ~17 is exactly 1.
+  for (auto [function, dtype, value] : {std::tuple{ScoreFunction::Softmax, at::kDouble, 0.0},
+                                        {ScoreFunction::Sigmoid, at::kFloat, 20.0}}) {
+    const RouterOptions options{.numExperts = 40, .topK = 3, .scoreFunction = function};
+    at::Tensor logits = at::full({5, 40}, value, at::TensorOptions(dtype).device(gpu));
+    auto plain = fusedScores(logits, options, at::Tensor());
+    REQUIRE(plain.has_value());
+    CHECK(at::equal(plain->indices.cpu(), at::arange(3, at::kLong).expand({5, 3})));
+    // A bias lifts experts 39 and 33 above the rest, 39 the most.
+    at::Tensor bias = at::zeros({40}, at::kFloat).index_fill_(0, at::tensor({39}, at::kLong), 0.5f)
+                          .index_fill_(0, at::tensor({33}, at::kLong), 0.25f);
+    auto biased = fusedScores(logits, options, bias.to(gpu));
+    REQUIRE(biased.has_value());
+    CHECK(at::equal(biased->indices.cpu(), at::tensor({39, 33, 0}, at::kLong).expand({5, 3})));
+  }
+}
+
+TEST_CASE("fused router scores keep autograd's checks: no graph without grad, no second backward, no stale logits",
+          "[moe][gpu][router]") {
+  const at::Device gpu(at::kCUDA, 0);
+  const RouterOptions options{.numExperts = 16, .topK = 4};
+  at::Tensor logits = at::randn({50, 16}, testing::sharedGenerator(51), at::kFloat).to(gpu);
+  {
+    auto constant = fusedScores(logits, options, at::Tensor());
+    REQUIRE(constant.has_value());
+    CHECK_FALSE(constant->weights.requires_grad());
+    const at::NoGradGuard noGrad;
+    auto untracked = fusedScores(logits.clone().requires_grad_(true), options, at::Tensor());
+    REQUIRE(untracked.has_value());
+    CHECK_FALSE(untracked->weights.requires_grad());
+  }
+  at::Tensor leaf = logits.clone().requires_grad_(true);
+  auto once = fusedScores(leaf, options, at::Tensor());
+  REQUIRE(once.has_value());
+  at::Tensor loss = once->weights.sum() + once->lseSquaredSum;
+  loss.backward();
+  CHECK_THROWS(loss.backward());  // the saved logits were freed by the first
+  at::Tensor scaled = leaf * 2;
+  auto stale = fusedScores(scaled, options, at::Tensor());
+  REQUIRE(stale.has_value());
+  {
+    const at::NoGradGuard noGrad;
+    scaled.add_(1);
+  }
+  CHECK_THROWS(stale->lseSquaredSum.backward());  // logits changed in place since the forward
 }
 
 TEST_CASE("the router on the GPU equals the router on the CPU, losses and gate gradient included", "[moe][gpu][router]") {
