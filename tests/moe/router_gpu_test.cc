@@ -4,6 +4,7 @@
 // Router on the CPU. Part of bulkhead_moe_gpu_tests (its main skips without a
 // GPU).
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <tuple>
 #include <vector>
@@ -172,7 +173,7 @@ TEST_CASE("fused router scores keep autograd's checks: no graph without grad, no
     auto constant = fusedScores(logits, options, at::Tensor());
     REQUIRE(constant.has_value());
     CHECK_FALSE(constant->weights.requires_grad());
-    const at::NoGradGuard noGrad;
+    const c10::NoGradGuard noGrad;
     auto untracked = fusedScores(logits.clone().requires_grad_(true), options, at::Tensor());
     REQUIRE(untracked.has_value());
     CHECK_FALSE(untracked->weights.requires_grad());
@@ -187,7 +188,7 @@ TEST_CASE("fused router scores keep autograd's checks: no graph without grad, no
   auto stale = fusedScores(scaled, options, at::Tensor());
   REQUIRE(stale.has_value());
   {
-    const at::NoGradGuard noGrad;
+    const c10::NoGradGuard noGrad;
     scaled.add_(1);
   }
   CHECK_THROWS(stale->lseSquaredSum.backward());  // logits changed in place since the forward
