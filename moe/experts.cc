@@ -17,6 +17,7 @@
 
 #include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
+#include "runtime/log.h"
 
 namespace bulkhead::moe {
 namespace {
@@ -24,16 +25,26 @@ namespace {
 // Global expert `expert`'s full matrix number `matrix`, from a generator of
 // its own: the same values whatever the layout.
 at::Tensor expertMatrix(const ExpertOptions& options, int expert, int matrix, int64_t rows, int64_t columns) {
-  const uint64_t seed = options.seed * 1000003ULL + static_cast<uint64_t>(expert) * 3ULL + matrix;
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(initSeed(options.seed, matrix, expert));
   return at::empty({rows, columns}, at::kDouble).normal_(0.0, options.initStd, generator);
+}
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
 }
 
 }  // namespace
 
+uint64_t initSeed(uint64_t seed, uint64_t kind, uint64_t id) {
+  return splitmix64(splitmix64(splitmix64(seed) ^ kind) ^ id);
+}
+
 GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int localExperts, CommunicatorPtr expertTp,
                                const at::TensorOptions& tensorOptions)
-    : options_(options), firstExpert_(firstExpert), expertTp_(std::move(expertTp)) {
+    : options_(options), groupedMm_(options.groupedMm), firstExpert_(firstExpert), expertTp_(std::move(expertTp)) {
   const int etp = expertTp_->size();
   if (options_.ffnHidden % etp != 0) {
     throw ConfigError(fmt::format("experts: ffn hidden size {} does not divide over the {} ranks of {}",
@@ -41,13 +52,21 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
                       {.rank = expertTp_->rank(), .group = expertTp_->name(), .expected = "ffnHidden a multiple of etp"});
   }
   const int64_t hidden = options_.hidden, ffn = options_.ffnHidden, ffnLocal = ffn / etp;
+  if (groupedMm_ && (hidden % 8 != 0 || ffnLocal % 8 != 0)) {
+    groupedMm_ = false;
+    if (tensorOptions.device().is_cuda() && tensorOptions.dtype() == at::kBFloat16 && expertTp_->rank() == 0) {
+      log::info("moe", "experts: hidden {} and ffn hidden per etp rank {} are not both multiples of 8; one matrix "
+                "product per expert instead of at::_grouped_mm", hidden, ffnLocal);
+    }
+  }
   const int64_t column = expertTp_->rank() * ffnLocal;
   std::vector<at::Tensor> w1, w2, w3;
   for (int local = 0; local < localExperts; ++local) {
     const int expert = firstExpert + local;
-    w1.push_back(expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal));
-    w3.push_back(expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal));
-    w2.push_back(expertMatrix(options_, expert, 2, hidden, ffn).narrow(1, column, ffnLocal));
+    // clone: keep this rank's slice, not the whole float64 matrix behind it.
+    w1.push_back(expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal).clone());
+    w3.push_back(expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal).clone());
+    w2.push_back(expertMatrix(options_, expert, 2, hidden, ffn).narrow(1, column, ffnLocal).clone());
   }
   auto stacked = [&](std::vector<at::Tensor>& parts, std::vector<int64_t> shape) {
     at::Tensor all = parts.empty() ? at::empty(shape, at::kDouble) : at::stack(parts);
@@ -62,7 +81,7 @@ at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<i
                                    const at::Tensor& deviceCounts) const {
   const parallel::TpGroup etp{.comm = expertTp_, .timeout = options_.timeout, .paramGroup = parallel::ParamGroup::Expert};
   at::Tensor x = parallel::copyToTensorParallel(tokens, etp);
-  const at::Tensor ends = groupEndsFor(x, deviceCounts, options_.groupedMm);
+  const at::Tensor ends = groupEndsFor(x, deviceCounts, groupedMm_);
   at::Tensor gate = groupedLinear(x, w1_, counts, ends);
   at::Tensor up = groupedLinear(x, w3_, counts, ends);
   at::Tensor partial = groupedLinear(at::silu(gate) * up, w2_, counts, ends);

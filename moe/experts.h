@@ -8,12 +8,15 @@
 //   are [E, F, H] and [E, H, F], indexed by global expert id; this rank's
 //   slice starts at expert firstExpert and at column etpRank * F_local of F.
 // - Initial values depend only on (seed, global expert id, matrix), so every
-//   layout starts from the same global weights.
+//   layout starts from the same global weights (initSeed).
 // - With etp > 1 every rank of the expert-tp group must pass identical
 //   inputs; the partial products of w2 are summed over that group.
 // - Grouped products: at::_grouped_mm on CUDA where this libtorch has it
-//   (bf16), otherwise one matrix product per expert. Experts with no rows
-//   still take part, so every weight gets a gradient (zeros).
+//   (bf16, hidden and F_local multiples of 8: rows of whole 16-byte units),
+//   otherwise one matrix product per expert. The choice is made from the
+//   options alone, so no rank can raise where the others go on to the next
+//   collective. Experts with no rows still take part, so every weight gets a
+//   gradient (zeros).
 
 #include <ATen/core/Tensor.h>
 
@@ -58,6 +61,7 @@ class GroupedExperts {
 
  private:
   ExpertOptions options_;
+  bool groupedMm_;  // options_.groupedMm where the shapes fit at::_grouped_mm
   int firstExpert_;
   CommunicatorPtr expertTp_;
   at::Tensor w1_, w2_, w3_;
@@ -69,6 +73,12 @@ class GroupedExperts {
 // the calls of one step; undefined where no grouped matrix product applies.
 at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, const std::vector<int64_t>& counts,
                          const at::Tensor& groupEnds);
+
+// The seed of one initial matrix's generator: (layer seed, kind, id) mixed by
+// splitmix64, so that no two matrices of a layer share a random stream
+// (kinds: 1-3 expert w1, w2, w3 with id the global expert; 101-104 the
+// router gate and the shared expert's w1, w3, w2 with id 0).
+uint64_t initSeed(uint64_t seed, uint64_t kind, uint64_t id);
 
 // groupEnds for groupedLinear: defined where at::_grouped_mm serves these rows
 // (libtorch has it, CUDA bf16 rows, some rows, `allowed`).

@@ -17,9 +17,9 @@ namespace {
 
 // A dense weight every rank draws the same way (a generator of its own per
 // matrix), so no broadcast is needed at start.
-at::Tensor replicatedWeight(uint64_t seed, uint64_t salt, std::vector<int64_t> shape, double std,
+at::Tensor replicatedWeight(uint64_t seed, uint64_t kind, std::vector<int64_t> shape, double std,
                             const at::TensorOptions& options) {
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed * 7919ULL + salt);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(initSeed(seed, kind, 0));
   return at::empty(shape, at::kDouble).normal_(0.0, std, generator).to(options).set_requires_grad(true);
 }
 
@@ -50,7 +50,7 @@ MoELayer::MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, co
       tp_(groups.layout().tp()),
       denseReplica_(parallel::TpGroup::dense(groups).replicaId(true)),
       expertDpRank_(groups.expertDp()->rank()),
-      gate_(replicatedWeight(options_.seed, 1, {options_.router.numExperts, options_.hidden}, options_.initStd,
+      gate_(replicatedWeight(options_.seed, 101, {options_.router.numExperts, options_.hidden}, options_.initStd,
                              tensorOptions)),
       router_(options_.router, gate_),
       dispatcher_(groups.ep(), {.numExperts = options_.router.numExperts,
@@ -66,9 +66,9 @@ MoELayer::MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, co
                dispatcher_.firstExpert(), dispatcher_.localExperts(), groups.expertTp(), tensorOptions) {
   if (options_.sharedExpertHidden > 0) {
     const int64_t hidden = options_.hidden, shared = options_.sharedExpertHidden;
-    sharedW1_ = replicatedWeight(options_.seed, 2, {shared, hidden}, options_.initStd, tensorOptions);
-    sharedW3_ = replicatedWeight(options_.seed, 3, {shared, hidden}, options_.initStd, tensorOptions);
-    sharedW2_ = replicatedWeight(options_.seed, 4, {hidden, shared}, options_.initStd, tensorOptions);
+    sharedW1_ = replicatedWeight(options_.seed, 102, {shared, hidden}, options_.initStd, tensorOptions);
+    sharedW3_ = replicatedWeight(options_.seed, 103, {shared, hidden}, options_.initStd, tensorOptions);
+    sharedW2_ = replicatedWeight(options_.seed, 104, {hidden, shared}, options_.initStd, tensorOptions);
   }
 }
 
@@ -77,6 +77,14 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
     throw ConfigError(fmt::format("MoE layer {}: input of shape [{}] does not end in hidden size {}", options_.name,
                                   fmt::join(input.sizes(), ", "), options_.hidden),
                       {.rank = worldRank_, .expected = "tokens [..., hidden]"});
+  }
+  // Checked on every rank before any collective: a mismatch found inside the
+  // experts would raise only on ranks that received rows.
+  if (input.scalar_type() != gate_.scalar_type() || input.device() != gate_.device()) {
+    throw ConfigError(fmt::format("MoE layer {}: input of dtype {} on {}, but the layer's weights are {} on {}",
+                                  options_.name, c10::toString(input.scalar_type()), input.device().str(),
+                                  c10::toString(gate_.scalar_type()), gate_.device().str()),
+                      {.rank = worldRank_, .expected = "tokens of the weights' dtype and device"});
   }
   at::Tensor tokens = input.reshape({-1, options_.hidden});
   Routing routing = router_.select(tokens);
@@ -111,14 +119,19 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
 MoEStats MoELayer::stats() const {
   MoEStats stats;
   if (!lastLoads_.defined()) return stats;
-  at::Tensor loads = lastLoads_.to(at::kCPU);
-  stats.tokensPerExpert.assign(loads.data_ptr<int64_t>(), loads.data_ptr<int64_t>() + loads.numel());
+  // One copy to the host: the loads (exact in float64 below 2^53), then the two losses.
+  at::Tensor host = at::cat({lastLoads_.to(at::kDouble), lastAux_.to(at::kDouble).view(1),
+                             lastZ_.to(at::kDouble).view(1)})
+                        .to(at::kCPU);
+  const int64_t experts = lastLoads_.numel();
+  const double* values = host.data_ptr<double>();
+  stats.tokensPerExpert.assign(values, values + experts);
   const double total = std::accumulate(stats.tokensPerExpert.begin(), stats.tokensPerExpert.end(), 0.0);
   const auto most = static_cast<double>(*std::max_element(stats.tokensPerExpert.begin(), stats.tokensPerExpert.end()));
   stats.imbalance = total > 0 ? most / (total / static_cast<double>(stats.tokensPerExpert.size())) : 0;
   stats.droppedSlots = lastDropped_;
-  stats.auxLoss = lastAux_.item<double>();
-  stats.zLoss = lastZ_.item<double>();
+  stats.auxLoss = values[experts];
+  stats.zLoss = values[experts + 1];
   return stats;
 }
 
@@ -144,7 +157,8 @@ std::vector<parallel::Parameter> MoELayer::parameters() const {
 void MoELayer::updateExpertBias(std::optional<Deadline> deadline) {
   if (!options_.router.expertBias || !lastLoads_.defined()) return;
   at::Tensor loads = lastLoads_.clone();
-  dpCp_->allReduce(loads, {.deadline = deadline})->wait(deadline);
+  const Deadline bound = deadline.value_or(parallel::collectiveDeadline(options_.timeout));
+  dpCp_->allReduce(loads, {.deadline = bound})->wait(bound);
   router_.updateBias(loads);
 }
 

@@ -57,8 +57,8 @@ struct MoEOptions {
 
 // What the last forward saw on this rank.
 struct MoEStats {
-  std::vector<int64_t> tokensPerExpert;  // slots selected per global expert (before dropping)
-  double imbalance = 0;                  // max / mean of tokensPerExpert (1 = balanced)
+  std::vector<int64_t> tokensPerExpert;  // slots this rank's router selected per global expert (before dropping)
+  double imbalance = 0;                  // max / mean of tokensPerExpert (1 = balanced; 0 without tokens)
   int64_t droppedSlots = 0;
   double auxLoss = 0, zLoss = 0;
 };
@@ -85,7 +85,8 @@ class MoELayer {
   Router& router() { return router_; }
 
   // Aux-loss-free balancing: sums the last forward's loads over the dp x cp group
-  // (bounded by `deadline`) and moves the router bias. No-op unless enabled.
+  // (bounded by `deadline`, by default the layer's collective timeout) and
+  // moves the router bias. No-op unless enabled.
   void updateExpertBias(std::optional<Deadline> deadline = std::nullopt);
 
  private:

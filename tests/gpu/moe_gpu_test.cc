@@ -4,13 +4,15 @@
 // expert on the rank's own GPU computing one product per expert. This runs
 // the CUDA grouping and gather-sum kernels, the routed exchange of bf16 tokens
 // with float32 routing, and _grouped_mm where libtorch has it; with starved
-// experts, the last rank receives no token at all.
+// experts, the last rank receives no token at all and the first runs
+// _grouped_mm with an empty group.
 #include <ATen/ATen.h>
 
 #include <fmt/format.h>
 
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe/moe_layer.h"
@@ -46,12 +48,14 @@ moe::MoEOptions layerOptions(bool oncePerRank, bool starve) {
           .seed = 91};
 }
 
-// The upper half of the experts look overloaded: the bias keeps every token
-// away from them, so at ep 2 the last rank receives no token (and on one GPU,
-// half the experts get none).
-void starveUpperExperts(moe::MoELayer& layer) {
+// Expert 1 and the upper half of the experts look overloaded: the bias keeps
+// every token away from them, so at ep 2 the last rank receives no token and
+// the first multiplies an empty group (and on one GPU, five experts get none).
+bool starved(int expert) { return expert == 1 || expert >= kExperts / 2; }
+void starveExperts(moe::MoELayer& layer) {
   at::Tensor loads = at::ones({kExperts}, at::kLong);
-  loads.narrow(0, kExperts / 2, kExperts / 2).fill_(1000);
+  for (int expert = 0; expert < kExperts; ++expert)
+    if (starved(expert)) loads[expert] = 1000;
   layer.router().updateBias(loads);
 }
 
@@ -66,13 +70,14 @@ Result run(const CommunicatorPtr& world, parallel::LayoutOptions layout, const m
            const at::TensorOptions& tensorOptions, const at::Tensor& tokens, const at::Tensor& projection) {
   auto groups = parallel::ProcessGroups::create(world, layout, {.warmup = false});
   moe::MoELayer layer(options, groups, tensorOptions);
-  if (options.router.expertBias) starveUpperExperts(layer);
+  if (options.router.expertBias) starveExperts(layer);
   at::Tensor input = tokens.to(tensorOptions).detach().requires_grad_(true);  // a leaf of its own, never `tokens`
   moe::MoEOutput out = layer.forward(input);
   ((out.output * projection.to(tensorOptions)).sum() + out.auxLoss + out.zLoss).backward();
   if (options.router.expertBias) {
     const std::vector<int64_t> loads = layer.stats().tokensPerExpert;
-    for (int expert = kExperts / 2; expert < kExperts; ++expert) CHECK(loads[expert] == 0);
+    for (int expert = 0; expert < kExperts; ++expert)
+      if (starved(expert)) CHECK(loads[expert] == 0);
   }
   Result result{.output = out.output.detach().to(at::kCPU, at::kDouble),
                 .inputGrad = input.grad().to(at::kCPU, at::kDouble)};
@@ -125,9 +130,9 @@ TEST_CASE("in bf16, the MoE layer over NCCL matches the layer holding every expe
   at::Tensor tokens = at::randn({kTokens, kHidden}, sharedGenerator(500 + me), at::kDouble);
   at::Tensor projection = at::randn({kTokens, kHidden}, sharedGenerator(600 + me), at::kDouble);
   const auto bf16 = at::TensorOptions(at::kBFloat16).device(gpu());
-  for (bool oncePerRank : {true, false}) {
-    INFO(fmt::format("rank {} ep {} oncePerRank {}", me, ranks, oncePerRank));
-    const moe::MoEOptions options = layerOptions(oncePerRank, false);
+  for (auto [oncePerRank, starve] : {std::pair{true, false}, {false, false}, {true, true}}) {
+    INFO(fmt::format("rank {} ep {} oncePerRank {} starve {}", me, ranks, oncePerRank, starve));
+    const moe::MoEOptions options = layerOptions(oncePerRank, starve);
     moe::MoEOptions perExpert = options;
     perExpert.groupedMm = false;  // the reference multiplies expert by expert
     Result local = run(gpuWorldPtr(), {}, perExpert, bf16, tokens, projection);

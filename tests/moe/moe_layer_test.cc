@@ -48,11 +48,14 @@ MoEOptions layerOptions(bool oncePerRank, double capacity, bool losses) {
           .seed = 77};
 }
 
-// Experts 4, 5 and 12 are made to look overloaded: the bias keeps every token
-// away from them, so at ep 8 rank 2 receives no token at all.
+// Experts 4-7 and 12 are made to look overloaded: the bias keeps every token
+// away from them, so at ep 4 rank 1 (and at ep 8 ranks 2 and 3) receive no
+// token at all; with tp 2 x ep 4, a whole etp group then runs its collectives
+// on zero rows. At ep 2 and 8, expert 12 leaves one expert of a rank empty.
+constexpr int kStarved[] = {4, 5, 6, 7, 12};
 void starveExperts(MoELayer& layer) {
   at::Tensor loads = at::ones({kExperts}, at::kLong);
-  for (int expert : {4, 5, 12}) loads[expert] = 1000;
+  for (int expert : kStarved) loads[expert] = 1000;
   layer.router().updateBias(loads);
 }
 
@@ -122,8 +125,7 @@ void checkLayout(const Reference& reference, parallel::LayoutOptions layoutOptio
   CHECK(relativeError(out.output, at::cat(expectedOut)) < 1e-10);
   CHECK(relativeError(tokens.grad(), at::cat(expectedGrad)) < 1e-10);
   if (layout.tp() == 1) CHECK(layer.stats().droppedSlots == expectedDropped);
-  // The starved experts: at ep 8 they leave rank 2 with no tokens at all.
-  for (int expert : {4, 5, 12}) CHECK(layer.stats().tokensPerExpert[expert] == 0);
+  for (int expert : kStarved) CHECK(layer.stats().tokensPerExpert[expert] == 0);
 
   // Dense gradients sum over dp, expert gradients over expert dp.
   for (const char* name : {".router.weight", ".shared.w1", ".shared.w2"}) {
