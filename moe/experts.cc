@@ -29,6 +29,10 @@ at::Tensor expertMatrix(const ExpertOptions& options, int expert, int matrix, in
   return at::empty({rows, columns}, at::kDouble).normal_(0.0, options.initStd, generator);
 }
 
+// This rank's etp slice as a tensor of its own, so that the whole float64
+// matrix behind it is freed at once.
+at::Tensor ownSlice(const at::Tensor& slice, int etp) { return etp > 1 ? slice.clone() : slice; }
+
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -63,10 +67,9 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
   std::vector<at::Tensor> w1, w2, w3;
   for (int local = 0; local < localExperts; ++local) {
     const int expert = firstExpert + local;
-    // clone: keep this rank's slice, not the whole float64 matrix behind it.
-    w1.push_back(expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal).clone());
-    w3.push_back(expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal).clone());
-    w2.push_back(expertMatrix(options_, expert, 2, hidden, ffn).narrow(1, column, ffnLocal).clone());
+    w1.push_back(ownSlice(expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal), etp));
+    w3.push_back(ownSlice(expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal), etp));
+    w2.push_back(ownSlice(expertMatrix(options_, expert, 2, hidden, ffn).narrow(1, column, ffnLocal), etp));
   }
   auto stacked = [&](std::vector<at::Tensor>& parts, std::vector<int64_t> shape) {
     at::Tensor all = parts.empty() ? at::empty(shape, at::kDouble) : at::stack(parts);

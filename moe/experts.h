@@ -14,9 +14,9 @@
 // - Grouped products: at::_grouped_mm on CUDA where this libtorch has it
 //   (bf16, hidden and F_local multiples of 8: rows of whole 16-byte units),
 //   otherwise one matrix product per expert. The choice is made from the
-//   options alone, so no rank can raise where the others go on to the next
-//   collective. Experts with no rows still take part, so every weight gets a
-//   gradient (zeros).
+//   options, so a shape _grouped_mm refuses fails on no rank (a rank with no
+//   rows multiplies nothing either way). Experts with no rows still take part,
+//   so every weight gets a gradient (zeros).
 
 #include <ATen/core/Tensor.h>
 
@@ -37,7 +37,7 @@ struct ExpertOptions {
   int ffnHidden = 128;     // global, before etp sharding
   double initStd = 0.02;
   uint64_t seed = 1234;
-  bool groupedMm = true;   // use at::_grouped_mm where available
+  bool groupedMm = true;   // use at::_grouped_mm where available and the shapes fit (see above)
   std::optional<std::chrono::milliseconds> timeout;  // expert-tp collectives
 };
 
@@ -75,9 +75,10 @@ at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, cons
                          const at::Tensor& groupEnds);
 
 // The seed of one initial matrix's generator: (layer seed, kind, id) mixed by
-// splitmix64, so that no two matrices of a layer share a random stream
-// (kinds: 1-3 expert w1, w2, w3 with id the global expert; 101-104 the
-// router gate and the shared expert's w1, w3, w2 with id 0).
+// splitmix64, so that the matrices of a layer draw from unrelated streams
+// (the CPU generator keeps 32 bits of a seed: two matrices coincide with odds
+// of one in 2^32 per pair). Kinds: 1-3 expert w1, w2, w3 with id the global
+// expert; 101-104 the router gate and the shared expert's w1, w3, w2, id 0.
 uint64_t initSeed(uint64_t seed, uint64_t kind, uint64_t id);
 
 // groupEnds for groupedLinear: defined where at::_grouped_mm serves these rows

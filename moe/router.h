@@ -54,9 +54,9 @@ struct Routing {
   at::Tensor meanProb;         // [E] P_i over this rank's tokens (autograd; zeros without tokens)
   int64_t droppedSlots = 0;
   at::Tensor logits;           // [T, E] in the score dtype (autograd)
-  // What the losses are made of: scores [T, E] on the ATen path; on the GPU's
-  // fused path (moe/router_scores.h) their sums probSum [E] and lseSquaredSum []
-  // instead, and tokensPerExpert from select().
+  // addLosses' inputs, not for callers: scores [T, E] may be undefined (the
+  // GPU's fused path keeps only their sums probSum and lseSquaredSum); read
+  // meanProb, auxLoss and zLoss instead.
   at::Tensor scores, probSum, lseSquaredSum;
 };
 

@@ -1,13 +1,13 @@
 #pragma once
-// The router's scores, selection and loss sums as one CUDA kernel each way
-// (moe/cuda/score_kernels.h) where the ATen form in router.cc launches about
-// twenty operations forward and as many backward: at a few thousand tokens a
-// step is bound by those launches, not by the GPU's work.
+// The router's scores, selection and loss sums in one CUDA kernel forward
+// (plus two small sums) and one backward (moe/cuda/score_kernels.h), where the
+// ATen form in router.cc launches about twenty operations each way.
 //
-// Same contract as the ATen form (moe/router.h): the selection is the top-k of
-// scores + bias, exact ties to the lower expert id; the weights are the
-// selected unbiased scores, renormalised if asked; probSum and lseSquaredSum
-// are what meanProb and the z-loss are made of. No double backward.
+// The ATen form's contract (moe/router.h): the selection is the top-k of
+// scores + bias; the weights are the selected unbiased scores, renormalised if
+// asked; probSum and lseSquaredSum are what meanProb and the z-loss are made
+// of. Here exact ties go to the lower expert id (at::topk leaves their order
+// open). No double backward.
 
 #include <ATen/core/Tensor.h>
 

@@ -1,9 +1,8 @@
 #pragma once
 // CUDA kernels behind the router's scores (moe/router_scores.h): one warp per
 // token turns its logits into scores, picks its top-k experts and adds its
-// terms of the aux and z losses, so a router step is one kernel each way
-// instead of some twenty ATen operations. Raw pointers, so that this header and
-// its .cu need no libtorch. Launched on `stream`; they never synchronize.
+// terms of the aux and z losses. Raw pointers, so that this header and its .cu
+// need no libtorch. Launched on `stream`; they never synchronize.
 //
 // Per token t, with logits l over E experts and lse = logsumexp(l):
 // - scores p: softmax(l), or sigmoid(l); normalised scores: p, or p / sum(p).

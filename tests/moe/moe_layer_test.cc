@@ -51,7 +51,7 @@ MoEOptions layerOptions(bool oncePerRank, double capacity, bool losses) {
 // Experts 4-7 and 12 are made to look overloaded: the bias keeps every token
 // away from them, so at ep 4 rank 1 (and at ep 8 ranks 2 and 3) receive no
 // token at all; with tp 2 x ep 4, a whole etp group then runs its collectives
-// on zero rows. At ep 2 and 8, expert 12 leaves one expert of a rank empty.
+// on zero rows. At ep 2, 4 and 8, expert 12 leaves one expert of a rank empty.
 constexpr int kStarved[] = {4, 5, 6, 7, 12};
 void starveExperts(MoELayer& layer) {
   at::Tensor loads = at::ones({kExperts}, at::kLong);
@@ -124,6 +124,8 @@ void checkLayout(const Reference& reference, parallel::LayoutOptions layoutOptio
   }
   CHECK(relativeError(out.output, at::cat(expectedOut)) < 1e-10);
   CHECK(relativeError(tokens.grad(), at::cat(expectedGrad)) < 1e-10);
+  CHECK(layer.stats().auxLoss == out.auxLoss.item<double>());
+  CHECK(layer.stats().zLoss == out.zLoss.item<double>());
   if (layout.tp() == 1) CHECK(layer.stats().droppedSlots == expectedDropped);
   for (int expert : kStarved) CHECK(layer.stats().tokensPerExpert[expert] == 0);
 
@@ -176,6 +178,23 @@ TEST_CASE("a layout whose etp group differs from tp is refused", "[moe][layer]")
     auto groups = parallel::ProcessGroups::create(testing::worldPtr(), layout, {.warmup = false});
     CHECK_THROWS_AS(MoELayer(layerOptions(true, 0, true), groups, at::kDouble), ConfigError);
   }
+}
+
+TEST_CASE("an input of another dtype than the layer's is refused on every rank, and the layer goes on",
+          "[moe][layer]") {
+  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 8},
+                                                {.warmup = false});
+  MoELayer layer(layerOptions(true, 0, true), groups, at::kDouble);
+  const int rank = testing::world().rank();
+  try {
+    layer.forward(shardTokens(rank).to(at::kFloat));
+    FAIL("float32 tokens into a float64 layer were accepted");
+  } catch (const ConfigError& error) {
+    CHECK(std::string(error.what()).find("of dtype Float") != std::string::npos);
+  }
+  // No collective was left half-issued: the next forward runs on every rank.
+  at::Tensor tokens = shardTokens(rank);
+  CHECK(layer.forward(tokens).output.sizes() == tokens.sizes());
 }
 
 TEST_CASE("the layer's gradients match finite differences of the global loss", "[moe][layer][gradcheck]") {
