@@ -43,8 +43,9 @@ struct MoEOptions {
   RouterOptions router;          // numExperts, topK, losses, capacity, bias
   bool oncePerRank = true;       // dispatch a token once per destination rank
   // Aux loss from slot counts summed over the dp x cp group (one small
-  // all-reduce per step) instead of this rank's alone: the data-parallel mean
-  // of the loss is then the global batch's, whatever the layout.
+  // all-reduce per step) instead of this rank's alone. P_i stays this rank's
+  // mean, so the data-parallel mean of the loss is the global batch's, whatever
+  // the layout, when the replicas hold equal numbers of tokens.
   bool globalAuxLoss = false;
   int sharedExpertHidden = 0;    // 0: no shared expert
   double initStd = 0.02;
