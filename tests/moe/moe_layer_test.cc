@@ -314,22 +314,26 @@ TEST_CASE("with globalAuxLoss the aux loss counts the slots of every replica's b
     slots += referenceLayer.router().route(shardTokens(shard)).tokensPerExpert.to(at::kDouble);
     tokensInAll += shardTokens(shard).size(0);
   }
-  for (int ep : {2, 8}) {
-    auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = ep},
-                                                  {.warmup = false});
+  // With tp 2 both ranks of a tp group hold (and route) the same two shards.
+  for (auto layoutOptions : {parallel::LayoutOptions{.ep = 2}, parallel::LayoutOptions{.ep = 8},
+                             parallel::LayoutOptions{.tp = 2, .ep = 2, .etp = 2}}) {
+    auto groups = parallel::ProcessGroups::create(testing::worldPtr(), layoutOptions, {.warmup = false});
     MoEOptions options = layerOptions(true, 0, true);
     options.globalAuxLoss = true;
     MoELayer layer(options, groups, at::kDouble);
-    const int shard = groups.dp()->rank();
-    at::Tensor tokens = shardTokens(shard).requires_grad_(true);
+    const int tp = groups.layout().tp(), replica = groups.dp()->rank();
+    std::vector<at::Tensor> tokenParts, projectionParts;
+    for (int shard = replica * tp; shard < (replica + 1) * tp; ++shard)
+      tokenParts.push_back(shardTokens(shard)), projectionParts.push_back(shardProjection(shard));
+    at::Tensor tokens = at::cat(tokenParts).requires_grad_(true);
     MoEOutput out = layer.forward(tokens);
-    const at::Tensor meanProb = referenceLayer.router().route(shardTokens(shard)).meanProb;
+    const at::Tensor meanProb = referenceLayer.router().route(tokens.detach()).meanProb;
     const at::Tensor expected =
         options.router.auxLossCoeff * kExperts * (slots / static_cast<double>(tokensInAll * kTopK) * meanProb).sum();
-    INFO("ep " << ep << " shard " << shard);
+    INFO(groups.layout().describe() << ", replica " << replica);
     CHECK(relativeError(out.auxLoss.detach(), expected) < 1e-12);
-    ((out.output * shardProjection(shard)).sum() + out.auxLoss + out.zLoss).backward();
-    if (shard != kEmptyShard) CHECK(tokens.grad().abs().sum().item<double>() > 0);
+    ((out.output * at::cat(projectionParts)).sum() + out.auxLoss + out.zLoss).backward();
+    if (tokens.size(0) > 0) CHECK(tokens.grad().abs().sum().item<double>() > 0);
   }
 }
 
