@@ -25,10 +25,6 @@
 namespace bulkhead::moe {
 namespace {
 
-at::Tensor rowsOf(const at::Tensor& order, int64_t columns) {
-  return columns == 1 ? order : order.div(columns, "floor");
-}
-
 // A copy of a small tensor to the host that, on a GPU, runs behind the work
 // already queued and lets the host wait for it alone, not for work queued
 // after it (the dispatch's packing).
@@ -153,9 +149,8 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   at::Tensor arrivedRow;
   {
     const c10::NoGradGuard metadata;
-    // -1 (none) becomes `experts`, the key past every group (exact in floating point).
-    at::Tensor key = arrived.ids.remainder(experts + 1).to(at::kLong);
-    byExpert = groupByKey(key, experts, sum(plan.tokensPerLocalExpert));
+    // The ids are small integers (-1: none), exact in the side's floating type.
+    byExpert = groupEntries(arrived.ids.to(at::kLong), experts, sum(plan.tokensPerLocalExpert));
     arrivedRow = rowsOf(byExpert.order, columns);
   }
   plan.recvTable = byExpert.table;

@@ -148,6 +148,10 @@ Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count) {
   return grouping;
 }
 
+at::Tensor rowsOf(const at::Tensor& order, int64_t columns) {
+  return columns == 1 ? order : order.div(columns, "floor");
+}
+
 SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,
                       const Routing& routing, const RouteShape& shape, const RoutePlan& plan) {
   const c10::NoGradGuard untracked;
@@ -182,7 +186,7 @@ SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, cons
   const Grouping grouping = groupByKey(plan.key, shape.ranks, rows);
   at::Tensor bytes = at::empty({rows, layout.width}, tokens.options().dtype(at::kByte));
   RoutedRows outgoing = layout.parts(bytes);
-  at::Tensor rowToken = columns == 1 ? grouping.order : grouping.order.div(columns, "floor");
+  at::Tensor rowToken = rowsOf(grouping.order, columns);
   at::index_select_out(outgoing.rows, tokens, 0, rowToken);  // gathered straight into the send buffer
   outgoing.weights.copy_(shape.perSlot ? weights.reshape({-1, 1}).index_select(0, grouping.order)
                                        : weights.index_select(0, rowToken));
