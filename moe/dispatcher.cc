@@ -66,6 +66,16 @@ class HostCopy {
 
 int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
 
+// The running sum of host counts as int32 on `device`, by one copy from
+// pinned memory (no device work to wait for, and no launch but the copy's).
+at::Tensor runningSum(const std::vector<int64_t>& counts, at::Device device) {
+  const auto size = static_cast<int64_t>(counts.size());
+  at::Tensor host = at::empty({size}, at::TensorOptions(at::kInt).pinned_memory(device.is_cuda()));
+  int64_t running = 0;
+  for (int64_t i = 0; i < size; ++i) host.data_ptr<int32_t>()[i] = static_cast<int32_t>(running += counts[i]);
+  return host.to(device, /*non_blocking=*/true);  // the host allocator keeps `host` until the copy is done
+}
+
 }  // namespace
 
 TokenDispatcher::TokenDispatcher(CommunicatorPtr ep, DispatcherOptions options)
@@ -138,38 +148,45 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
                         .weights = shape.perSlot ? weights.reshape({-1, 1}) : weights,
                         .weightTable = shape.perSlot ? outgoing.table.view({-1, 1}) : outgoing.table};
   const RoutedRows arrived = exchangeRouted(ep_, send, plan.sendSplits, plan.recvSplits, options_.timeout);
-  plan.tokensPerLocalExpertDevice = routes.counts.select(0, 1).narrow(1, 0, experts).sum(0);
+  plan.expertRowEnds = runningSum(plan.tokensPerLocalExpert, tokens.device());
 
-  // One expert row per (received row, local expert), ordered by local expert.
-  const int64_t columns = arrived.ids.size(1);
   // A copy, so the plan does not keep the whole receive buffer (token rows
   // included) alive until the combine.
   plan.recvWeights = arrived.weights.contiguous();
+  // One expert row per (received row, local expert), ordered by local expert.
   Grouping byExpert;
-  at::Tensor arrivedRow;
   {
     const c10::NoGradGuard metadata;
     // The ids are small integers (-1: none), exact in the side's floating type.
     byExpert = groupEntries(arrived.ids.to(at::kLong), experts, sum(plan.tokensPerLocalExpert));
-    arrivedRow = rowsOf(byExpert.order, columns);
   }
   plan.recvTable = byExpert.table;
-  plan.expertInput = gatherRows(arrived.rows, arrivedRow, byExpert.table);
+  plan.expertInput = gatherRows(arrived.rows, byExpert.table, byExpert.order.size(0));
   return plan;
 }
 
 at::Tensor TokenDispatcher::combine(const DispatchPlan& plan, const at::Tensor& expertOutput) const {
-  at::Tensor rowsOut = gatherSum(expertOutput, plan.recvTable, plan.recvWeights);
+  if (expertOutput.dim() != 2 || expertOutput.size(0) != plan.expertInput.size(0)) {
+    throw ConfigError(fmt::format("combine on {}: expert output [{}] for a dispatch of {} expert rows", ep_->name(),
+                                  fmt::join(expertOutput.sizes(), ", "), plan.expertInput.size(0)),
+                      {.rank = ep_->rank(), .group = ep_->name(), .expected = "expert output [N, H], N as dispatched"});
+  }
+  // Both tables name every row of their source once: each expert row feeds
+  // one received row, and each returned row one token.
+  at::Tensor rowsOut = gatherSum(expertOutput, plan.recvTable, plan.recvWeights, SourceRows::Every);
   at::Tensor returned = allToAll(ep_, rowsOut, plan.recvSplits, plan.sendSplits, options_.timeout);
-  return gatherSum(returned, plan.sendTable, at::Tensor());
+  return gatherSum(returned, plan.sendTable, at::Tensor(), SourceRows::Every);
 }
 
 Grouping groupEntries(const at::Tensor& group, int groups, int64_t count) {
-  return groupByKey(group.remainder(groups + 1), groups, count);  // -1 (none) becomes `groups`
+  Grouping grouping;
+  // The kernels take -1 as none; the sort needs none as the largest key.
+  if (groupByKeyKernels(group, groups, count, grouping.order, grouping.table)) return grouping;
+  return groupByKey(group.remainder(groups + 1), groups, count);
 }
 
 at::Tensor permuteTokens(const at::Tensor& tokens, const Grouping& grouping) {
-  return gatherRows(tokens, rowsOf(grouping.order, grouping.table.size(1)), grouping.table);
+  return gatherRows(tokens, grouping.table, grouping.order.size(0));
 }
 
 at::Tensor unpermuteTokens(const at::Tensor& rows, const Grouping& grouping) {

@@ -51,7 +51,8 @@ struct DispatcherOptions {
 struct DispatchPlan {
   at::Tensor expertInput;                     // [N, H] ordered by local expert
   std::vector<int64_t> tokensPerLocalExpert;  // host copy, E/ep entries
-  at::Tensor tokensPerLocalExpertDevice;      // same counts, on the tokens' device
+  // Their running sum as int32 on the tokens' device: at::_grouped_mm's group ends.
+  at::Tensor expertRowEnds;
   std::vector<int64_t> sendSplits, recvSplits;  // rows to / from each ep rank
   // How results come back: received row p sums expert rows recvTable[p, c]
   // (weights recvWeights[p, c]); token t sums returned rows sendTable[t, c].
@@ -64,7 +65,8 @@ class TokenDispatcher {
   TokenDispatcher(CommunicatorPtr ep, DispatcherOptions options);
 
   DispatchPlan dispatch(const at::Tensor& tokens, const Routing& routing) const;
-  // expertOutput: [N, H] in the plan's expert order. Returns [T, H].
+  // expertOutput: [N, H] in the plan's expert order, N the dispatched expert
+  // rows (others raise ConfigError on this rank before the exchange). Returns [T, H].
   at::Tensor combine(const DispatchPlan& plan, const at::Tensor& expertOutput) const;
 
   int localExperts() const { return localExperts_; }

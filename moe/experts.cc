@@ -81,10 +81,10 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
 }
 
 at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
-                                   const at::Tensor& deviceCounts) const {
+                                   const at::Tensor& groupEnds) const {
   const parallel::TpGroup etp{.comm = expertTp_, .timeout = options_.timeout, .paramGroup = parallel::ParamGroup::Expert};
   at::Tensor x = parallel::copyToTensorParallel(tokens, etp);
-  const at::Tensor ends = groupEndsFor(x, deviceCounts, groupedMm_);
+  const at::Tensor ends = groupEndsFor(x, groupEnds, groupedMm_);
   at::Tensor gate = groupedLinear(x, w1_, counts, ends);
   at::Tensor up = groupedLinear(x, w3_, counts, ends);
   at::Tensor partial = groupedLinear(at::silu(gate) * up, w2_, counts, ends);
@@ -107,12 +107,11 @@ std::vector<parallel::Parameter> GroupedExperts::parameters(const std::string& p
           make(".w2", w2_, {experts, hidden, ffn}, {firstExpert_, 0, column})};
 }
 
-at::Tensor groupEndsFor(const at::Tensor& rows, const at::Tensor& deviceCounts, bool allowed) {
+at::Tensor groupEndsFor(const at::Tensor& rows, const at::Tensor& groupEnds, bool allowed) {
 #if BULKHEAD_HAVE_GROUPED_MM
-  if (allowed && rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.size(0) > 0)
-    return at::cumsum(deviceCounts, 0, at::kInt);
+  if (allowed && rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.size(0) > 0) return groupEnds;
 #else
-  (void)rows, (void)deviceCounts, (void)allowed;
+  (void)rows, (void)groupEnds, (void)allowed;
 #endif
   return {};
 }

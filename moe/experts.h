@@ -48,9 +48,9 @@ class GroupedExperts {
                  const at::TensorOptions& tensorOptions);
 
   // tokens [N, H] ordered by local expert; counts: rows per local expert on
-  // the host and on the tokens' device.
+  // the host; groupEnds: their running sum as int32 on the tokens' device.
   at::Tensor forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
-                     const at::Tensor& deviceCounts) const;
+                     const at::Tensor& groupEnds) const;
 
   // Names are prefix + ".w1" etc.; replicaId is the caller's (expert-dp rank).
   std::vector<parallel::Parameter> parameters(const std::string& prefix, int replicaId) const;
@@ -81,8 +81,8 @@ at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, cons
 // expert; 101-104 the router gate and the shared expert's w1, w3, w2, id 0.
 uint64_t initSeed(uint64_t seed, uint64_t kind, uint64_t id);
 
-// groupEnds for groupedLinear: defined where at::_grouped_mm serves these rows
-// (libtorch has it, CUDA bf16 rows, some rows, `allowed`).
-at::Tensor groupEndsFor(const at::Tensor& rows, const at::Tensor& deviceCounts, bool allowed);
+// groupEnds for groupedLinear: `groupEnds` where at::_grouped_mm serves these
+// rows (libtorch has it, CUDA bf16 rows, some rows, `allowed`), else undefined.
+at::Tensor groupEndsFor(const at::Tensor& rows, const at::Tensor& groupEnds, bool allowed);
 
 }  // namespace bulkhead::moe

@@ -68,12 +68,13 @@ cuda::GatherSumArgs kernelArgs(const at::Tensor& source, const at::Tensor& table
 
 struct GatherSumBackward : Node {
   at::Tensor source, table, weights;  // weights: float32 or float64, or undefined
+  SourceRows named = SourceRows::Some;
   std::string name() const override { return "bulkhead::GatherSumBackward"; }
   variable_list apply(variable_list&& grads) override {
     const c10::cuda::CUDAGuard onDevice(source.device());
     at::Tensor gradOut = grads[0].defined() ? grads[0].contiguous()
                                             : at::zeros({table.size(0), source.size(1)}, source.options());
-    at::Tensor gradSource = at::zeros_like(source);
+    at::Tensor gradSource = named == SourceRows::Every ? at::empty_like(source) : at::zeros_like(source);
     at::Tensor gradWeights = weights.defined() ? at::empty_like(weights) : at::Tensor();
     cuda::gatherSumBackward(kernelArgs(source, table, weights), source.data_ptr(), gradOut.data_ptr(),
                             gradSource.data_ptr(), weights.defined() ? gradWeights.data_ptr() : nullptr);
@@ -84,7 +85,7 @@ struct GatherSumBackward : Node {
 }  // namespace
 #endif
 
-at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights) {
+at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights, SourceRows named) {
 #if BULKHEAD_MOE_KERNELS
   const bool floating = weights.defined() ? (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kDouble)
                                           : true;
@@ -101,11 +102,13 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
     node->source = src.detach();
     node->table = index;
     node->weights = w.defined() ? w.detach() : at::Tensor();
+    node->named = named;
     node->set_next_edges(torch::autograd::collect_next_edges(source, weights));
     torch::autograd::set_history(out, node);
     return out;
   }
 #endif
+  (void)named;  // index_select's backward zeroes the gradient itself
   return gatherSumReference(source, table, weights);
 }
 
@@ -146,21 +149,28 @@ struct GatherRowsBackward : torch::autograd::Node {
 
 }  // namespace
 
-at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const at::Tensor& table) {
+at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t rows) {
   if (source.dim() != 2 || table.dim() != 2 || table.size(0) != source.size(0) || table.scalar_type() != at::kLong ||
-      table.device() != source.device() || index.device() != source.device()) {
-    throw ConfigError(fmt::format("gatherRows: source [{}] on {}, index [{}] on {}, table [{}] ({}) on {}",
-                                  fmt::join(source.sizes(), ", "), source.device().str(), fmt::join(index.sizes(), ", "),
-                                  index.device().str(), fmt::join(table.sizes(), ", "),
-                                  c10::toString(table.scalar_type()), table.device().str()),
-                      {.expected = "source [S, W]; index and an int64 table [S, m] on the source's device"});
+      table.device() != source.device() || rows < 0) {
+    throw ConfigError(fmt::format("gatherRows: {} rows from source [{}] on {} by table [{}] ({}) on {}", rows,
+                                  fmt::join(source.sizes(), ", "), source.device().str(),
+                                  fmt::join(table.sizes(), ", "), c10::toString(table.scalar_type()),
+                                  table.device().str()),
+                      {.expected = "source [S, W] and an int64 table [S, m] on the source's device; rows >= 0"});
   }
   const bool tracked = torch::autograd::GradMode::is_enabled() && source.requires_grad();
   at::Tensor output;
   {
     const c10::NoGradGuard untracked;
-    output = expandRowsKernel(source, index.size(0), table);
-    if (!output.defined()) output = source.index_select(0, index);
+    output = expandRowsKernel(source, rows, table);
+    if (!output.defined()) {
+      // The index the table inverts to: index[table[s, c]] = s.
+      at::Tensor listed = table.ge(0);
+      at::Tensor reader = at::arange(table.size(0), table.options()).unsqueeze(1).expand_as(table);
+      at::Tensor index = at::empty({rows}, table.options());
+      index.index_put_({table.masked_select(listed)}, reader.masked_select(listed));
+      output = source.index_select(0, index);
+    }
   }
   if (!tracked) return output;
   auto node = std::shared_ptr<GatherRowsBackward>(new GatherRowsBackward(), torch::autograd::deleteNode);

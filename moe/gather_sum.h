@@ -13,25 +13,34 @@
 
 namespace bulkhead::moe {
 
-at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights);
+// How the table names the source rows. Some: each at most once, so the
+// backward starts from a zeroed gradient. Every: each exactly once (as the
+// combine's tables do), so the backward writes every gradient row itself and
+// skips zeroing them; a table that misses a row then leaves that row's
+// gradient undefined.
+enum class SourceRows { Some, Every };
+
+at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights,
+                     SourceRows named = SourceRows::Some);
 
 // The same, always as ATen ops (the reference the kernels are tested against).
 at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights);
 
-// out[i] = source[index[i]] (source [S, W]), with autograd to source: the
-// backward is gatherSum(gradOut, table), deterministic and free of atomics,
-// where index_select's backward adds with atomics on CUDA.
+// out [rows, W] with out[table[s, c]] = source[s] (source [S, W]), with
+// autograd to source: the backward is gatherSum(gradOut, table),
+// deterministic and free of atomics, where index_select's backward adds with
+// atomics on CUDA.
 //
 // Contract: table is int64 [S, m] and lists, in row s, the output rows that
-// read source row s (-1 for none): every output row appears exactly once in
-// the table, in the row of the source row it reads (index[table[s, c]] == s).
-// On CUDA, where the kernels are built, it runs as one kernel driven by the
-// table, which reads each source row once (`index` then only gives the count).
-at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& index, const at::Tensor& table);
+// read source row s (-1 for none): every output row in [0, rows) appears
+// exactly once in the table. On CUDA, where the kernels are built, it runs as
+// one kernel driven by the table, which reads each source row once; elsewhere
+// as an index_select by the index the table inverts to.
+at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t rows);
 
 // The stable grouping behind groupByKey (moe/routes.h), as kernels of our
-// own (moe/cuda/group_kernels.h) for an int64 CUDA `key` whose values lie in
-// [0, groups] (`groups`: in no group), `count` of them in a group: order
+// own (moe/cuda/group_kernels.h) for an int64 CUDA `key` whose values in
+// [0, groups) name a group (any other value: in no group), `count` of them in a group: order
 // [count] lists the entries group by group, in entry order within a group;
 // table (key's shape) gives each entry's place in it, -1 for none. Returns
 // false (filling nothing) where the kernels are not built, the key is not on

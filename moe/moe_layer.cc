@@ -89,7 +89,7 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   at::Tensor tokens = input.reshape({-1, options_.hidden});
   Routing routing = router_.select(tokens);
   DispatchPlan plan = dispatcher_.dispatch(tokens, routing);
-  at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.tokensPerLocalExpertDevice);
+  at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.expertRowEnds);
   router_.addLosses(routing);  // launched while the experts run (see Router::select)
   if (options_.globalAuxLoss && options_.router.auxLossCoeff != 0) {
     // Slot counts and the token count, summed over every replica's batch.

@@ -57,6 +57,11 @@ void planWithAten(const Routing& routing, const RouteShape& shape, RoutePlan& pl
   plan.key = at::where(paired, rankIds, R);
 }
 
+// For a grouping of an [N, m] key: the row (of N) each listed entry lies in.
+at::Tensor rowsOf(const at::Tensor& order, int64_t columns) {
+  return columns == 1 ? order : order.div(columns, "floor");
+}
+
 // Local expert ids of every candidate row, [T * m, side columns].
 at::Tensor candidateIds(const Routing& routing, const RouteShape& shape, at::ScalarType sideType) {
   const int L = shape.localExperts, R = shape.ranks;
@@ -146,10 +151,6 @@ Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count) {
                        .scatter_(0, grouping.order, at::arange(count, longs))
                        .view(key.sizes());
   return grouping;
-}
-
-at::Tensor rowsOf(const at::Tensor& order, int64_t columns) {
-  return columns == 1 ? order : order.div(columns, "floor");
 }
 
 SendRows packSendRows(const RoutedLayout& layout, const at::Tensor& tokens, const at::Tensor& weights,

@@ -30,8 +30,6 @@ struct Grouping {
 // Grouping by an int64 key in [0, groups], where `groups` (the largest key)
 // marks entries outside every group; `count` entries are inside.
 Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count);
-// For a grouping of an [N, m] key: the row (of N) each listed entry lies in.
-at::Tensor rowsOf(const at::Tensor& order, int64_t columns);
 
 struct RouteShape {
   int localExperts = 1;

@@ -42,7 +42,7 @@ TEST_CASE("the row gather's output and gradient equal index_select's", "[moe][di
 
   at::Tensor source = gaussian(22, {7, 5}).requires_grad_(true);
   at::Tensor reference = source.detach().clone().requires_grad_(true);
-  at::Tensor out = gatherRows(source * 1.0, index, table);  // a non-leaf source too
+  at::Tensor out = gatherRows(source * 1.0, table, index.size(0));  // a non-leaf source too
   at::Tensor expected = reference.index_select(0, index);
   REQUIRE(out.requires_grad());
   CHECK(at::equal(out, expected));
@@ -56,8 +56,9 @@ TEST_CASE("the row gather's output and gradient equal index_select's", "[moe][di
 
   // A table that does not list the source's rows is refused up front, not
   // found out in the backward.
-  CHECK_THROWS_AS(gatherRows(source, index, table.narrow(0, 0, 6)), ConfigError);
-  CHECK_THROWS_AS(gatherRows(source, index, table.to(at::kInt)), ConfigError);
+  CHECK_THROWS_AS(gatherRows(source, table.narrow(0, 0, 6), index.size(0)), ConfigError);
+  CHECK_THROWS_AS(gatherRows(source, table.to(at::kInt), index.size(0)), ConfigError);
+  CHECK_THROWS_AS(gatherRows(source, table, -1), ConfigError);
 }
 
 TEST_CASE("the row gather of a permutation carries gradients both ways", "[moe][dispatcher]") {
@@ -75,7 +76,7 @@ TEST_CASE("the row gather of a permutation carries gradients both ways", "[moe][
   at::Tensor viaIndexSelect = torch::autograd::grad({expected}, {tokens}, {grad})[0];
   CHECK(at::allclose(viaGather, viaIndexSelect, 1e-15, 1e-15));
   // Without autograd the gather records nothing.
-  at::Tensor plain = gatherRows(tokens.detach(), grouping.order.div(4, "floor"), grouping.table);
+  at::Tensor plain = gatherRows(tokens.detach(), grouping.table, count);
   CHECK(!plain.requires_grad());
   CHECK(at::equal(plain, expected));
 }

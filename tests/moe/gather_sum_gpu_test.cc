@@ -8,6 +8,7 @@
 #include <ATen/Context.h>
 
 #include <cstdio>
+#include <limits>
 #include <tuple>
 #include <utility>
 
@@ -50,6 +51,39 @@ TEST_CASE("gather-sum kernels equal the reference, forward and backward", "[moe]
       CHECK(at::allclose(gradSource, refSource, tolerance, tolerance));
       if (weighted) CHECK(at::allclose(gradWeights, refWeights, tolerance, tolerance * 10));
     }
+  }
+}
+
+TEST_CASE("gather-sum over a table naming every source row writes every gradient row", "[moe][gpu]") {
+  const at::Device gpu(at::kCUDA, 0);
+  // 300 source rows named once each by a [100, 4] table with gaps.
+  at::Tensor table = at::full({400}, -1, at::kLong);
+  table.index_put_({at::randperm(400, testing::sharedGenerator(5), at::kLong).narrow(0, 0, 300)},
+                   at::randperm(300, testing::sharedGenerator(6), at::kLong));
+  table = table.view({100, 4});
+  at::Tensor source = at::randn({300, 2056}, testing::sharedGenerator(7), at::kDouble);
+  at::Tensor weights = at::rand({100, 4}, testing::sharedGenerator(8), at::kDouble);
+  at::Tensor grad = at::randn({100, 2056}, testing::sharedGenerator(9), at::kDouble);
+  for (auto dtype : {at::kDouble, at::kBFloat16}) {
+    const double tolerance = dtype == at::kDouble ? 1e-12 : 2e-2;
+    auto run = [&](bool kernels) {
+      at::Tensor s = source.to(gpu, dtype).requires_grad_(true);
+      at::Tensor w = weights.to(gpu, dtype == at::kDouble ? at::kDouble : at::kFloat).requires_grad_(true);
+      at::Tensor t = table.to(gpu), g = grad.to(gpu, dtype);
+      at::Tensor out = kernels ? gatherSum(s, t, w, SourceRows::Every) : gatherSumReference(s, t, w);
+      // Freed at once: the caching allocator hands this block to the source's
+      // gradient, so a row the backward did not write stays NaN.
+      at::full_like(s, std::numeric_limits<double>::quiet_NaN());
+      out.backward(g);
+      return std::make_tuple(out.to(at::kDouble).cpu(), s.grad().to(at::kDouble).cpu(), w.grad().to(at::kDouble).cpu());
+    };
+    auto [out, gradSource, gradWeights] = run(true);
+    auto [refOut, refSource, refWeights] = run(false);
+    INFO("dtype " << c10::toString(dtype));
+    CHECK(at::allclose(out, refOut, tolerance, tolerance));
+    CHECK(at::isfinite(gradSource).all().item<bool>());
+    CHECK(at::allclose(gradSource, refSource, tolerance, tolerance));
+    CHECK(at::allclose(gradWeights, refWeights, tolerance, tolerance * 10));
   }
 }
 

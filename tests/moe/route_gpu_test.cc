@@ -160,13 +160,14 @@ TEST_CASE("gatherRows' kernel reads strided rows once and matches index_select, 
     at::Tensor grad = at::randn({count, width}, testing::sharedGenerator(13), at::kDouble).to(dtype);
     auto run = [&](const at::Device& device) {
       at::Tensor buffer = wide.clone().to(device).requires_grad_(true);
-      at::Tensor out = gatherRows(buffer.narrow(1, 0, width), index.to(device), grouping.table.to(device));
+      at::Tensor out = gatherRows(buffer.narrow(1, 0, width), grouping.table.to(device), count);
       out.backward(grad.to(device));
       return std::make_pair(out.cpu(), buffer.grad().cpu());
     };
     auto [out, gradSource] = run(gpu);
     auto [refOut, refSource] = run(at::kCPU);
     CHECK(at::equal(out, refOut));
+    CHECK(at::equal(out, wide.narrow(1, 0, width).index_select(0, index)));
     const double tolerance = dtype == at::kBFloat16 ? 2e-2 : 1e-5;  // sums of up to 4 rows, in another order
     CHECK(at::allclose(gradSource.to(at::kDouble), refSource.to(at::kDouble), tolerance, tolerance));
   }
