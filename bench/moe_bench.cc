@@ -44,7 +44,7 @@ namespace {
 struct Options {
   int tokens = 4096, hidden = 2048, experts = 64, topK = 8, ffn = 768, iterations = 20;
   bool perSlot = false;
-  std::string profile;  // where rank 0 writes a Chrome trace of 5 steps (bench/profile_summary.py reads it)
+  std::string profile;  // Chrome trace of 5 steps, rank 0's; rank r's gets ".rank<r>" (bench/profile_summary.py)
 };
 
 Options parse(int argc, char** argv) {
@@ -88,6 +88,28 @@ double medianMs(int iterations, const std::function<void()>& body) {
   return median(std::move(times));
 }
 
+// Median time of `iterations` runs of `body` on the GPU: CUDA events on the
+// default stream around each run (the host's issue cost counts where the
+// stream would otherwise sit idle).
+double medianEventMs(int iterations, const std::function<void()>& body) {
+  cudaEvent_t start, end;
+  BENCH_CHECK(cudaEventCreate(&start));
+  BENCH_CHECK(cudaEventCreate(&end));
+  std::vector<double> times;
+  for (int i = 0; i < iterations; ++i) {
+    BENCH_CHECK(cudaEventRecord(start, nullptr));
+    body();
+    BENCH_CHECK(cudaEventRecord(end, nullptr));
+    BENCH_CHECK(cudaEventSynchronize(end));
+    float ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, start, end));
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  return median(std::move(times));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,7 +149,8 @@ int main(int argc, char** argv) {
         BENCH_CHECK(cudaDeviceSynchronize());
       }
       auto trace = profiler::disableProfiler();
-      if (me == 0) trace->save(options.profile);
+      // Every rank's trace: a rank that waits in its exchanges waits for another one.
+      trace->save(me == 0 ? options.profile : fmt::format("{}.rank{}", options.profile, me));
     }
 
     // Correctness beside a layer holding all experts on this GPU (ep 1).
@@ -193,24 +216,19 @@ int main(int argc, char** argv) {
     const double rawMs = medianMs(options.iterations, rawRoundTrip);
     // The same round trip timed as the dispatcher's exchanges are (CUDA events
     // on the default stream), for the exchange ratio.
-    std::vector<double> rawInEvents;
-    {
-      cudaEvent_t start, end;
-      BENCH_CHECK(cudaEventCreate(&start));
-      BENCH_CHECK(cudaEventCreate(&end));
-      for (int i = 0; i < options.iterations; ++i) {
-        BENCH_CHECK(cudaEventRecord(start, nullptr));
-        rawRoundTrip();
-        BENCH_CHECK(cudaEventRecord(end, nullptr));
-        BENCH_CHECK(cudaEventSynchronize(end));
-        float ms = 0;
-        BENCH_CHECK(cudaEventElapsedTime(&ms, start, end));
-        rawInEvents.push_back(ms);
-      }
-      cudaEventDestroy(start);
-      cudaEventDestroy(end);
-    }
-    const double rawEventsMs = median(std::move(rawInEvents));
+    const double rawEventsMs = medianEventMs(options.iterations, rawRoundTrip);
+    // A floor under the local passes between the exchanges: expanding the
+    // received rows into expert rows (ordering them by expert, per slot) and
+    // summing the expert rows back read and write at least the received rows
+    // and the expert rows, once each way. Timed as one device copy of that
+    // many rows. A dispatcher that sends each token once per rank and feeds
+    // grouped GEMMs contiguous rows per expert cannot skip these passes; the
+    // bound is the bw ratio it reaches at best unless it overlaps them with
+    // the exchanges.
+    const int64_t expertRows = plan.expertInput.size(0);
+    at::Tensor copyFrom = at::randn({expertRows + received, options.hidden}, tensorOptions);
+    at::Tensor copyTo = at::empty_like(copyFrom);
+    const double localFloorMs = medianEventMs(options.iterations, [&] { copyTo.copy_(copyFrom); });
     // The same rows through Bulkhead's communicator alone (deadline, ledger; no index work):
     // what the transport costs beside raw NCCL, apart from the dispatcher's planning.
     auto exchangeRoundTrip = [&] {
@@ -233,6 +251,9 @@ int main(int argc, char** argv) {
       fmt::print("DISPATCHER_EXCHANGES {}\n", fmt::join(eachExchangeMs, " "));
       fmt::print("DISPATCH_COMBINE_GBPS {:.1f}\n", bytes / oursMs / 1e6);
       fmt::print("RAW_ALLTOALL_GBPS {:.1f}\n", bytes / rawMs / 1e6);
+      fmt::print("EXPERT_ROWS {}\n", expertRows);
+      fmt::print("LOCAL_PASSES_FLOOR_MS {:.3f}\n", localFloorMs);
+      fmt::print("BW_RATIO_BOUND {:.2f}\n", rawMs / (rawMs + localFloorMs));
       fmt::print("MAX_REL_DIFF_VS_EP1 {:.4g}\n", relative);
       fmt::print("PHASES_MS route {:.3f} dispatch {:.3f} combine {:.3f} forward {:.3f} backward {:.3f}\n", routeMs,
                  dispatchMs, oursMs - dispatchMs, forwardMs, stepMs - forwardMs);

@@ -29,7 +29,7 @@ for tokens in $token_counts; do
     s=$(value STEP_MS "$r")
     [ -n "$s" ] || { echo "bulkhead-moe-bench failed:"; echo "$r" | tail -20; exit 1; }
     phases+=("$tokens $(value MODE "$r"): $(grep PHASES_MS <<<"$r"); exchanges (ms each): $(grep DISPATCHER_EXCHANGES <<<"$r" | grep -v _MS | cut -d' ' -f2-)")
-    rows+=("| $tokens | $(value MODE "$r") | $s | $t | $(ratio "$t" "$s") | $(value ROWS_SENT "$r") | $(value DISPATCH_COMBINE_MS "$r") | $(value RAW_ALLTOALL_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value DISPATCH_COMBINE_MS "$r")") | $(value DISPATCHER_EXCHANGES_MS "$r") | $(value RAW_ALLTOALL_EVENTS_MS "$r") | $(ratio "$(value RAW_ALLTOALL_EVENTS_MS "$r")" "$(value DISPATCHER_EXCHANGES_MS "$r")") | $(value EXCHANGE_ONLY_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value EXCHANGE_ONLY_MS "$r")") | $(value MAX_REL_DIFF_VS_EP1 "$r") |")
+    rows+=("| $tokens | $(value MODE "$r") | $s | $t | $(ratio "$t" "$s") | $(value ROWS_SENT "$r") | $(value DISPATCH_COMBINE_MS "$r") | $(value RAW_ALLTOALL_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value DISPATCH_COMBINE_MS "$r")") | $(value DISPATCHER_EXCHANGES_MS "$r") | $(value RAW_ALLTOALL_EVENTS_MS "$r") | $(ratio "$(value RAW_ALLTOALL_EVENTS_MS "$r")" "$(value DISPATCHER_EXCHANGES_MS "$r")") | $(value EXCHANGE_ONLY_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value EXCHANGE_ONLY_MS "$r")") | $(value LOCAL_PASSES_FLOOR_MS "$r") | $(value BW_RATIO_BOUND "$r") | $(value MAX_REL_DIFF_VS_EP1 "$r") |")
   done
 done
 {
@@ -46,10 +46,13 @@ done
   echo "raw round trip timed by CUDA events too (the other raw NCCL column is wall clock, like dispatch+combine)."
   echo "Exchange only: the same rows both ways through Bulkhead's communicator (deadline and ledger, no index work);"
   echo "transport ratio = raw / exchange only."
+  echo "Local passes floor: a device copy of the received rows plus the expert rows, the least memory traffic of"
+  echo "expanding received rows into expert rows and summing them back; bound = raw / (raw + that floor), the best bw"
+  echo "ratio a dispatcher reaches that runs those passes apart from its exchanges."
   echo "Max rel diff: the layer's output at ep $ranks against the same layer with all experts on one GPU (bf16)."
   echo
-  echo "| tokens/rank | dispatch | Bulkhead step ms | PyTorch step ms | speed-up | rows sent/rank | dispatch+combine ms | raw NCCL ms | bw ratio | dispatcher exchanges ms | raw NCCL ms (events) | exchange ratio | exchange only ms | transport ratio | max rel diff |"
-  echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+  echo "| tokens/rank | dispatch | Bulkhead step ms | PyTorch step ms | speed-up | rows sent/rank | dispatch+combine ms | raw NCCL ms | bw ratio | dispatcher exchanges ms | raw NCCL ms (events) | exchange ratio | exchange only ms | transport ratio | local passes floor ms | bound | max rel diff |"
+  echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   printf '%s\n' "${rows[@]}"
   echo
   echo "Where a step's time goes (each phase alone, synced, ms):"
