@@ -217,14 +217,15 @@ int main(int argc, char** argv) {
     // The same round trip timed as the dispatcher's exchanges are (CUDA events
     // on the default stream), for the exchange ratio.
     const double rawEventsMs = medianEventMs(options.iterations, rawRoundTrip);
-    // A floor under the local passes between the exchanges: expanding the
-    // received rows into expert rows (ordering them by expert, per slot) and
-    // summing the expert rows back read and write at least the received rows
-    // and the expert rows, once each way. Timed as one device copy of that
-    // many rows. A dispatcher that sends each token once per rank and feeds
-    // grouped GEMMs contiguous rows per expert cannot skip these passes; the
-    // bound is the bw ratio it reaches at best unless it overlaps them with
-    // the exchanges.
+    // An approximate floor under the local passes between the exchanges:
+    // expanding the received rows into expert rows (ordering them by expert,
+    // per slot) and summing the expert rows back read and write the received
+    // rows and the expert rows, once each way. Timed as one device copy of
+    // that many rows (rank 0's counts). A dispatcher that sends each token
+    // once per rank and feeds grouped GEMMs contiguous rows per expert cannot
+    // skip these passes; the bound estimates the bw ratio it reaches at best
+    // unless it overlaps them with the exchanges. Approximate: received rows
+    // fresh from the exchange may still sit in L2, which the copy's do not.
     const int64_t expertRows = plan.expertInput.size(0);
     at::Tensor copyFrom = at::randn({expertRows + received, options.hidden}, tensorOptions);
     at::Tensor copyTo = at::empty_like(copyFrom);

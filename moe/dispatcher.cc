@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include <chrono>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -73,6 +74,10 @@ at::Tensor runningSum(const std::vector<int64_t>& counts, at::Device device) {
   at::Tensor host = at::empty({size}, at::TensorOptions(at::kInt).pinned_memory(device.is_cuda()));
   int64_t running = 0;
   for (int64_t i = 0; i < size; ++i) host.data_ptr<int32_t>()[i] = static_cast<int32_t>(running += counts[i]);
+  if (running > std::numeric_limits<int32_t>::max()) {
+    throw ConfigError(fmt::format("dispatch: {} expert rows on one rank, more than int32 group ends hold", running),
+                      {.expected = "fewer than 2^31 expert rows per rank: fewer tokens per step or more ep ranks"});
+  }
   return host.to(device, /*non_blocking=*/true);  // the host allocator keeps `host` until the copy is done
 }
 
@@ -180,9 +185,10 @@ at::Tensor TokenDispatcher::combine(const DispatchPlan& plan, const at::Tensor& 
 
 Grouping groupEntries(const at::Tensor& group, int groups, int64_t count) {
   Grouping grouping;
-  // The kernels take -1 as none; the sort needs none as the largest key.
+  // The kernels take any key outside [0, groups) as none; the sort needs
+  // none as the largest key.
   if (groupByKeyKernels(group, groups, count, grouping.order, grouping.table)) return grouping;
-  return groupByKey(group.remainder(groups + 1), groups, count);
+  return groupByKey(at::where(group.ge(0).logical_and(group.lt(groups)), group, groups), groups, count);
 }
 
 at::Tensor permuteTokens(const at::Tensor& tokens, const Grouping& grouping) {

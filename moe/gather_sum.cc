@@ -66,6 +66,7 @@ cuda::GatherSumArgs kernelArgs(const at::Tensor& source, const at::Tensor& table
   return args;
 }
 
+// The gradients it returns have no graph of their own (no double backward).
 struct GatherSumBackward : Node {
   at::Tensor source, table, weights;  // weights: float32 or float64, or undefined
   SourceRows named = SourceRows::Some;
@@ -164,12 +165,13 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t
     const c10::NoGradGuard untracked;
     output = expandRowsKernel(source, rows, table);
     if (!output.defined()) {
-      // The index the table inverts to: index[table[s, c]] = s.
-      at::Tensor listed = table.ge(0);
+      // The index the table inverts to, index[table[s, c]] = s, with no
+      // device sync: empty entries land in a spare slot past the end, and a
+      // row the table misses keeps -1, which index_select refuses.
       at::Tensor reader = at::arange(table.size(0), table.options()).unsqueeze(1).expand_as(table);
-      at::Tensor index = at::empty({rows}, table.options());
-      index.index_put_({table.masked_select(listed)}, reader.masked_select(listed));
-      output = source.index_select(0, index);
+      at::Tensor slot = at::where(table.ge(0), table, rows);
+      at::Tensor index = at::full({rows + 1}, -1, table.options()).scatter_(0, slot.reshape(-1), reader.reshape(-1));
+      output = source.index_select(0, index.narrow(0, 0, rows));
     }
   }
   if (!tracked) return output;

@@ -8,8 +8,9 @@
 //   backward: gradSource[idx] = w[p, c] * gradOut[p]
 //             gradWeights[p, c] = <gradOut[p], source[idx]>
 // Every source row appears at most once in the table (so backward needs no
-// atomics); source rows the table never names get a zero gradient from the
-// caller's zero-initialised buffer.
+// atomics and stores each row's gradient); rows the table never names keep
+// what the caller's buffer held: zeros, or nothing where the table names
+// every row (SourceRows::Every).
 
 #include <cstdint>
 

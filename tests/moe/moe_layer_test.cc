@@ -66,6 +66,19 @@ at::Tensor parameterNamed(const MoELayer& layer, const std::string& suffix) {
   return {};
 }
 
+// What the combine's gather-sums rely on (SourceRows::Every): the table's
+// listed entries are a permutation of [0, rows).
+bool namesEveryRowOnce(const at::Tensor& table, int64_t rows) {
+  const at::Tensor listed = table.masked_select(table.ge(0));
+  return at::equal(std::get<0>(listed.sort()), at::arange(rows, listed.options()));
+}
+
+int64_t total(const std::vector<int64_t>& values) {
+  int64_t sum = 0;
+  for (int64_t value : values) sum += value;
+  return sum;
+}
+
 double relativeError(const at::Tensor& value, const at::Tensor& reference) {
   const double scale = reference.numel() ? reference.abs().max().item<double>() : 0;
   const double error = value.numel() ? (value - reference).abs().max().item<double>() : 0;
@@ -359,6 +372,8 @@ TEST_CASE("dispatch and combine around identity experts return each token's weig
                    << c10::toString(weightType));
         CHECK(plan.recvWeights.scalar_type() == weightType);
         CHECK(at::equal(plan.expertRowEnds, at::tensor(plan.tokensPerLocalExpert, at::kLong).cumsum(0, at::kInt)));
+        CHECK(namesEveryRowOnce(plan.recvTable, plan.expertInput.size(0)));
+        CHECK(namesEveryRowOnce(plan.sendTable, total(plan.sendSplits)));
         // Top-1 with weight 1: the round trip is exact.
         CHECK(at::equal(dispatcher.combine(plan, plan.expertInput), tokens));
       }
@@ -394,6 +409,13 @@ TEST_CASE("a kept slot naming no expert makes every ep rank raise together, and 
     // Every rank ran the same exchanges: the next dispatch on the group works.
     DispatchPlan plan = dispatcher.dispatch(tokens, routing);
     CHECK(at::equal(plan.expertRowEnds, at::tensor(plan.tokensPerLocalExpert, at::kLong).cumsum(0, at::kInt)));
+    CHECK(namesEveryRowOnce(plan.recvTable, plan.expertInput.size(0)));
+    CHECK(namesEveryRowOnce(plan.sendTable, total(plan.sendSplits)));
+    // Expert output with a row too many is refused before the results
+    // exchange (here on every rank), and the plan still combines after it.
+    at::Tensor tooMany = at::cat({plan.expertInput, gaussian(700 + world.rank(), {1, kHidden})});
+    CHECK_THROWS_AS(dispatcher.combine(plan, tooMany), ConfigError);
+    CHECK(dispatcher.combine(plan, plan.expertInput).sizes() == tokens.sizes());
   }
 }
 
