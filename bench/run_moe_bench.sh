@@ -46,9 +46,9 @@ done
   echo "raw round trip timed by CUDA events too (the other raw NCCL column is wall clock, like dispatch+combine)."
   echo "Exchange only: the same rows both ways through Bulkhead's communicator (deadline and ledger, no index work);"
   echo "transport ratio = raw / exchange only."
-  echo "Local passes floor: a device copy of the received rows plus the expert rows, the least memory traffic of"
-  echo "expanding received rows into expert rows and summing them back; bound = raw / (raw + that floor), the best bw"
-  echo "ratio a dispatcher reaches that runs those passes apart from its exchanges."
+  echo "Local passes floor: a device copy of the received rows plus the expert rows (rank 0's counts), about the least"
+  echo "memory traffic of expanding received rows into expert rows and summing them back; bound = raw / (raw + that"
+  echo "floor), about the best bw ratio of a dispatcher that runs those passes apart from its exchanges."
   echo "Max rel diff: the layer's output at ep $ranks against the same layer with all experts on one GPU (bf16)."
   echo
   echo "| tokens/rank | dispatch | Bulkhead step ms | PyTorch step ms | speed-up | rows sent/rank | dispatch+combine ms | raw NCCL ms | bw ratio | dispatcher exchanges ms | raw NCCL ms (events) | exchange ratio | exchange only ms | transport ratio | local passes floor ms | bound | max rel diff |"
