@@ -1,62 +1,15 @@
 #include "moe/cuda/gather_sum_kernels.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
-#include <initializer_list>
 #include <stdexcept>
-#include <string>
+
+#include "moe/cuda/elements.cuh"
 
 namespace bulkhead::moe::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxColumns = 64;
-
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-template <typename T> __device__ __forceinline__ typename Acc<T>::type load(const T* p) { return static_cast<typename Acc<T>::type>(*p); }
-template <> __device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-template <> __device__ __forceinline__ float load(const __half* p) { return __half2float(*p); }
-
-template <typename T, typename A> __device__ __forceinline__ void store(T* p, A v) { *p = static_cast<T>(v); }
-template <> __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-template <> __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half(v); }
-
-// Threads move rows in groups of kSize elements: 16-byte vectors (kVector)
-// where every row's bytes and base address are multiples of 16 (the layer's
-// rows are whenever the hidden size is a multiple of 8), single elements
-// otherwise.
-template <typename T> constexpr int kVector = 16 / sizeof(T);
-
-template <int kSize, typename T, typename A>
-__device__ __forceinline__ void loadGroup(const T* p, A (&values)[kSize]) {
-  if constexpr (kSize == 1) {
-    values[0] = load(p);
-  } else {
-    static_assert(kSize * sizeof(T) == 16, "a group is one 16-byte vector");
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const T* items = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kSize; ++i) values[i] = load(items + i);
-  }
-}
-
-template <int kSize, typename T, typename A>
-__device__ __forceinline__ void storeGroup(T* p, const A (&values)[kSize]) {
-  if constexpr (kSize == 1) {
-    store(p, values[0]);
-  } else {
-    uint4 raw;
-    T* items = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kSize; ++i) store(items + i, values[i]);
-    *reinterpret_cast<uint4*>(p) = raw;
-  }
-}
 
 // One block per output row: the row's table entries and weights go to shared
 // memory, then threads stride over the row's groups.
@@ -137,19 +90,6 @@ __global__ void backwardKernel(const T* source, const T* gradOut, T* gradSource,
   }
 }
 
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
-}
-
-// True when rows of `width` elements at these addresses split into whole 16-byte vectors.
-template <typename T>
-bool vectorRows(int64_t width, std::initializer_list<const void*> rows) {
-  if (width * static_cast<int64_t>(sizeof(T)) % 16 != 0) return false;
-  for (const void* base : rows)
-    if (base && reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
-  return true;
-}
-
 template <typename T, typename W>
 void launchForward(const GatherSumArgs& args, const void* source, void* out) {
   if (args.outputs == 0) return;
@@ -157,7 +97,7 @@ void launchForward(const GatherSumArgs& args, const void* source, void* out) {
   kernel<<<args.outputs, kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(
       static_cast<const T*>(source), static_cast<T*>(out), args.table, static_cast<const W*>(args.weights),
       args.columns, args.width);
-  check(cudaGetLastError(), "gather-sum forward kernel launch");
+  checkLaunch("gather-sum forward kernel launch");
 }
 
 template <typename T, typename W>
@@ -169,7 +109,7 @@ void launchBackward(const GatherSumArgs& args, const void* source, const void* g
   kernel<<<args.outputs, kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(
       static_cast<const T*>(source), static_cast<const T*>(gradOut), static_cast<T*>(gradSource),
       static_cast<W*>(gradWeights), args.table, static_cast<const W*>(args.weights), args.columns, args.width);
-  check(cudaGetLastError(), "gather-sum backward kernel launch");
+  checkLaunch("gather-sum backward kernel launch");
 }
 
 template <template <typename, typename> class Launch, typename... Args>

@@ -14,9 +14,9 @@
 
 #include <cstdint>
 
-namespace bulkhead::moe::cuda {
+#include "moe/cuda/dtype.h"
 
-enum class Dtype { Float32, Float64, BFloat16, Float16 };
+namespace bulkhead::moe::cuda {
 
 struct GatherSumArgs {
   Dtype rowType;         // dtype of source, out, gradOut, gradSource

@@ -1,10 +1,9 @@
 #include "moe/cuda/group_kernels.h"
 
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <stdexcept>
-#include <string>
+
+#include "moe/cuda/elements.cuh"
 
 namespace bulkhead::moe::cuda {
 namespace {
@@ -16,10 +15,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int64_t kMinSegment = 512;
 constexpr int64_t kMaxSegments = 256;
-
-void check(cudaError_t rc, const char* what) {
-  if (rc != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(rc));
-}
 
 // Entry e's group; -1 for none (a key outside [0, groups), or e past the end).
 __device__ __forceinline__ long long groupOf(const int64_t* keys, int64_t e, int64_t end, int64_t groups) {
@@ -118,10 +113,10 @@ void groupEntries(const GroupArgs& args) {
   auto stream = static_cast<cudaStream_t>(args.stream);
   countKernel<<<blocks, kThreads, kWarps * args.groups * sizeof(int32_t), stream>>>(
       args.keys, args.entries, args.groups, segment, segments, args.scratch);
-  check(cudaGetLastError(), "groupEntries count kernel launch");
+  checkLaunch("groupEntries count kernel launch");
   assignKernel<<<blocks, kThreads, kWarps * args.groups * sizeof(int64_t), stream>>>(
       args.keys, args.entries, args.groups, segment, segments, args.scratch, args.order, args.table);
-  check(cudaGetLastError(), "groupEntries assign kernel launch");
+  checkLaunch("groupEntries assign kernel launch");
 }
 
 }  // namespace bulkhead::moe::cuda

@@ -1,11 +1,10 @@
 #include "moe/cuda/route_kernels.h"
 
-#include <cuda_runtime.h>
-
 #include <cstdint>
 #include <initializer_list>
 #include <stdexcept>
-#include <string>
+
+#include "moe/cuda/elements.cuh"
 
 namespace bulkhead::moe::cuda {
 namespace {
@@ -14,10 +13,6 @@ constexpr int kThreads = 256;
 // Counters a block keeps in shared memory before adding them to the global
 // ones (one global atomic per counter and block, not per slot).
 constexpr int64_t kMaxSharedCounters = 8192;
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
-}
 
 // One thread per token. Counters per rank: L local experts, rows, invalid.
 template <bool kPerSlot>
@@ -143,7 +138,7 @@ void planRoutes(const RouteArgs& args, int64_t* counts, int64_t* key) {
   auto stream = static_cast<cudaStream_t>(args.stream);
   if (args.perSlot) planKernel<true><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, shared);
   else planKernel<false><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, shared);
-  check(cudaGetLastError(), "route planning kernel launch");
+  checkLaunch("route planning kernel launch");
 }
 
 void packRoutes(const PackArgs& args) {
@@ -158,7 +153,7 @@ void packRoutes(const PackArgs& args) {
   } else {
     args.route.perSlot ? launchPack<double, true>(args, chunk, stream) : launchPack<double, false>(args, chunk, stream);
   }
-  check(cudaGetLastError(), "route packing kernel launch");
+  checkLaunch("route packing kernel launch");
 }
 
 void expandRows(const ExpandArgs& args) {
@@ -170,7 +165,7 @@ void expandRows(const ExpandArgs& args) {
   if (chunk == 16) expandKernel<uint4><<<blocks, kThreads, 0, stream>>>(args);
   else if (chunk == 4) expandKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(args);
   else expandKernel<uint8_t><<<blocks, kThreads, 0, stream>>>(args);
-  check(cudaGetLastError(), "row expansion kernel launch");
+  checkLaunch("row expansion kernel launch");
 }
 
 }  // namespace bulkhead::moe::cuda

@@ -1,12 +1,11 @@
 #include "moe/cuda/score_kernels.h"
 
-#include <cuda_runtime.h>
-
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
-#include <string>
 #include <type_traits>
+
+#include "moe/cuda/elements.cuh"
 
 namespace bulkhead::moe::cuda {
 namespace {
@@ -14,10 +13,6 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 constexpr int64_t kMaxWarps = 1024;  // more tokens: each warp takes several
 constexpr unsigned kAllLanes = 0xffffffffu;
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
-}
 
 struct Grid {
   unsigned blocks = 0;
@@ -238,7 +233,7 @@ void scoreForward(const ScoreArgs& args, const float* bias, const ScoreOutputs& 
       scoreForwardKernel<float, kPerLane>
           <<<grid.blocks, kWarpsPerBlock * 32, sharedBytes, stream>>>(args, bias, out, grid.tokensPerWarp);
   });
-  check(cudaGetLastError(), "router score kernel launch");
+  checkLaunch("router score kernel launch");
 }
 
 void scoreBackward(const ScoreArgs& args, const ScoreGrads& grads, void* gradLogits) {
@@ -255,7 +250,7 @@ void scoreBackward(const ScoreArgs& args, const ScoreGrads& grads, void* gradLog
       scoreBackwardKernel<float, kPerLane><<<grid.blocks, kWarpsPerBlock * 32, 0, stream>>>(
           args, grads, static_cast<float*>(gradLogits), grid.tokensPerWarp);
   });
-  check(cudaGetLastError(), "router score backward kernel launch");
+  checkLaunch("router score backward kernel launch");
 }
 
 }  // namespace bulkhead::moe::cuda
