@@ -3,7 +3,9 @@ dispatchers do it: router (softmax, top-k, renormalised weights, Switch aux
 loss), permute by expert (argsort), per-expert counts with all_to_all_single,
 tokens with the autograd all_to_all_single (one row per selected slot),
 order by local expert, grouped matrix products (torch._grouped_mm) for a
-SwiGLU MLP, and the mirror image to combine; forward + backward timed.
+SwiGLU MLP (gate and up projections stacked in one weight and one product, as
+Megatron's grouped MLP has them), and the mirror image to combine; forward +
+backward timed.
 Launched under mpirun beside bulkhead-moe-bench (bench/run_moe_bench.sh).
 
     mpirun -np 2 python3 bench/torch_moe.py --tokens 4096 --hidden 2048 --experts 64 --topk 8 --ffn 768
@@ -34,8 +36,7 @@ local_experts = E // world
 bf16 = dict(device=device, dtype=torch.bfloat16)
 torch.manual_seed(7)
 gate = (torch.randn(E, H, **bf16) * 0.02).requires_grad_()
-w1 = (torch.randn(local_experts, F, H, **bf16) * 0.02).requires_grad_()
-w3 = (torch.randn(local_experts, F, H, **bf16) * 0.02).requires_grad_()
+w13 = (torch.randn(local_experts, 2 * F, H, **bf16) * 0.02).requires_grad_()
 w2 = (torch.randn(local_experts, H, F, **bf16) * 0.02).requires_grad_()
 torch.manual_seed(1000 + rank)
 x = torch.randn(T, H, **bf16).requires_grad_()
@@ -69,7 +70,8 @@ def step():
     by_expert = torch.argsort(torch.repeat_interleave(chunk_expert, recv_matrix.view(-1)), stable=True)
     expert_in = received.index_select(0, by_expert)
     per_expert = recv_matrix.sum(0)
-    hidden = torch.nn.functional.silu(grouped(expert_in, w1, per_expert)) * grouped(expert_in, w3, per_expert)
+    gate_proj, up_proj = grouped(expert_in, w13, per_expert).chunk(2, dim=-1)
+    hidden = torch.nn.functional.silu(gate_proj) * up_proj
     expert_out = grouped(hidden, w2, per_expert)
     back = torch.empty_like(expert_out).index_copy(0, by_expert, expert_out)
     returned = dist_fn.all_to_all_single(torch.empty(sum(send_splits), H, **bf16), back, send_splits, recv_splits)

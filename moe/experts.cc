@@ -15,6 +15,7 @@
 #include <numeric>
 #include <utility>
 
+#include "moe/swiglu.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
@@ -64,19 +65,18 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
     }
   }
   const int64_t column = expertTp_->rank() * ffnLocal;
-  std::vector<at::Tensor> w1, w2, w3;
+  std::vector<at::Tensor> w13, w2;
   for (int local = 0; local < localExperts; ++local) {
     const int expert = firstExpert + local;
-    w1.push_back(ownSlice(expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal), etp));
-    w3.push_back(ownSlice(expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal), etp));
+    w13.push_back(at::stack({expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal),
+                             expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal)}));
     w2.push_back(ownSlice(expertMatrix(options_, expert, 2, hidden, ffn).narrow(1, column, ffnLocal), etp));
   }
   auto stacked = [&](std::vector<at::Tensor>& parts, std::vector<int64_t> shape) {
     at::Tensor all = parts.empty() ? at::empty(shape, at::kDouble) : at::stack(parts);
     return all.to(tensorOptions).contiguous().set_requires_grad(true);
   };
-  w1_ = stacked(w1, {0, ffnLocal, hidden});
-  w3_ = stacked(w3, {0, ffnLocal, hidden});
+  w13_ = stacked(w13, {0, 2, ffnLocal, hidden});
   w2_ = stacked(w2, {0, hidden, ffnLocal});
 }
 
@@ -85,15 +85,15 @@ at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<i
   const parallel::TpGroup etp{.comm = expertTp_, .timeout = options_.timeout, .paramGroup = parallel::ParamGroup::Expert};
   at::Tensor x = parallel::copyToTensorParallel(tokens, etp);
   const at::Tensor ends = groupEndsFor(x, groupEnds, groupedMm_);
-  at::Tensor gate = groupedLinear(x, w1_, counts, ends);
-  at::Tensor up = groupedLinear(x, w3_, counts, ends);
-  at::Tensor partial = groupedLinear(at::silu(gate) * up, w2_, counts, ends);
+  // One product for both projections: one gradient to x, none to sum.
+  at::Tensor gateUp = groupedLinear(x, w13_.flatten(1, 2), counts, ends);
+  at::Tensor partial = groupedLinear(swiglu(gateUp), w2_, counts, ends);
   return parallel::reduceFromTensorParallel(partial, etp);
 }
 
 std::vector<parallel::Parameter> GroupedExperts::parameters(const std::string& prefix, int replicaId) const {
   const int64_t experts = options_.numExperts, hidden = options_.hidden, ffn = options_.ffnHidden;
-  const int64_t column = expertTp_->rank() * w1_.size(1);
+  const int64_t column = expertTp_->rank() * w13_.size(2);
   auto make = [&](const char* name, const at::Tensor& tensor, std::vector<int64_t> global,
                   std::vector<int64_t> offsets) {
     return parallel::Parameter{.name = prefix + name,
@@ -102,8 +102,7 @@ std::vector<parallel::Parameter> GroupedExperts::parameters(const std::string& p
                                .group = parallel::ParamGroup::Expert,
                                .tpReplicated = false};
   };
-  return {make(".w1", w1_, {experts, ffn, hidden}, {firstExpert_, column, 0}),
-          make(".w3", w3_, {experts, ffn, hidden}, {firstExpert_, column, 0}),
+  return {make(".w13", w13_, {experts, 2, ffn, hidden}, {firstExpert_, 0, column, 0}),
           make(".w2", w2_, {experts, hidden, ffn}, {firstExpert_, 0, column})};
 }
 

@@ -1,12 +1,14 @@
 #pragma once
 // The routed experts of one ep rank: SwiGLU MLPs, y = (silu(x W1^T) * x W3^T) W2^T,
-// computed for all local experts at once as grouped matrix products.
+// computed for all local experts at once as grouped matrix products: one for
+// the gate and up projections together (W1 and W3 stacked as w13), one for W2.
 //
 // Contract:
-// - Weights are stacked per local expert: w1 and w3 [E_local, F_local, H],
-//   w2 [E_local, H, F_local], F_local = ffnHidden / etp. Their global tensors
-//   are [E, F, H] and [E, H, F], indexed by global expert id; this rank's
-//   slice starts at expert firstExpert and at column etpRank * F_local of F.
+// - Weights are stacked per local expert: w13 [E_local, 2, F_local, H] (W1
+//   then W3), w2 [E_local, H, F_local], F_local = ffnHidden / etp. Their
+//   global tensors are [E, 2, F, H] and [E, H, F], indexed by global expert
+//   id; this rank's slice starts at expert firstExpert and at column
+//   etpRank * F_local of F.
 // - Initial values depend only on (seed, global expert id, matrix), so every
 //   layout starts from the same global weights (initSeed).
 // - With etp > 1 every rank of the expert-tp group must pass identical
@@ -52,19 +54,18 @@ class GroupedExperts {
   at::Tensor forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
                      const at::Tensor& groupEnds) const;
 
-  // Names are prefix + ".w1" etc.; replicaId is the caller's (expert-dp rank).
+  // Names are prefix + ".w13" and ".w2"; replicaId is the caller's (expert-dp rank).
   std::vector<parallel::Parameter> parameters(const std::string& prefix, int replicaId) const;
 
-  const at::Tensor& w1() const { return w1_; }
+  const at::Tensor& w13() const { return w13_; }
   const at::Tensor& w2() const { return w2_; }
-  const at::Tensor& w3() const { return w3_; }
 
  private:
   ExpertOptions options_;
   bool groupedMm_;  // options_.groupedMm where the shapes fit at::_grouped_mm
   int firstExpert_;
   CommunicatorPtr expertTp_;
-  at::Tensor w1_, w2_, w3_;
+  at::Tensor w13_, w2_;
 };
 
 // rows [N, K] grouped by `counts`, weights [G, Out, K] -> [N, Out]: each
@@ -77,7 +78,7 @@ at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, cons
 // The seed of one initial matrix's generator: (layer seed, kind, id) mixed by
 // splitmix64, so that the matrices of a layer draw from unrelated streams
 // (the CPU generator keeps 32 bits of a seed: two matrices coincide with odds
-// of one in 2^32 per pair). Kinds: 1-3 expert w1, w2, w3 with id the global
+// of one in 2^32 per pair). Kinds: 1-3 expert W1, W2, W3 with id the global
 // expert; 101-104 the router gate and the shared expert's w1, w3, w2, id 0.
 uint64_t initSeed(uint64_t seed, uint64_t kind, uint64_t id);
 

@@ -6,7 +6,7 @@
 //
 // Contract:
 // - A global tensor is named by a key that does not depend on the layout
-//   ("layers.3.moe.experts.w1"; expert weights are indexed by global expert
+//   ("layers.3.moe.experts.w13"; expert weights are indexed by global expert
 //   id), and has one global shape.
 // - A rank holds a rectangular slice of it: `offsets[d]` is where the slice
 //   starts in dimension d, and the slice's extent is the local tensor's shape.

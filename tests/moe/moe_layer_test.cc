@@ -235,7 +235,7 @@ TEST_CASE("the layer's gradients match finite differences of the global loss", "
     int ownerRank;     // for the input: the rank whose token moves
   };
   const std::vector<Probe> probes{{".router.weight", {1, 2}, -1}, {".router.weight", {9, 0}, -1},
-                                  {".experts.w1", {6, 3, 1}, -1}, {".experts.w3", {15, 11, 7}, -1},
+                                  {".experts.w13", {6, 0, 3, 1}, -1}, {".experts.w13", {15, 1, 11, 7}, -1},
                                   {".experts.w2", {0, 5, 4}, -1}, {".shared.w2", {2, 3}, -1},
                                   {"input", {4, 6}, 5}};
   const double step = 1e-5;

@@ -1,0 +1,100 @@
+#include "moe/swiglu.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <optional>
+
+#include "runtime/errors.h"
+
+#if BULKHEAD_MOE_KERNELS
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <memory>
+#include <string>
+
+#include "moe/cuda/swiglu_kernels.h"
+#endif
+
+namespace bulkhead::moe {
+namespace {
+
+void checkShape(const at::Tensor& gateUp) {
+  if (gateUp.dim() != 2 || gateUp.size(1) % 2 != 0) {
+    throw ConfigError(fmt::format("swiglu: input [{}]", fmt::join(gateUp.sizes(), ", ")),
+                      {.expected = "[N, 2F]: the gate projection's F columns, then the up projection's"});
+  }
+}
+
+#if BULKHEAD_MOE_KERNELS
+std::optional<cuda::Dtype> kernelType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return cuda::Dtype::Float32;
+    case at::kDouble: return cuda::Dtype::Float64;
+    case at::kBFloat16: return cuda::Dtype::BFloat16;
+    case at::kHalf: return cuda::Dtype::Float16;
+    default: return std::nullopt;
+  }
+}
+
+cuda::SwigluArgs kernelArgs(const at::Tensor& gateUp) {
+  return {.type = *kernelType(gateUp.scalar_type()),
+          .rows = gateUp.size(0),
+          .width = gateUp.size(1) / 2,
+          .stream = c10::cuda::getCurrentCUDAStream(gateUp.device().index()).stream()};
+}
+
+// Saved as a SavedVariable: an input changed in place since the forward, or a
+// second backward through a freed graph, raises as it would in ATen. The
+// gradient it returns has no graph of its own.
+struct SwigluBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable savedGateUp;
+  std::string name() const override { return "bulkhead::SwigluBackward"; }
+  void release_variables() override { savedGateUp.reset_data(); }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (!grads[0].defined()) return {at::Tensor()};
+    const at::Tensor gateUp = savedGateUp.unpack();
+    const c10::cuda::CUDAGuard onDevice(gateUp.device());
+    const at::Tensor gradOut = grads[0].to(gateUp.scalar_type()).contiguous();
+    at::Tensor gradGateUp = at::empty_like(gateUp);
+    cuda::swigluBackward(kernelArgs(gateUp), gateUp.data_ptr(), gradOut.data_ptr(), gradGateUp.data_ptr());
+    return {gradGateUp};
+  }
+};
+#endif
+
+}  // namespace
+
+at::Tensor swigluReference(const at::Tensor& gateUp) {
+  checkShape(gateUp);
+  const int64_t width = gateUp.size(1) / 2;
+  return at::silu(gateUp.narrow(1, 0, width)) * gateUp.narrow(1, width, width);
+}
+
+at::Tensor swiglu(const at::Tensor& gateUp) {
+#if BULKHEAD_MOE_KERNELS
+  if (gateUp.is_cuda() && kernelType(gateUp.scalar_type())) {
+    checkShape(gateUp);
+    const c10::cuda::CUDAGuard onDevice(gateUp.device());
+    const at::Tensor input = gateUp.detach().contiguous();
+    at::Tensor out = at::empty({input.size(0), input.size(1) / 2}, input.options());
+    cuda::swigluForward(kernelArgs(input), input.data_ptr(), out.data_ptr());
+    if (torch::autograd::GradMode::is_enabled() && gateUp.requires_grad()) {
+      auto node = std::shared_ptr<SwigluBackward>(new SwigluBackward(), torch::autograd::deleteNode);
+      node->savedGateUp = torch::autograd::SavedVariable(input, /*is_output=*/false);
+      node->set_next_edges(torch::autograd::collect_next_edges(gateUp));
+      torch::autograd::set_history(out, node);
+    }
+    return out;
+  }
+#endif
+  return swigluReference(gateUp);
+}
+
+}  // namespace bulkhead::moe

@@ -1,0 +1,21 @@
+#pragma once
+// SwiGLU on a fused gate-and-up projection, as the experts compute it:
+// gateUp [N, 2F] holds x W1^T in its first F columns and x W3^T in the last
+// F; the result [N, F] is silu(x W1^T) * x W3^T, with autograd to gateUp.
+//
+// Fusing both projections into one matrix product makes one gradient for the
+// experts' input where two would be summed. On contiguous CUDA tensors (where
+// the kernels are built, see moe/CMakeLists.txt) the activation is one kernel
+// each way, computed in float and rounded once; elsewhere ATen ops. No double
+// backward on CUDA.
+
+#include <ATen/core/Tensor.h>
+
+namespace bulkhead::moe {
+
+at::Tensor swiglu(const at::Tensor& gateUp);
+
+// The same, always as ATen ops (the reference the kernels are tested against).
+at::Tensor swigluReference(const at::Tensor& gateUp);
+
+}  // namespace bulkhead::moe
