@@ -117,7 +117,9 @@ TEST_CASE("nccl all-to-all matches mpi with uneven, zero and very unequal splits
 
 TEST_CASE("nccl send/recv and barrier work between every pair") {
   int n = gpuWorld().size(), me = gpuWorld().rank();
-  for (int shift = 1; shift < std::max(n, 2); ++shift) {
+  // NCCL pairs a send to self only with a receive in the same group: one GPU has no pair to test.
+  if (n == 1) WARN("one GPU: no pair of ranks to send between, only the barrier runs");
+  for (int shift = 1; shift < n; ++shift) {
     int to = (me + shift) % n, from = (me - shift % n + n) % n;
     at::Tensor out = draw(me, 3000 + shift, {4097}, at::kBFloat16).to(gpu());
     at::Tensor in = at::empty({4097}, at::TensorOptions().dtype(at::kBFloat16).device(gpu()));
