@@ -61,7 +61,7 @@ void AdamW::step(double lr) {
 
 void AdamW::zeroGrad() {
   for (const parallel::Parameter& param : params_)
-    if (param.tensor.grad().defined()) param.tensor.mutable_grad().zero_();
+    param.tensor.mutable_grad() = at::Tensor();
 }
 
 std::vector<parallel::ShardedTensor> AdamW::state() {

@@ -67,7 +67,9 @@ class AdamW {
   AdamW& operator=(AdamW&&) = default;
 
   void step(double lr);
-  // Zeroes every defined gradient in place.
+  // Releases every gradient (as PyTorch's zero_grad(set_to_none=True)): the
+  // next backward then writes each one fresh, with no zero fill before it and
+  // no add into it.
   void zeroGrad();
   int64_t stepCount() const { return step_; }
   const std::vector<parallel::Parameter>& parameters() const { return params_; }

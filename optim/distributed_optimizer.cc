@@ -214,7 +214,7 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
 
 void DistributedOptimizer::zeroGrad() {
   for (const Parameter& param : params_)
-    if (param.tensor.grad().defined()) param.tensor.mutable_grad().zero_();
+    param.tensor.mutable_grad() = at::Tensor();
 }
 
 int64_t DistributedOptimizer::stateElements() const {

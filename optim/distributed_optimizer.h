@@ -69,6 +69,9 @@ class DistributedOptimizer {
   // Steps 1-4 above with learning rate `lr`. Returns the global gradient norm
   // before clipping.
   double step(double lr, StepOptions options = {});
+  // Releases every gradient (as PyTorch's zero_grad(set_to_none=True)): the
+  // next backward then writes each one fresh, with no zero fill before it and
+  // no add into it.
   void zeroGrad();
   int64_t stepCount() const { return step_; }
   const std::vector<parallel::Parameter>& parameters() const { return params_; }

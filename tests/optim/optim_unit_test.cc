@@ -125,6 +125,22 @@ TEST_CASE("AdamW on bf16 parameters keeps float32 masters that accumulate update
   CHECK(state[6].local.item<int64_t>() == 8);
 }
 
+TEST_CASE("zeroGrad releases the gradients, so the next backward writes them rather than adding") {
+  auto generator = at::detail::createCPUGenerator(11);
+  at::Tensor weight = at::randn({5, 3}, generator, at::kDouble).set_requires_grad(true);
+  at::Tensor input = at::randn({4, 5}, generator, at::kDouble);
+  std::vector<parallel::Parameter> params{{.name = "w", .tensor = weight, .shard = parallel::ShardInfo::whole({5, 3})}};
+  AdamW adamw(params, {});
+  input.mm(weight).pow(2).sum().backward();
+  adamw.step(1e-3);
+  adamw.zeroGrad();
+  CHECK_FALSE(weight.grad().defined());
+  adamw.step(1e-3);  // a step with no gradient takes zeros (weight decay and momentum only)
+  input.mm(weight).sin().sum().backward();
+  at::Tensor expected = input.t().mm(input.mm(weight.detach()).cos());  // this backward's gradient alone
+  CHECK(at::allclose(weight.grad(), expected, 1e-12, 1e-12));
+}
+
 TEST_CASE("seeded parameter slices are independent of the layout") {
   parallel::ShardInfo whole = parallel::ShardInfo::whole({6, 4});
   at::Tensor all = parallel::seededSlice("layer.weight", 3, whole, {6, 4}, 0.5, at::kDouble);
