@@ -40,7 +40,7 @@ done
   echo "Command: \`${mpirun_args:+MPIRUN_ARGS=\"$mpirun_args\" }bench/run_moe_bench.sh $build $out $token_counts\` ($ranks GPUs: $(nvidia-smi -L | head -1 | cut -d'(' -f1), ep $ranks)."
   echo "bf16, $sizes, tokens per rank as listed. Step = forward + backward of the layer (router, aux loss,"
   echo "dispatch, grouped SwiGLU experts, combine), median of 20 after 3 warm-up steps, wall clock with a device sync."
-  echo "PyTorch reference: bench/torch_moe.py (argsort permute, all_to_all_single per slot, torch._grouped_mm)."
+  echo "PyTorch reference: bench/torch_moe.py (argsort permute, all_to_all_single per slot, torch._grouped_mm; gate and up in one product)."
   echo "Dispatch + combine: Bulkhead's dispatch() and combine() (counts, tokens with their routing, results; index work"
   echo "included) against raw ncclSend/ncclRecv of exactly the same rows both ways, same run; bw ratio = raw / ours."
   echo "Dispatcher exchanges: the time inside the collectives of those same dispatch() and combine() calls (counts,"
