@@ -113,6 +113,9 @@ class Communicator {
                            std::vector<int64_t> recvSplits, CallOptions options = {}) = 0;
   virtual WorkPtr broadcast(at::Tensor tensor, int root, CallOptions options = {}) = 0;
   virtual WorkPtr barrier(CallOptions options = {}) = 0;
+  // A pair with peer == rank(): the mpi backend completes it; the nccl backend
+  // refuses it (ConfigError), as NCCL pairs a send to self only with its
+  // receive in one group call. allToAll moves a rank's own rows on both.
   virtual WorkPtr send(at::Tensor tensor, int peer, CallOptions options = {}) = 0;
   virtual WorkPtr recv(at::Tensor tensor, int peer, CallOptions options = {}) = 0;
 

@@ -24,6 +24,17 @@ const checks::BackendRules kRules{c10::kCUDA,
                                   {ScalarType::Float, ScalarType::Double, ScalarType::BFloat16, ScalarType::Half,
                                    ScalarType::Int, ScalarType::Long, ScalarType::Char, ScalarType::Byte}};
 
+// NCCL pairs a send to self only with its receive inside one group call,
+// which separate send() and recv() calls never are: refused here, where the
+// mistake is named, rather than as an invalid-usage error from NCCL.
+void refuseSelf(const NcclCommunicator& comm, int peer, const char* role) {
+  if (peer == comm.rank())
+    throw ConfigError(fmt::format("{} to itself (rank {}) on {}: the nccl backend has no point-to-point pair with "
+                                  "one rank; use allToAll, which moves a rank's own rows, or the mpi backend",
+                                  role, peer, checks::describeGroup(comm)),
+                      checks::context(comm, "a peer other than this rank"));
+}
+
 class NcclWork : public Work {
  public:
   NcclWork(std::shared_ptr<NcclCommunicator> comm, std::shared_ptr<NcclOp> op)
@@ -255,6 +266,7 @@ WorkPtr NcclCommunicator::barrier(CallOptions options) {
 WorkPtr NcclCommunicator::send(at::Tensor tensor, int peer, CallOptions options) {
   checks::tensor(*this, kRules, tensor, "send");
   checks::peer(*this, peer, "peer");
+  refuseSelf(*this, peer, "send");
   auto op = prepare(OpType::Send, tensor);
   op->fingerprint.root = peer;
   return enqueue(op, options.deadline, options.stream, "ncclSend", [&](cudaStream_t stream) {
@@ -265,6 +277,7 @@ WorkPtr NcclCommunicator::send(at::Tensor tensor, int peer, CallOptions options)
 WorkPtr NcclCommunicator::recv(at::Tensor tensor, int peer, CallOptions options) {
   checks::tensor(*this, kRules, tensor, "recv");
   checks::peer(*this, peer, "peer");
+  refuseSelf(*this, peer, "recv");
   auto op = prepare(OpType::Recv, tensor);
   op->fingerprint.root = peer;
   return enqueue(op, options.deadline, options.stream, "ncclRecv", [&](cudaStream_t stream) {

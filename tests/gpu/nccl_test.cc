@@ -117,8 +117,11 @@ TEST_CASE("nccl all-to-all matches mpi with uneven, zero and very unequal splits
 
 TEST_CASE("nccl send/recv and barrier work between every pair") {
   int n = gpuWorld().size(), me = gpuWorld().rank();
-  // NCCL pairs a send to self only with a receive in the same group: one GPU has no pair to test.
-  if (n == 1) WARN("one GPU: no pair of ranks to send between, only the barrier runs");
+  // NCCL pairs a send to self only with its receive in one group: refused
+  // before anything is queued, and the group goes on working.
+  at::Tensor self = at::ones({8}, at::TensorOptions().dtype(at::kFloat).device(gpu()));
+  CHECK_THROWS_AS(gpuWorld().send(self, me), ConfigError);
+  CHECK_THROWS_AS(gpuWorld().recv(self, me), ConfigError);
   for (int shift = 1; shift < n; ++shift) {
     int to = (me + shift) % n, from = (me - shift % n + n) % n;
     at::Tensor out = draw(me, 3000 + shift, {4097}, at::kBFloat16).to(gpu());
