@@ -21,6 +21,7 @@
 #include "moe/cuda/gather_sum_kernels.h"
 #include "moe/cuda/group_kernels.h"
 #include "moe/cuda/route_kernels.h"
+#include "moe/kernel_support.h"
 #endif
 
 namespace bulkhead::moe {
@@ -42,19 +43,9 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-cuda::Dtype kernelType(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return cuda::Dtype::Float32;
-    case at::kDouble: return cuda::Dtype::Float64;
-    case at::kBFloat16: return cuda::Dtype::BFloat16;
-    case at::kHalf: return cuda::Dtype::Float16;
-    default: throw std::invalid_argument("gatherSum: unsupported dtype");
-  }
-}
-
 cuda::GatherSumArgs kernelArgs(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights) {
   cuda::GatherSumArgs args;
-  args.rowType = kernelType(source.scalar_type());
+  args.rowType = *kernelDtype(source.scalar_type());  // checked by the caller
   args.weightType = weights.defined() && weights.scalar_type() == at::kDouble ? cuda::Dtype::Float64
                                                                                : cuda::Dtype::Float32;
   args.outputs = table.size(0);
@@ -66,12 +57,13 @@ cuda::GatherSumArgs kernelArgs(const at::Tensor& source, const at::Tensor& table
   return args;
 }
 
-// The gradients it returns have no graph of their own (no double backward).
+// The gradients it returns have no graph of their own: a double backward raises.
 struct GatherSumBackward : Node {
   at::Tensor source, table, weights;  // weights: float32 or float64, or undefined
   SourceRows named = SourceRows::Some;
   std::string name() const override { return "bulkhead::GatherSumBackward"; }
   variable_list apply(variable_list&& grads) override {
+    refuseDoubleBackward("bulkhead::GatherSumBackward");
     const c10::cuda::CUDAGuard onDevice(source.device());
     at::Tensor gradOut = grads[0].defined() ? grads[0].contiguous()
                                             : at::zeros({table.size(0), source.size(1)}, source.options());
@@ -90,7 +82,7 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
 #if BULKHEAD_MOE_KERNELS
   const bool floating = weights.defined() ? (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kDouble)
                                           : true;
-  if (source.is_cuda() && floating && table.size(1) <= 64) {
+  if (source.is_cuda() && kernelDtype(source.scalar_type()) && floating && table.size(1) <= 64) {
     const c10::cuda::CUDAGuard onDevice(source.device());
     at::Tensor src = source.contiguous(), index = table.contiguous();
     at::Tensor w = weights.defined() ? weights.contiguous() : at::Tensor();

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "moe/cuda/score_kernels.h"
+#include "moe/kernel_support.h"
 #endif
 
 namespace bulkhead::moe {
@@ -37,7 +38,7 @@ const void* dataOrNull(const at::Tensor& tensor) { return tensor.defined() ? ten
 // Gradients of (weights, probSum, lseSquaredSum) to the logits. Saved as
 // SavedVariables: a logits tensor changed in place since the forward, or a
 // second backward through a freed graph, raises as it would in ATen. The
-// gradient it returns has no graph of its own (no double backward).
+// gradient it returns has no graph of its own: a double backward raises.
 struct ScoresBackward : torch::autograd::Node {
   torch::autograd::SavedVariable savedLogits, savedIndices;
   RouterOptions options;
@@ -47,6 +48,7 @@ struct ScoresBackward : torch::autograd::Node {
     savedIndices.reset_data();
   }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    refuseDoubleBackward("bulkhead::RouterScoresBackward");
     if (!grads[0].defined() && !grads[1].defined() && !grads[2].defined()) return {at::Tensor()};
     const at::Tensor logits = savedLogits.unpack(), indices = savedIndices.unpack();
     const c10::cuda::CUDAGuard onDevice(logits.device());

@@ -7,7 +7,7 @@
 // scores + bias; the weights are the selected unbiased scores, renormalised if
 // asked; probSum and lseSquaredSum are what meanProb and the z-loss are made
 // of. Here exact ties go to the lower expert id (at::topk leaves their order
-// open). No double backward.
+// open). A double backward raises (ConfigError).
 
 #include <ATen/core/Tensor.h>
 

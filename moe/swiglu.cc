@@ -4,8 +4,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <optional>
-
 #include "runtime/errors.h"
 
 #if BULKHEAD_MOE_KERNELS
@@ -20,6 +18,7 @@
 #include <string>
 
 #include "moe/cuda/swiglu_kernels.h"
+#include "moe/kernel_support.h"
 #endif
 
 namespace bulkhead::moe {
@@ -33,31 +32,23 @@ void checkShape(const at::Tensor& gateUp) {
 }
 
 #if BULKHEAD_MOE_KERNELS
-std::optional<cuda::Dtype> kernelType(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return cuda::Dtype::Float32;
-    case at::kDouble: return cuda::Dtype::Float64;
-    case at::kBFloat16: return cuda::Dtype::BFloat16;
-    case at::kHalf: return cuda::Dtype::Float16;
-    default: return std::nullopt;
-  }
-}
-
 cuda::SwigluArgs kernelArgs(const at::Tensor& gateUp) {
-  return {.type = *kernelType(gateUp.scalar_type()),
+  return {.type = *kernelDtype(gateUp.scalar_type()),
           .rows = gateUp.size(0),
           .width = gateUp.size(1) / 2,
           .stream = c10::cuda::getCurrentCUDAStream(gateUp.device().index()).stream()};
 }
 
-// Saved as a SavedVariable: an input changed in place since the forward, or a
-// second backward through a freed graph, raises as it would in ATen. The
-// gradient it returns has no graph of its own.
+// Saved as a SavedVariable: a contiguous input changed in place since the
+// forward, or a second backward through a freed graph, raises as it would in
+// ATen (a strided input was copied, so later changes to it do not matter).
+// The gradient it returns has no graph of its own, so a double backward raises.
 struct SwigluBackward : torch::autograd::Node {
   torch::autograd::SavedVariable savedGateUp;
   std::string name() const override { return "bulkhead::SwigluBackward"; }
   void release_variables() override { savedGateUp.reset_data(); }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    refuseDoubleBackward("bulkhead::SwigluBackward");
     if (!grads[0].defined()) return {at::Tensor()};
     const at::Tensor gateUp = savedGateUp.unpack();
     const c10::cuda::CUDAGuard onDevice(gateUp.device());
@@ -79,7 +70,7 @@ at::Tensor swigluReference(const at::Tensor& gateUp) {
 
 at::Tensor swiglu(const at::Tensor& gateUp) {
 #if BULKHEAD_MOE_KERNELS
-  if (gateUp.is_cuda() && kernelType(gateUp.scalar_type())) {
+  if (gateUp.is_cuda() && kernelDtype(gateUp.scalar_type())) {
     checkShape(gateUp);
     const c10::cuda::CUDAGuard onDevice(gateUp.device());
     const at::Tensor input = gateUp.detach().contiguous();

@@ -4,10 +4,10 @@
 // F; the result [N, F] is silu(x W1^T) * x W3^T, with autograd to gateUp.
 //
 // Fusing both projections into one matrix product makes one gradient for the
-// experts' input where two would be summed. On contiguous CUDA tensors (where
-// the kernels are built, see moe/CMakeLists.txt) the activation is one kernel
-// each way, computed in float and rounded once; elsewhere ATen ops. No double
-// backward on CUDA.
+// experts' input where two would be summed. On CUDA tensors (where the
+// kernels are built, see moe/CMakeLists.txt) the activation is one kernel each
+// way, computed in float and rounded once (a strided input is copied first);
+// elsewhere ATen ops. On CUDA a double backward raises (ConfigError).
 
 #include <ATen/core/Tensor.h>
 
