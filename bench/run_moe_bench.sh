@@ -13,16 +13,16 @@ token_counts=${*:-4096 16384}
 export NCCL_NVLS_ENABLE=0
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 ranks=${NP:-$(nvidia-smi -L | grep -c '^GPU')}
-mpirun_args=${MPIRUN_ARGS:-}
+read -ra mpirun_args <<<"${MPIRUN_ARGS:-}"
 sizes="--hidden 2048 --experts 64 --topk 8 --ffn 768"
 value() { awk -v key="$1" '$1 == key {print $2}' <<<"$2"; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
 rows=()
 phases=()
 for tokens in $token_counts; do
-  once=$(mpirun --oversubscribe $mpirun_args -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes 2>&1 || true)
-  slot=$(mpirun --oversubscribe $mpirun_args -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --per-slot 2>&1 || true)
-  torch=$(MASTER_ADDR=127.0.0.1 MASTER_PORT=29650 mpirun --oversubscribe $mpirun_args -np "$ranks" \
+  once=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes 2>&1 || true)
+  slot=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --per-slot 2>&1 || true)
+  torch=$(MASTER_ADDR=127.0.0.1 MASTER_PORT=29650 mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np "$ranks" \
     python3 bench/torch_moe.py --tokens "$tokens" $sizes 2>&1 || true)
   t=$(value TORCH_STEP_MS "$torch")
   [ -n "$t" ] || { echo "PyTorch reference failed:"; echo "$torch" | tail -20; exit 1; }
@@ -37,7 +37,7 @@ done
 {
   echo "# MoE layer: Bulkhead vs a PyTorch reference, and dispatch + combine vs raw NCCL"
   echo
-  echo "Command: \`${mpirun_args:+MPIRUN_ARGS=\"$mpirun_args\" }bench/run_moe_bench.sh $build $out $token_counts\` ($ranks GPUs: $(nvidia-smi -L | head -1 | cut -d'(' -f1), ep $ranks)."
+  echo "Command: \`${MPIRUN_ARGS:+MPIRUN_ARGS=\"$MPIRUN_ARGS\" }bench/run_moe_bench.sh $build $out $token_counts\` ($ranks GPUs: $(nvidia-smi -L | head -1 | cut -d'(' -f1), ep $ranks)."
   echo "bf16, $sizes, tokens per rank as listed. Step = forward + backward of the layer (router, aux loss,"
   echo "dispatch, grouped SwiGLU experts, combine), median of 20 after 3 warm-up steps, wall clock with a device sync."
   echo "PyTorch reference: bench/torch_moe.py (argsort permute, all_to_all_single per slot, torch._grouped_mm; gate and up in one product)."

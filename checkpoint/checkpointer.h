@@ -5,7 +5,7 @@
 //
 //   auto ckpt = checkpoint::Checkpointer::create({.dir = "/ckpt"}, runtime->store(), rank, world);
 //   checkpoint::StateDict state;  // slices under global keys + rng, data position, layout, user
-//   state.add("layers.0.experts.w1", local, {.globalShape = {64, 1536, 1024}, .offsets = {16 * ep, 0, 0}});
+//   state.add("layers.0.experts.w2", local, {.globalShape = {64, 1024, 768}, .offsets = {16 * ep, 0, 0}});
 //   ckpt->save(step, state);      // returns once the tensors are copied to host memory
 //   ...                           // training goes on while a background thread writes
 //   auto result = ckpt->load(state);  // fills state's tensors in place, returns the rest

@@ -217,7 +217,8 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
           continue;
         }
         throw CheckpointError(fmt::format("key '{}' is not in checkpoint step {} ({}, {} tensors); if the model gained "
-                                          "it since, load with LoadOptions{{.allowMissing = true}} and initialise it",
+                                          "it since, load with LoadOptions{{.allowMissing = true}} and initialise it; "
+                                          "if a newer version renamed it, resume with the version that saved this step",
                                           target.key, result.step, result.path, manifest.tensors.size()),
                               {.rank = rank_, .expected = "every key of the state dict in the checkpoint"});
       }

@@ -15,8 +15,9 @@
 //   then span exactly that group (etp == tp, same ranks): a ConfigError says
 //   so otherwise.
 // - Parameters are named "<name>.router.weight", "<name>.experts.w13|w2"
-//   (w13: W1 and W3 stacked, see experts.h), "<name>.shared.w1|w2|w3"; expert ones are Expert parameters whose
-//   gradients sum over the expert-dp group, the others Dense.
+//   (w13: W1 and W3 stacked, see experts.h), "<name>.shared.w1|w2|w3";
+//   expert ones are Expert parameters whose gradients sum over the expert-dp
+//   group, the others Dense.
 // - The caller adds auxLoss and zLoss to its loss (coefficients applied).
 //   Both are means over this rank's tokens (see globalAuxLoss for the counts).
 
