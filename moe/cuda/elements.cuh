@@ -9,15 +9,20 @@
 
 #include <cstdint>
 #include <initializer_list>
-#include <stdexcept>
 #include <string>
+
+#include "runtime/errors.h"
 
 namespace bulkhead::moe::cuda {
 
-// Raises what the last launch reported, naming the kernel.
+// Raises what the last launch reported, naming the kernel. A launch fails on
+// a GPU the kernels were not built for, or after an earlier fault on the device.
 inline void checkLaunch(const char* what) {
   const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+  if (status != cudaSuccess) {
+    throw Error(std::string(what) + " failed: " + cudaGetErrorString(status),
+                {.expected = "a GPU of the CUDA architectures the kernels were built for (CMAKE_CUDA_ARCHITECTURES)"});
+  }
 }
 
 // Half-precision elements accumulate in float, float64 in double.
