@@ -2,8 +2,9 @@
 # The training example end to end, under mpirun (MPI backend, CPU):
 #   falls    the loss of the README's run falls well below its start
 #   resume   2N steps straight == N steps, stop, resume for N (bitwise: losses
-#            and every rank's parameter digest); resuming at another ep or dp
-#            matches within 1e-9 relative (float64)
+#            and every rank's parameter digest); resuming at another ep, dp or
+#            tp (expert-tp slices the experts' w13 and w2 along F) matches
+#            within 1e-9 relative (float64)
 #   layouts  (ep1,dp1) (ep2,dp2) (ep4) (tp2,ep2): the same 20-step loss curve
 # usage: train_test.sh falls|resume|layouts <train_moe> <mpirun>
 set -euo pipefail
@@ -57,8 +58,9 @@ PY
     compare "$work/resumed.txt" "$work/straight.txt" 0
     diff "$work/straight.digest" "$work/resumed.digest" && echo "parameters bitwise equal: $(cat "$work/straight.digest")"
     # The step-8 checkpoint (alone in a folder of its own each time) resumed at ep 4 on 4 ranks,
-    # and at ep 1 on 2 ranks (dp 2); each run's final save must commit too.
-    for variant in "4 ep4 --ep 4" "2 dp2 --ep 1"; do
+    # at ep 1 on 2 ranks (dp 2), and at tp 2 ep 2 on 4 ranks (expert-tp 2); each run's final
+    # save must commit too.
+    for variant in "4 ep4 --ep 4" "2 dp2 --ep 1" "4 tp2 --tp 2 --ep 2"; do
       set -- $variant
       rm -rf "$work/$2.ckpt" && mkdir "$work/$2.ckpt" && cp -r "$work/ckpt/step_000008" "$work/$2.ckpt/"
       head -8 "$work/straight.txt" > "$work/$2.txt"
