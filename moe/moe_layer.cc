@@ -2,13 +2,19 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
+#include <optional>
 
+#include "moe/swiglu.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
 
@@ -40,6 +46,46 @@ const parallel::ProcessGroups& checkedGroups(const MoEOptions& options, const pa
   }
   return groups;
 }
+
+// Work on `side` (a stream of the input's device), from the current stream's
+// work so far; join() hands its result to the current stream. Both streams
+// are recorded on the tensors that cross between them, so the caching
+// allocator reuses neither block while the other stream may still read it.
+// Without a side stream the work runs inline.
+class BesideStream {
+ public:
+  BesideStream(const at::Tensor& input, std::optional<c10::Stream> side, const std::function<at::Tensor()>& work) {
+    if (!side) {
+      result_ = work();
+      return;
+    }
+    const c10::impl::VirtualGuardImpl device(input.device().type());
+    current_.emplace(device.getStream(input.device()));
+    c10::Event inputReady(input.device().type());
+    inputReady.record(*current_);
+    inputReady.block(*side);
+    device.recordDataPtrOnStream(input.storage().data_ptr(), *side);
+    {
+      const c10::StreamGuard onSide(*side);
+      result_ = work();
+    }
+    done_.emplace(input.device().type());
+    done_->record(*side);
+  }
+
+  at::Tensor join() const {
+    if (done_) {
+      done_->block(*current_);
+      c10::impl::VirtualGuardImpl(result_.device().type()).recordDataPtrOnStream(result_.storage().data_ptr(), *current_);
+    }
+    return result_;
+  }
+
+ private:
+  at::Tensor result_;
+  std::optional<c10::Stream> current_;
+  std::optional<c10::Event> done_;
+};
 
 }  // namespace
 
@@ -87,6 +133,9 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
                       {.rank = worldRank_, .expected = "tokens of the weights' dtype and device"});
   }
   at::Tensor tokens = input.reshape({-1, options_.hidden});
+  std::optional<BesideStream> shared;
+  if (sharedW1_.defined())
+    shared.emplace(tokens, sharedExpertStream(tokens.device()), [&] { return sharedExpert(tokens); });
   Routing routing = router_.select(tokens);
   DispatchPlan plan = dispatcher_.dispatch(tokens, routing);
   at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.expertRowEnds);
@@ -104,16 +153,27 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
     routing.auxLoss = router_.switchLoss(slots, 1.0, routing.meanProb) / total.squeeze(0).clamp_min(1);
   }
   at::Tensor output = dispatcher_.combine(plan, expertOutput);
-  if (sharedW1_.defined()) {
-    output = output + at::matmul(at::silu(at::matmul(tokens, sharedW1_.t())) * at::matmul(tokens, sharedW3_.t()),
-                                 sharedW2_.t());
-  }
+  if (shared) output = output + shared->join();
 
   lastLoads_ = routing.tokensPerExpert;
   lastAux_ = routing.auxLoss.detach();
   lastZ_ = routing.zLoss.detach();
   lastDropped_ = routing.droppedSlots;
   return {output.view(input.sizes()), routing.auxLoss, routing.zLoss};
+}
+
+std::optional<c10::Stream> MoELayer::sharedExpertStream(c10::Device device) {
+  if (!options_.overlapSharedExpert || !device.is_cuda()) return std::nullopt;
+  // One stream for the layer's life: the caching allocator keeps its blocks
+  // per stream, so a new stream each step would allocate afresh each step.
+  if (!sharedStream_ || sharedStream_->device() != device)
+    sharedStream_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+  return sharedStream_;
+}
+
+at::Tensor MoELayer::sharedExpert(const at::Tensor& tokens) const {
+  const at::Tensor gateUp = at::matmul(tokens, at::cat({sharedW1_, sharedW3_}).t());
+  return at::matmul(swiglu(gateUp), sharedW2_.t());
 }
 
 MoEStats MoELayer::stats() const {

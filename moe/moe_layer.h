@@ -20,8 +20,15 @@
 //   group, the others Dense.
 // - The caller adds auxLoss and zLoss to its loss (coefficients applied).
 //   Both are means over this rank's tokens (see globalAuxLoss for the counts).
+// - The shared expert needs nothing from the router, so on a GPU it runs on
+//   a stream of its own (overlapSharedExpert), beside the router, the
+//   dispatch's exchanges and the host's wait for the counts; the output
+//   waits for it before the sum. Its backward runs on that stream too
+//   (autograd runs each backward op on its forward op's stream). Only the
+//   order of independent work changes, not what is computed.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <chrono>
 #include <cstdint>
@@ -49,6 +56,7 @@ struct MoEOptions {
   // the layout, when the replicas hold equal numbers of tokens.
   bool globalAuxLoss = false;
   int sharedExpertHidden = 0;    // 0: no shared expert
+  bool overlapSharedExpert = true;  // on a GPU: the shared expert on a stream of its own
   double initStd = 0.02;
   uint64_t seed = 1234;
   bool groupedMm = true;
@@ -92,6 +100,11 @@ class MoELayer {
   void updateExpertBias(std::optional<Deadline> deadline = std::nullopt);
 
  private:
+  // silu(x W1^T) * x W3^T, then W2: one product for gate and up, as the routed experts.
+  at::Tensor sharedExpert(const at::Tensor& tokens) const;
+  // Where the shared expert runs beside the routed path: none on the CPU or when not asked to.
+  std::optional<c10::Stream> sharedExpertStream(c10::Device device);
+
   MoEOptions options_;
   CommunicatorPtr dpCp_;  // every dense replica of this layer but the tp ones
   int worldRank_;
@@ -103,6 +116,7 @@ class MoELayer {
   TokenDispatcher dispatcher_;
   GroupedExperts experts_;
   at::Tensor sharedW1_, sharedW2_, sharedW3_;  // [F_s, H], [H, F_s], [F_s, H]
+  std::optional<c10::Stream> sharedStream_;    // where the shared expert runs on a GPU
   at::Tensor lastLoads_, lastAux_, lastZ_;
   int64_t lastDropped_ = 0;
 };
