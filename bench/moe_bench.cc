@@ -6,7 +6,7 @@
 //
 //   mpirun -np 2 bulkhead-moe-bench [--tokens 4096] [--hidden 2048] [--experts 64]
 //                                   [--topk 8] [--ffn 768] [--iters 20] [--per-slot]
-//                                   [--profile trace.json]
+//                                   [--shared-ffn 0] [--shared-in-line] [--profile trace.json]
 //
 // The raw reference is bare NCCL (runtime/nccl/raw_nccl.h): no ledger,
 // watchdog or per-operation deadline.
@@ -43,6 +43,8 @@ namespace {
 
 struct Options {
   int tokens = 4096, hidden = 2048, experts = 64, topK = 8, ffn = 768, iterations = 20;
+  int sharedFfn = 0;          // a shared expert of this hidden size (0: none)
+  bool sharedInLine = false;  // run it on the layer's stream, not beside it
   bool perSlot = false;
   std::string profile;  // Chrome trace of 5 steps, rank 0's; rank r's gets ".rank<r>" (bench/profile_summary.py)
 };
@@ -61,6 +63,8 @@ Options parse(int argc, char** argv) {
     else if (arg == "--topk") options.topK = next();
     else if (arg == "--ffn") options.ffn = next();
     else if (arg == "--iters") options.iterations = next();
+    else if (arg == "--shared-ffn") options.sharedFfn = next();
+    else if (arg == "--shared-in-line") options.sharedInLine = true;
     else if (arg == "--per-slot") options.perSlot = true;
     else if (arg == "--profile") {
       if (i + 1 >= argc) throw ConfigError("--profile needs a file name");
@@ -122,7 +126,9 @@ int main(int argc, char** argv) {
     moe::MoEOptions layerOptions{.hidden = options.hidden,
                                  .ffnHidden = options.ffn,
                                  .router = {.numExperts = options.experts, .topK = options.topK},
-                                 .oncePerRank = !options.perSlot};
+                                 .oncePerRank = !options.perSlot,
+                                 .sharedExpertHidden = options.sharedFfn,
+                                 .overlapSharedExpert = !options.sharedInLine};
     moe::MoELayer layer(layerOptions, groups, tensorOptions);
 
     at::manual_seed(1000 + me);
