@@ -48,10 +48,11 @@ const parallel::ProcessGroups& checkedGroups(const MoEOptions& options, const pa
 }
 
 // Work on `side` (a stream of the input's device), from the current stream's
-// work so far; join() hands its result to the current stream. Both streams
-// are recorded on the tensors that cross between them, so the caching
-// allocator reuses neither block while the other stream may still read it.
-// Without a side stream the work runs inline.
+// work so far; join() hands its result to the current stream. The input is
+// recorded on the side stream and the result on the current one, so the
+// caching allocator reuses neither block while the other stream may still
+// read it (weights the work reads must outlive it: the layer's do). Without
+// a side stream the work runs inline.
 class BesideStream {
  public:
   BesideStream(const at::Tensor& input, std::optional<c10::Stream> side, const std::function<at::Tensor()>& work) {
@@ -112,8 +113,7 @@ MoELayer::MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, co
                dispatcher_.firstExpert(), dispatcher_.localExperts(), groups.expertTp(), tensorOptions) {
   if (options_.sharedExpertHidden > 0) {
     const int64_t hidden = options_.hidden, shared = options_.sharedExpertHidden;
-    sharedW1_ = replicatedWeight(options_.seed, 102, {shared, hidden}, options_.initStd, tensorOptions);
-    sharedW3_ = replicatedWeight(options_.seed, 103, {shared, hidden}, options_.initStd, tensorOptions);
+    sharedW13_ = replicatedWeight(options_.seed, 102, {2, shared, hidden}, options_.initStd, tensorOptions);
     sharedW2_ = replicatedWeight(options_.seed, 104, {hidden, shared}, options_.initStd, tensorOptions);
   }
 }
@@ -134,8 +134,8 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   }
   at::Tensor tokens = input.reshape({-1, options_.hidden});
   std::optional<BesideStream> shared;
-  if (sharedW1_.defined())
-    shared.emplace(tokens, sharedExpertStream(tokens.device()), [&] { return sharedExpert(tokens); });
+  if (sharedW13_.defined())
+    shared.emplace(tokens, sharedExpertStreamFor(tokens.device()), [&] { return sharedExpert(tokens); });
   Routing routing = router_.select(tokens);
   DispatchPlan plan = dispatcher_.dispatch(tokens, routing);
   at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.expertRowEnds);
@@ -162,7 +162,7 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   return {output.view(input.sizes()), routing.auxLoss, routing.zLoss};
 }
 
-std::optional<c10::Stream> MoELayer::sharedExpertStream(c10::Device device) {
+std::optional<c10::Stream> MoELayer::sharedExpertStreamFor(c10::Device device) {
   if (!options_.overlapSharedExpert || !device.is_cuda()) return std::nullopt;
   // One stream for the layer's life: the caching allocator keeps its blocks
   // per stream, so a new stream each step would allocate afresh each step.
@@ -172,7 +172,7 @@ std::optional<c10::Stream> MoELayer::sharedExpertStream(c10::Device device) {
 }
 
 at::Tensor MoELayer::sharedExpert(const at::Tensor& tokens) const {
-  const at::Tensor gateUp = at::matmul(tokens, at::cat({sharedW1_, sharedW3_}).t());
+  const at::Tensor gateUp = at::matmul(tokens, sharedW13_.view({-1, options_.hidden}).t());
   return at::matmul(swiglu(gateUp), sharedW2_.t());
 }
 
@@ -206,9 +206,8 @@ std::vector<parallel::Parameter> MoELayer::parameters() const {
   };
   std::vector<parallel::Parameter> parameters{dense(".router.weight", gate_)};
   for (auto& expert : experts_.parameters(options_.name + ".experts", expertDpRank_)) parameters.push_back(expert);
-  if (sharedW1_.defined()) {
-    parameters.push_back(dense(".shared.w1", sharedW1_));
-    parameters.push_back(dense(".shared.w3", sharedW3_));
+  if (sharedW13_.defined()) {
+    parameters.push_back(dense(".shared.w13", sharedW13_));
     parameters.push_back(dense(".shared.w2", sharedW2_));
   }
   return parameters;

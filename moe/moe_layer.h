@@ -15,9 +15,9 @@
 //   then span exactly that group (etp == tp, same ranks): a ConfigError says
 //   so otherwise.
 // - Parameters are named "<name>.router.weight", "<name>.experts.w13|w2"
-//   (w13: W1 and W3 stacked, see experts.h), "<name>.shared.w1|w2|w3";
-//   expert ones are Expert parameters whose gradients sum over the expert-dp
-//   group, the others Dense.
+//   (w13: W1 and W3 stacked, see experts.h) and "<name>.shared.w13|w2"
+//   (w13 [2, F_s, H]: W1, then W3); expert ones are Expert parameters whose
+//   gradients sum over the expert-dp group, the others Dense.
 // - The caller adds auxLoss and zLoss to its loss (coefficients applied).
 //   Both are means over this rank's tokens (see globalAuxLoss for the counts).
 // - The shared expert needs nothing from the router, so on a GPU it runs on
@@ -99,11 +99,15 @@ class MoELayer {
   // moves the router bias. No-op unless enabled.
   void updateExpertBias(std::optional<Deadline> deadline = std::nullopt);
 
+  // The stream the shared expert runs on beside the routed path, once a
+  // forward on a GPU has chosen it (for profiling, and for tests that delay it).
+  std::optional<c10::Stream> sharedExpertStream() const { return sharedStream_; }
+
  private:
-  // silu(x W1^T) * x W3^T, then W2: one product for gate and up, as the routed experts.
+  // silu(x W1^T) * x W3^T, then W2: one product for gate and up, as the routed experts do.
   at::Tensor sharedExpert(const at::Tensor& tokens) const;
   // Where the shared expert runs beside the routed path: none on the CPU or when not asked to.
-  std::optional<c10::Stream> sharedExpertStream(c10::Device device);
+  std::optional<c10::Stream> sharedExpertStreamFor(c10::Device device);
 
   MoEOptions options_;
   CommunicatorPtr dpCp_;  // every dense replica of this layer but the tp ones
@@ -115,7 +119,7 @@ class MoELayer {
   Router router_;
   TokenDispatcher dispatcher_;
   GroupedExperts experts_;
-  at::Tensor sharedW1_, sharedW2_, sharedW3_;  // [F_s, H], [H, F_s], [F_s, H]
+  at::Tensor sharedW13_, sharedW2_;  // [2, F_s, H] (W1 then W3), [H, F_s]
   std::optional<c10::Stream> sharedStream_;    // where the shared expert runs on a GPU
   at::Tensor lastLoads_, lastAux_, lastZ_;
   int64_t lastDropped_ = 0;

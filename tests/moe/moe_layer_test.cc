@@ -143,7 +143,7 @@ void checkLayout(const Reference& reference, parallel::LayoutOptions layoutOptio
   for (int expert : kStarved) CHECK(layer.stats().tokensPerExpert[expert] == 0);
 
   // Dense gradients sum over dp, expert gradients over expert dp.
-  for (const char* name : {".router.weight", ".shared.w1", ".shared.w2"}) {
+  for (const char* name : {".router.weight", ".shared.w13", ".shared.w2"}) {
     at::Tensor grad = parameterNamed(layer, name).grad().clone();
     groups.dp()->allReduce(grad)->wait();
     INFO(name);
@@ -236,7 +236,8 @@ TEST_CASE("the layer's gradients match finite differences of the global loss", "
   };
   const std::vector<Probe> probes{{".router.weight", {1, 2}, -1}, {".router.weight", {9, 0}, -1},
                                   {".experts.w13", {6, 0, 3, 1}, -1}, {".experts.w13", {15, 1, 11, 7}, -1},
-                                  {".experts.w2", {0, 5, 4}, -1}, {".shared.w2", {2, 3}, -1},
+                                  {".experts.w2", {0, 5, 4}, -1}, {".shared.w13", {1, 4, 2}, -1},
+                                  {".shared.w2", {2, 3}, -1},
                                   {"input", {4, 6}, 5}};
   const double step = 1e-5;
   for (const auto& probe : probes) {
