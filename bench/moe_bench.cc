@@ -6,7 +6,12 @@
 //
 //   mpirun -np 2 bulkhead-moe-bench [--tokens 4096] [--hidden 2048] [--experts 64]
 //                                   [--topk 8] [--ffn 768] [--iters 20] [--per-slot]
-//                                   [--shared-ffn 0] [--shared-in-line] [--profile trace.json]
+//                                   [--shared-ffn 0] [--shared-in-line] [--shared-rounds 0]
+//                                   [--profile trace.json]
+//
+// --shared-rounds R (with --shared-ffn): the step with the shared expert beside
+// the routed path against the same layer running it in line, in R alternating
+// rounds in this one process; prints each round and the medians, then stops.
 //
 // The raw reference is bare NCCL (runtime/nccl/raw_nccl.h): no ledger,
 // watchdog or per-operation deadline.
@@ -45,6 +50,7 @@ struct Options {
   int tokens = 4096, hidden = 2048, experts = 64, topK = 8, ffn = 768, iterations = 20;
   int sharedFfn = 0;          // a shared expert of this hidden size (0: none)
   bool sharedInLine = false;  // run it on the layer's stream, not beside it
+  int sharedRounds = 0;       // beside against in line, alternating rounds
   bool perSlot = false;
   std::string profile;  // Chrome trace of 5 steps, rank 0's; rank r's gets ".rank<r>" (bench/profile_summary.py)
 };
@@ -65,6 +71,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--iters") options.iterations = next();
     else if (arg == "--shared-ffn") options.sharedFfn = next();
     else if (arg == "--shared-in-line") options.sharedInLine = true;
+    else if (arg == "--shared-rounds") options.sharedRounds = next();
     else if (arg == "--per-slot") options.perSlot = true;
     else if (arg == "--profile") {
       if (i + 1 >= argc) throw ConfigError("--profile needs a file name");
@@ -135,11 +142,35 @@ int main(int argc, char** argv) {
     at::Tensor input = at::randn({options.tokens, options.hidden}, tensorOptions).requires_grad_(true);
     at::Tensor gradOutput = at::randn_like(input);
 
-    auto step = [&] {
-      moe::MoEOutput out = layer.forward(input);
-      torch::autograd::backward({out.output, out.auxLoss}, {gradOutput, at::ones_like(out.auxLoss)});
+    auto stepOf = [&](moe::MoELayer& stepped) {
+      return [&] {
+        moe::MoEOutput out = stepped.forward(input);
+        torch::autograd::backward({out.output, out.auxLoss}, {gradOutput, at::ones_like(out.auxLoss)});
+      };
     };
+    auto step = stepOf(layer);
     for (int i = 0; i < 3; ++i) step();
+    if (options.sharedRounds > 0) {
+      if (options.sharedFfn <= 0) throw ConfigError("--shared-rounds needs --shared-ffn");
+      moe::MoEOptions inLineOptions = layerOptions;
+      inLineOptions.overlapSharedExpert = !layerOptions.overlapSharedExpert;
+      moe::MoELayer other(inLineOptions, groups, tensorOptions);
+      auto otherStep = stepOf(other);
+      for (int i = 0; i < 3; ++i) otherStep();
+      std::vector<double> beside, inLine;
+      for (int round = 0; round < options.sharedRounds; ++round) {
+        const double mine = medianMs(options.iterations, step), theirs = medianMs(options.iterations, otherStep);
+        beside.push_back(layerOptions.overlapSharedExpert ? mine : theirs);
+        inLine.push_back(layerOptions.overlapSharedExpert ? theirs : mine);
+      }
+      if (me == 0) {
+        for (int round = 0; round < options.sharedRounds; ++round)
+          fmt::print("SHARED_ROUND {} beside {:.3f} in-line {:.3f}\n", round + 1, beside[round], inLine[round]);
+        fmt::print("SHARED_BESIDE_MS {:.3f}\nSHARED_IN_LINE_MS {:.3f}\n", median(beside), median(inLine));
+      }
+      runtime->shutdown();
+      return 0;
+    }
     const double stepMs = medianMs(options.iterations, step);
     if (!options.profile.empty()) {
       // Kernels and ATen ops of 5 steps, each step a "step" range in the trace.
