@@ -8,9 +8,11 @@
 // _grouped_mm with an empty group. The shared expert, on a stream of its own,
 // is held to the layer that runs it in line, with both streams delayed.
 #include <ATen/ATen.h>
+#if BULKHEAD_TORCH_CUDA  // libtorch's CUDA headers, for the case that delays streams
 #include <ATen/cuda/Sleep.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <fmt/format.h>
 
@@ -154,6 +156,7 @@ TEST_CASE("in bf16, the MoE layer over NCCL matches the layer holding every expe
   }
 }
 
+#if BULKHEAD_TORCH_CUDA
 TEST_CASE("the shared expert on a stream of its own gives the result it gives in line") {
   const int ranks = gpuWorld().size(), me = gpuWorld().rank();
   moe::MoEOptions options{.hidden = 512,
@@ -210,3 +213,4 @@ TEST_CASE("the shared expert on a stream of its own gives the result it gives in
   CHECK(*beside.sharedExpertStream() != current);
   CHECK(!reference.sharedExpertStream().has_value());
 }
+#endif  // BULKHEAD_TORCH_CUDA
