@@ -152,9 +152,9 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 3; ++i) step();
     if (options.sharedRounds > 0) {
       if (options.sharedFfn <= 0) throw ConfigError("--shared-rounds needs --shared-ffn");
-      moe::MoEOptions inLineOptions = layerOptions;
-      inLineOptions.overlapSharedExpert = !layerOptions.overlapSharedExpert;
-      moe::MoELayer other(inLineOptions, groups, tensorOptions);
+      moe::MoEOptions otherOptions = layerOptions;  // the shared expert the other way
+      otherOptions.overlapSharedExpert = !layerOptions.overlapSharedExpert;
+      moe::MoELayer other(otherOptions, groups, tensorOptions);
       auto otherStep = stepOf(other);
       for (int i = 0; i < 3; ++i) otherStep();
       std::vector<double> beside, inLine;

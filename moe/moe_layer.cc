@@ -77,7 +77,8 @@ class BesideStream {
   at::Tensor join() const {
     if (done_) {
       done_->block(*current_);
-      c10::impl::VirtualGuardImpl(result_.device().type()).recordDataPtrOnStream(result_.storage().data_ptr(), *current_);
+      const c10::impl::VirtualGuardImpl device(result_.device().type());
+      device.recordDataPtrOnStream(result_.storage().data_ptr(), *current_);
     }
     return result_;
   }

@@ -24,8 +24,9 @@
 //   a stream of its own (overlapSharedExpert), beside the router, the
 //   dispatch's exchanges and the host's wait for the counts; the output
 //   waits for it before the sum. Its backward runs on that stream too
-//   (autograd runs each backward op on its forward op's stream). Only the
-//   order of independent work changes, not what is computed.
+//   (autograd runs each backward op on its forward op's stream), launched
+//   after the routed backward. Only the order of independent work changes,
+//   not what is computed.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Stream.h>
@@ -120,7 +121,7 @@ class MoELayer {
   TokenDispatcher dispatcher_;
   GroupedExperts experts_;
   at::Tensor sharedW13_, sharedW2_;  // [2, F_s, H] (W1 then W3), [H, F_s]
-  std::optional<c10::Stream> sharedStream_;    // where the shared expert runs on a GPU
+  std::optional<c10::Stream> sharedStream_;  // where the shared expert runs on a GPU
   at::Tensor lastLoads_, lastAux_, lastZ_;
   int64_t lastDropped_ = 0;
 };
