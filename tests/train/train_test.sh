@@ -36,7 +36,9 @@ for step in sorted(a):
 print(f"{len(a)} steps agree: {sys.argv[1]} vs {sys.argv[2]} (worst relative difference {worst:.3g})")
 PY
 }
-small=(--layers 2 --hidden 32 --heads 4 --ffn 48 --experts 8 --topk 2 --seq 32 --batch 8 --dtype float64 --warmup 4)
+# With a shared expert, so its stacked w13 goes through the checkpoints and every layout too.
+small=(--layers 2 --hidden 32 --heads 4 --ffn 48 --experts 8 --topk 2 --shared-ffn 16 --seq 32 --batch 8 --dtype float64
+       --warmup 4)
 
 case "$mode" in
   falls)
