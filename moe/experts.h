@@ -79,7 +79,8 @@ at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, cons
 // splitmix64, so that the matrices of a layer draw from unrelated streams
 // (the CPU generator keeps 32 bits of a seed: two matrices coincide with odds
 // of one in 2^32 per pair). Kinds: 1-3 expert W1, W2, W3 with id the global
-// expert; 101-104 the router gate and the shared expert's w1, w3, w2, id 0.
+// expert; 101 the router gate, 102 the shared expert's w13 and 104 its w2,
+// id 0 (103 was its w3 before W1 and W3 were stacked).
 uint64_t initSeed(uint64_t seed, uint64_t kind, uint64_t id);
 
 // groupEnds for groupedLinear: `groupEnds` where at::_grouped_mm serves these
