@@ -43,13 +43,15 @@ Routing Router::select(const at::Tensor& tokens) const {
   // Scores in at least float32: bf16 softmax over many experts loses the ranking.
   const auto scoreType = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   Routing routing;
-  routing.logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
+  if (auto mixed = mixedPrecisionLogits(tokens, gate_)) routing.logits = std::move(*mixed);
+  else routing.logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
   if (auto fused = fusedScores(routing.logits, options_, options_.expertBias ? bias_ : at::Tensor())) {
     routing.indices = std::move(fused->indices);
     routing.weights = std::move(fused->weights);
     routing.tokensPerExpert = std::move(fused->tokensPerExpert);
     routing.probSum = std::move(fused->probSum);
     routing.lseSquaredSum = std::move(fused->lseSquaredSum);
+    routing.keep = std::move(fused->keep);
   } else {
     routing.scores = options_.scoreFunction == ScoreFunction::Softmax ? at::softmax(routing.logits, -1)
                                                                       : at::sigmoid(routing.logits);
@@ -65,7 +67,7 @@ Routing Router::select(const at::Tensor& tokens) const {
         std::ceil(options_.capacityFactor * static_cast<double>(numTokens * options_.topK) / numExperts));
     routing.keep = capacityKeep(routing.indices, routing.weights.detach(), options_.numExperts, capacity);
     routing.droppedSlots = routing.keep.numel() - routing.keep.sum().item<int64_t>();
-  } else {
+  } else if (!routing.keep.defined()) {
     routing.keep = at::ones_like(routing.indices, routing.indices.options().dtype(at::kBool));
   }
   return routing;

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <memory>
@@ -15,6 +16,9 @@
 
 #include "moe/cuda/score_kernels.h"
 #include "moe/kernel_support.h"
+
+// at::mm with out_dtype (bf16 or fp16 in, float32 out) came with libtorch 2.8.
+#define BULKHEAD_MM_OUT_DTYPE (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8))
 #endif
 
 namespace bulkhead::moe {
@@ -65,8 +69,59 @@ struct ScoresBackward : torch::autograd::Node {
   }
 };
 
+#if BULKHEAD_MM_OUT_DTYPE
+// Gradients of float32 logits = tokens @ gate^T to the bf16 or fp16 tokens and
+// gate, in float32 as the converting form's are, each rounded once.
+struct LogitsBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable savedTokens, savedGate;
+  std::string name() const override { return "bulkhead::RouterLogitsBackward"; }
+  void release_variables() override {
+    savedTokens.reset_data();
+    savedGate.reset_data();
+  }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    refuseDoubleBackward("bulkhead::RouterLogitsBackward");
+    at::Tensor gradTokens, gradGate;
+    if (!grads[0].defined()) return {gradTokens, gradGate};
+    const at::Tensor tokens = savedTokens.unpack(), gate = savedGate.unpack();
+    const c10::cuda::CUDAGuard onDevice(tokens.device());
+    const at::Tensor grad = grads[0].to(at::kFloat);
+    if (task_should_compute_output(0)) gradTokens = at::mm(grad, gate.to(at::kFloat)).to(tokens.scalar_type());
+    if (task_should_compute_output(1)) gradGate = at::mm(grad.t(), tokens.to(at::kFloat)).to(gate.scalar_type());
+    return {gradTokens, gradGate};
+  }
+};
+#endif
+
 }  // namespace
 #endif
+
+std::optional<at::Tensor> mixedPrecisionLogits(const at::Tensor& tokens, const at::Tensor& gate) {
+#if BULKHEAD_MOE_KERNELS && BULKHEAD_MM_OUT_DTYPE
+  const at::ScalarType type = tokens.scalar_type();
+  const bool applies = tokens.is_cuda() && gate.device() == tokens.device() && tokens.dim() == 2 &&
+                       gate.dim() == 2 && tokens.size(0) > 0 && tokens.size(1) == gate.size(1) &&
+                       (type == at::kBFloat16 || type == at::kHalf) && gate.scalar_type() == type;
+  if (!applies) return std::nullopt;
+  const c10::cuda::CUDAGuard onDevice(tokens.device());
+  at::Tensor logits;
+  {
+    const c10::NoGradGuard untracked;
+    logits = at::mm(tokens.detach(), gate.detach().t(), at::kFloat);
+  }
+  if (torch::autograd::GradMode::is_enabled() && (tokens.requires_grad() || gate.requires_grad())) {
+    auto node = std::shared_ptr<LogitsBackward>(new LogitsBackward(), torch::autograd::deleteNode);
+    node->savedTokens = torch::autograd::SavedVariable(tokens, /*is_output=*/false);
+    node->savedGate = torch::autograd::SavedVariable(gate, /*is_output=*/false);
+    node->set_next_edges(torch::autograd::collect_next_edges(tokens, gate));
+    torch::autograd::set_history(logits, node);
+  }
+  return logits;
+#else
+  (void)tokens, (void)gate;
+  return std::nullopt;
+#endif
+}
 
 std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOptions& options, const at::Tensor& bias) {
 #if BULKHEAD_MOE_KERNELS
@@ -82,19 +137,22 @@ std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOpt
   FusedScores scores;
   scores.indices = at::empty({tokens, options.topK}, input.options().dtype(at::kLong));
   scores.weights = at::empty({tokens, options.topK}, input.options());
+  if (options.capacityFactor == 0) scores.keep = at::empty({tokens, options.topK}, input.options().dtype(at::kBool));
   scores.tokensPerExpert = at::zeros({experts}, input.options().dtype(at::kLong));
+  scores.probSum = at::empty({experts}, input.options());
+  scores.lseSquaredSum = at::empty({}, input.options());
   at::Tensor probPartial = at::empty({rows, experts}, input.options());
   at::Tensor lsePartial = at::empty({rows}, input.options());
   cuda::scoreForward(scoreArgs(input, options),
                      biasOnDevice.defined() ? biasOnDevice.data_ptr<float>() : nullptr,
                      {.indices = scores.indices.data_ptr<int64_t>(),
                       .weights = scores.weights.data_ptr(),
+                      .keep = scores.keep.defined() ? scores.keep.data_ptr<bool>() : nullptr,
                       .counts = scores.tokensPerExpert.data_ptr<int64_t>(),
+                      .probSum = scores.probSum.data_ptr(),
+                      .lseSquaredSum = scores.lseSquaredSum.data_ptr(),
                       .probPartial = probPartial.data_ptr(),
                       .lsePartial = lsePartial.data_ptr()});
-  // Sums over the kernel's fixed rows: the same order every step.
-  scores.probSum = probPartial.sum(0);
-  scores.lseSquaredSum = lsePartial.sum();
   if (torch::autograd::GradMode::is_enabled() && logits.requires_grad()) {
     auto node = std::shared_ptr<ScoresBackward>(new ScoresBackward(), torch::autograd::deleteNode);
     node->savedLogits = torch::autograd::SavedVariable(input, /*is_output=*/false);

@@ -123,6 +123,7 @@ __global__ void scoreForwardKernel(ScoreArgs a, const float* bias, ScoreOutputs 
     if (lane < a.topK) {
       out.indices[t * a.topK + lane] = myExpert;
       static_cast<T*>(out.weights)[t * a.topK + lane] = a.normalize ? myWeight / selectedSum : myWeight;
+      if (out.keep != nullptr) out.keep[t * a.topK + lane] = true;
     }
   }
 #pragma unroll
@@ -132,6 +133,28 @@ __global__ void scoreForwardKernel(ScoreArgs a, const float* bias, ScoreOutputs 
   __syncthreads();
   for (int64_t e = threadIdx.x; e < a.experts; e += blockDim.x)
     if (blockCounts[e] != 0) atomicAdd(reinterpret_cast<unsigned long long*>(out.counts + e), blockCounts[e]);
+}
+
+// The column sums of the forward's partial rows, one block per column, each
+// in a fixed order: block e < experts sums probPartial[:, e], the last block
+// lsePartial.
+constexpr int kSumThreads = 256;
+
+template <typename T>
+__global__ void sumPartialsKernel(const T* probPartial, const T* lsePartial, int64_t rows, int64_t experts,
+                                  T* probSum, T* lseSquaredSum) {
+  __shared__ T partial[kSumThreads];
+  const int64_t column = blockIdx.x;
+  T sum = 0;
+  for (int64_t r = threadIdx.x; r < rows; r += kSumThreads)
+    sum += column < experts ? probPartial[r * experts + column] : lsePartial[r];
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = kSumThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *(column < experts ? probSum + column : lseSquaredSum) = partial[0];
 }
 
 template <typename T, int kPerLane>
@@ -234,6 +257,17 @@ void scoreForward(const ScoreArgs& args, const float* bias, const ScoreOutputs& 
           <<<grid.blocks, kWarpsPerBlock * 32, sharedBytes, stream>>>(args, bias, out, grid.tokensPerWarp);
   });
   checkLaunch("router score kernel launch");
+  const int64_t rows = int64_t{grid.blocks} * kWarpsPerBlock;
+  const auto columns = static_cast<unsigned>(args.experts + 1);
+  if (args.doubles)
+    sumPartialsKernel<double><<<columns, kSumThreads, 0, stream>>>(
+        static_cast<const double*>(out.probPartial), static_cast<const double*>(out.lsePartial), rows, args.experts,
+        static_cast<double*>(out.probSum), static_cast<double*>(out.lseSquaredSum));
+  else
+    sumPartialsKernel<float><<<columns, kSumThreads, 0, stream>>>(
+        static_cast<const float*>(out.probPartial), static_cast<const float*>(out.lsePartial), rows, args.experts,
+        static_cast<float*>(out.probSum), static_cast<float*>(out.lseSquaredSum));
+  checkLaunch("router score sum kernel launch");
 }
 
 void scoreBackward(const ScoreArgs& args, const ScoreGrads& grads, void* gradLogits) {

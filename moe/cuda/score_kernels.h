@@ -1,8 +1,9 @@
 #pragma once
 // CUDA kernels behind the router's scores (moe/router_scores.h): one warp per
 // token turns its logits into scores, picks its top-k experts and adds its
-// terms of the aux and z losses. Raw pointers, so that this header and its .cu
-// need no libtorch. Launched on `stream`; they never synchronize.
+// terms of the aux and z losses, which a second kernel sums. Raw pointers, so
+// that this header and its .cu need no libtorch. Launched on `stream`; they
+// never synchronize.
 //
 // Per token t, with logits l over E experts and lse = logsumexp(l):
 // - scores p: softmax(l), or sigmoid(l); normalised scores: p, or p / sum(p).
@@ -27,17 +28,22 @@ struct ScoreArgs {
   void* stream = nullptr;        // cudaStream_t
 };
 
-// Rows of the partial sums below for `tokens` tokens: one per launched warp,
-// in a fixed order, so the caller's sum over them is deterministic.
+// Rows of the partial sums below for `tokens` tokens: one per launched warp.
 int64_t scorePartialRows(int64_t tokens);
 
 struct ScoreOutputs {
   int64_t* indices = nullptr;  // [T, k] selected expert ids
   void* weights = nullptr;     // [T, k] combine weights
+  bool* keep = nullptr;        // [T, k] set to true where not null (dropless routing)
   int64_t* counts = nullptr;   // [E], zeroed by the caller: slots selected per expert
-  void* probPartial = nullptr;  // [rows, E]: per row, the sum over its tokens of the normalised scores
-  void* lsePartial = nullptr;   // [rows]: per row, the sum over its tokens of lse^2
+  void* probSum = nullptr;        // [E]: the normalised scores summed over tokens
+  void* lseSquaredSum = nullptr;  // []: lse^2 summed over tokens
+  // Scratch for those sums: per row, the sum over its tokens; the rows are
+  // then summed in a fixed order, so both sums are the same every run.
+  void* probPartial = nullptr;  // [rows, E]
+  void* lsePartial = nullptr;   // [rows]
 };
+// Two launches: the warps' kernel, then the sums over its rows.
 void scoreForward(const ScoreArgs& args, const float* bias, const ScoreOutputs& out);
 
 // Gradients reaching the forward's outputs; each may be null (no gradient).

@@ -5,6 +5,7 @@
 // GPU).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/version.h>
 
 #include <tuple>
 #include <vector>
@@ -192,6 +193,51 @@ TEST_CASE("fused router scores keep autograd's checks: no graph without grad, no
     scaled.add_(1);
   }
   CHECK_THROWS(stale->lseSquaredSum.backward());  // logits changed in place since the forward
+}
+
+TEST_CASE("bf16 and fp16 logits: one float32-output GEMM with the converting form's values and gradients",
+          "[moe][gpu][router]") {
+  const at::Device gpu(at::kCUDA, 0);
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    INFO(c10::toString(dtype));
+    at::Tensor tokens = at::randn({300, 96}, testing::sharedGenerator(61), at::kFloat).to(gpu, dtype);
+    at::Tensor gate = (at::randn({24, 96}, testing::sharedGenerator(62), at::kFloat) * 0.3).to(gpu, dtype);
+    at::Tensor grad = at::randn({300, 24}, testing::sharedGenerator(63), at::kFloat).to(gpu);
+    // Where libtorch has no float32-output GEMM, the router converts: nothing to compare.
+    const bool expected = TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8);
+    CHECK(mixedPrecisionLogits(tokens, gate).has_value() == expected);
+    if (!expected) continue;
+    CHECK_FALSE(mixedPrecisionLogits(tokens.cpu(), gate.cpu()).has_value());
+    CHECK_FALSE(mixedPrecisionLogits(tokens.narrow(0, 0, 0), gate).has_value());
+    CHECK_FALSE(mixedPrecisionLogits(tokens, gate.to(at::kFloat)).has_value());
+
+    for (bool gateLearns : {true, false}) {
+      at::Tensor x = tokens.clone().requires_grad_(true), w = gate.clone().requires_grad_(gateLearns);
+      at::Tensor xRef = tokens.clone().requires_grad_(true), wRef = gate.clone().requires_grad_(gateLearns);
+      at::Tensor logits = *mixedPrecisionLogits(x, w);
+      at::Tensor reference = at::matmul(xRef.to(at::kFloat), wRef.to(at::kFloat).t());
+      CHECK(logits.scalar_type() == at::kFloat);
+      // The same exact products, summed in float32 in another order.
+      CHECK(at::allclose(logits, reference, 1e-5, 1e-4));
+      logits.backward(grad);
+      reference.backward(grad);
+      CHECK_THROWS(logits.backward(grad));  // the saved tokens and gate were freed by the first
+      // Both compute in float32 and round once to the input's dtype: at most
+      // a unit in the last place apart.
+      auto oneRounding = [](const at::Tensor& ours, const at::Tensor& theirs) {
+        at::Tensor a = ours.to(at::kFloat), b = theirs.to(at::kFloat);
+        return ((a - b).abs() <= b.abs() * 1e-2 + 1e-6).all().item<bool>();
+      };
+      CHECK(x.grad().scalar_type() == dtype);
+      CHECK(oneRounding(x.grad(), xRef.grad()));
+      CHECK(w.grad().defined() == gateLearns);
+      if (gateLearns) CHECK(oneRounding(w.grad(), wRef.grad()));
+    }
+    {
+      const c10::NoGradGuard noGrad;
+      CHECK_FALSE(mixedPrecisionLogits(tokens.clone().requires_grad_(true), gate)->requires_grad());
+    }
+  }
 }
 
 TEST_CASE("the router on the GPU equals the router on the CPU, losses and gate gradient included", "[moe][gpu][router]") {
