@@ -67,17 +67,13 @@ class HostCopy {
 
 int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
 
-// The running sum of host counts as int32 on `device`, by one copy from
-// pinned memory (no device work to wait for, and no launch but the copy's).
+// The running sum of host counts as int32 on `device` (where the grouping
+// kernels did not write it), by one copy from pinned memory.
 at::Tensor runningSum(const std::vector<int64_t>& counts, at::Device device) {
   const auto size = static_cast<int64_t>(counts.size());
   at::Tensor host = at::empty({size}, at::TensorOptions(at::kInt).pinned_memory(device.is_cuda()));
   int64_t running = 0;
   for (int64_t i = 0; i < size; ++i) host.data_ptr<int32_t>()[i] = static_cast<int32_t>(running += counts[i]);
-  if (running > std::numeric_limits<int32_t>::max()) {
-    throw ConfigError(fmt::format("dispatch: {} expert rows on one rank, more than int32 group ends hold", running),
-                      {.expected = "fewer than 2^31 expert rows per rank: fewer tokens per step or more ep ranks"});
-  }
   return host.to(device, /*non_blocking=*/true);  // the host allocator keeps `host` until the copy is done
 }
 
@@ -153,7 +149,11 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
                         .weights = shape.perSlot ? weights.reshape({-1, 1}) : weights,
                         .weightTable = shape.perSlot ? outgoing.table.view({-1, 1}) : outgoing.table};
   const RoutedRows arrived = exchangeRouted(ep_, send, plan.sendSplits, plan.recvSplits, options_.timeout);
-  plan.expertRowEnds = runningSum(plan.tokensPerLocalExpert, tokens.device());
+  const int64_t expertRows = sum(plan.tokensPerLocalExpert);
+  if (expertRows > std::numeric_limits<int32_t>::max()) {
+    throw ConfigError(fmt::format("dispatch: {} expert rows on one rank, more than int32 group ends hold", expertRows),
+                      {.expected = "fewer than 2^31 expert rows per rank: fewer tokens per step or more ep ranks"});
+  }
 
   // A copy, so the plan does not keep the whole receive buffer (token rows
   // included) alive until the combine.
@@ -162,9 +162,11 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   Grouping byExpert;
   {
     const c10::NoGradGuard metadata;
-    // The ids are small integers (-1: none), exact in the side's floating type.
-    byExpert = groupEntries(arrived.ids.to(at::kLong), experts, sum(plan.tokensPerLocalExpert));
+    // The ids are small integers (-1: none), exact in the side's floating
+    // type; the kernels read them where they arrived and write the group ends.
+    byExpert = groupEntries(arrived.ids, experts, expertRows, &plan.expertRowEnds);
   }
+  if (!plan.expertRowEnds.defined()) plan.expertRowEnds = runningSum(plan.tokensPerLocalExpert, tokens.device());
   plan.recvTable = byExpert.table;
   plan.expertInput = gatherRows(arrived.rows, byExpert.table, byExpert.order.size(0));
   return plan;
@@ -183,12 +185,13 @@ at::Tensor TokenDispatcher::combine(const DispatchPlan& plan, const at::Tensor& 
   return gatherSum(returned, plan.sendTable, at::Tensor(), SourceRows::Every);
 }
 
-Grouping groupEntries(const at::Tensor& group, int groups, int64_t count) {
+Grouping groupEntries(const at::Tensor& group, int groups, int64_t count, at::Tensor* ends) {
   Grouping grouping;
   // The kernels take any key outside [0, groups) as none; the sort needs
   // none as the largest key.
-  if (groupByKeyKernels(group, groups, count, grouping.order, grouping.table)) return grouping;
-  return groupByKey(at::where(group.ge(0).logical_and(group.lt(groups)), group, groups), groups, count);
+  if (groupByKeyKernels(group, groups, count, grouping.order, grouping.table, ends)) return grouping;
+  const at::Tensor key = group.to(at::kLong);
+  return groupByKey(at::where(key.ge(0).logical_and(key.lt(groups)), key, groups), groups, count);
 }
 
 at::Tensor permuteTokens(const at::Tensor& tokens, const Grouping& grouping) {
