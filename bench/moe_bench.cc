@@ -7,7 +7,10 @@
 //   mpirun -np 2 bulkhead-moe-bench [--tokens 4096] [--hidden 2048] [--experts 64]
 //                                   [--topk 8] [--ffn 768] [--iters 20] [--per-slot]
 //                                   [--shared-ffn 0] [--shared-in-line] [--shared-rounds 0]
-//                                   [--profile trace.json]
+//                                   [--profile trace.json] [--step-only]
+//
+// --step-only: print STEP_MS (and write the profile, if asked) and stop, for
+// quick alternating runs of two builds.
 //
 // --shared-rounds R (with --shared-ffn): the step with the shared expert beside
 // the routed path against the same layer running it in line, in R alternating
@@ -52,6 +55,7 @@ struct Options {
   bool sharedInLine = false;  // run it on the layer's stream, not beside it
   int sharedRounds = 0;       // beside against in line, alternating rounds
   bool perSlot = false;
+  bool stepOnly = false;
   std::string profile;  // Chrome trace of 5 steps, rank 0's; rank r's gets ".rank<r>" (bench/profile_summary.py)
 };
 
@@ -73,6 +77,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--shared-in-line") options.sharedInLine = true;
     else if (arg == "--shared-rounds") options.sharedRounds = next();
     else if (arg == "--per-slot") options.perSlot = true;
+    else if (arg == "--step-only") options.stepOnly = true;
     else if (arg == "--profile") {
       if (i + 1 >= argc) throw ConfigError("--profile needs a file name");
       options.profile = argv[++i];
@@ -188,6 +193,11 @@ int main(int argc, char** argv) {
       auto trace = profiler::disableProfiler();
       // Every rank's trace: a rank that waits in its exchanges waits for another one.
       trace->save(me == 0 ? options.profile : fmt::format("{}.rank{}", options.profile, me));
+    }
+    if (options.stepOnly) {
+      if (me == 0) fmt::print("STEP_MS {:.3f}\n", stepMs);
+      runtime->shutdown();
+      return 0;
     }
 
     // Correctness beside a layer holding all experts on this GPU (ep 1).
