@@ -68,7 +68,8 @@ class HostCopy {
 int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
 
 // The running sum of host counts as int32 on `device` (where the grouping
-// kernels did not write it), by one copy from pinned memory.
+// kernels did not write it), by one copy from pinned memory. The caller has
+// checked that the sum fits.
 at::Tensor runningSum(const std::vector<int64_t>& counts, at::Device device) {
   const auto size = static_cast<int64_t>(counts.size());
   at::Tensor host = at::empty({size}, at::TensorOptions(at::kInt).pinned_memory(device.is_cuda()));
@@ -163,8 +164,10 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   {
     const c10::NoGradGuard metadata;
     // The ids are small integers (-1: none), exact in the side's floating
-    // type; the kernels read them where they arrived and write the group ends.
-    byExpert = groupEntries(arrived.ids, experts, expertRows, &plan.expertRowEnds);
+    // type. The kernels also write the group ends. (Reading the ids in place,
+    // without this copy, made the dispatch slower on H200s: see
+    // bench/results/moe_h200x2_2026-11-22.md, tenth session.)
+    byExpert = groupEntries(arrived.ids.to(at::kLong), experts, expertRows, &plan.expertRowEnds);
   }
   if (!plan.expertRowEnds.defined()) plan.expertRowEnds = runningSum(plan.tokensPerLocalExpert, tokens.device());
   plan.recvTable = byExpert.table;
@@ -190,8 +193,8 @@ Grouping groupEntries(const at::Tensor& group, int groups, int64_t count, at::Te
   // The kernels take any key outside [0, groups) as none; the sort needs
   // none as the largest key.
   if (groupByKeyKernels(group, groups, count, grouping.order, grouping.table, ends)) return grouping;
-  const at::Tensor key = group.to(at::kLong);
-  return groupByKey(at::where(key.ge(0).logical_and(key.lt(groups)), key, groups), groups, count);
+  if (ends != nullptr) *ends = at::Tensor();
+  return groupByKey(at::where(group.ge(0).logical_and(group.lt(groups)), group, groups), groups, count);
 }
 
 at::Tensor permuteTokens(const at::Tensor& tokens, const Grouping& grouping) {

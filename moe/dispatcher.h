@@ -81,10 +81,9 @@ class TokenDispatcher {
 // Entries of a [P, m] grid assigned to groups 0..groups-1 (-1: none), listed
 // group by group and, within a group, in grid order (Grouping, moe/routes.h);
 // `count` is the number of assigned entries (known on the host, so no device
-// sync is needed). `group` holds int64, or small integers in float32 or
-// float64. Where the kernels run and `ends` is given, it gets the running
-// count per group (int32 [groups], at::_grouped_mm's group ends); elsewhere it
-// is left undefined.
+// sync is needed). Where the kernels run and `ends` is given, it gets the
+// running count per group (int32 [groups], at::_grouped_mm's group ends);
+// elsewhere it is set undefined.
 Grouping groupEntries(const at::Tensor& group, int groups, int64_t count, at::Tensor* ends = nullptr);
 
 // Rows of `tokens` in grouping order (row i is token order[i] / m), and back:

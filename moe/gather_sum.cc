@@ -9,9 +9,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <algorithm>
 #include <memory>
-#include <optional>
 #include <string>
 
 #include "runtime/errors.h"
@@ -179,33 +177,16 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t
 bool groupByKeyKernels(const at::Tensor& key, int64_t groups, int64_t count, at::Tensor& order, at::Tensor& table,
                        at::Tensor* ends) {
 #if BULKHEAD_MOE_KERNELS
-  std::optional<cuda::KeyType> type;
-  switch (key.scalar_type()) {
-    case at::kLong: type = cuda::KeyType::Int64; break;
-    case at::kFloat: type = cuda::KeyType::Float32; break;
-    case at::kDouble: type = cuda::KeyType::Float64; break;
-    default: break;
-  }
-  if (!key.is_cuda() || groups > cuda::kMaxGroups || !type || key.dim() > 2) return false;
+  if (!key.is_cuda() || groups > cuda::kMaxGroups || key.scalar_type() != at::kLong) return false;
   const c10::cuda::CUDAGuard device(key.device());
-  // Rows of a [P, m] key may lie apart (the routing ids inside the exchange's
-  // receive buffer): the kernels read them there, with no copy.
-  const at::Tensor keys = key.dim() == 2 && key.stride(1) == 1 && key.stride(0) >= key.size(1) ? key : key.contiguous();
-  int64_t columns = keys.numel(), rowStride = keys.numel();  // one row, unless [P, m]
-  if (keys.dim() == 2 && keys.size(1) > 0) columns = keys.size(1), rowStride = keys.stride(0);
-  columns = std::max<int64_t>(columns, 1);
-  rowStride = std::max(rowStride, columns);  // a contiguous [1, m] may carry any row stride
-  const at::TensorOptions longs = keys.options().dtype(at::kLong);
-  order = at::empty({count}, longs);
-  table = at::empty(keys.sizes(), longs);
+  at::Tensor keys = key.contiguous();
+  order = at::empty({count}, keys.options());
+  table = at::empty(keys.sizes(), keys.options());
   if (ends != nullptr) *ends = at::empty({groups}, keys.options().dtype(at::kInt));
   at::Tensor scratch = at::empty({cuda::groupScratchInts(keys.numel(), groups)}, keys.options().dtype(at::kInt));
   cuda::groupEntries({.entries = keys.numel(),
                       .groups = groups,
-                      .keys = keys.data_ptr(),
-                      .keyType = *type,
-                      .columns = columns,
-                      .rowStride = rowStride,
+                      .keys = keys.data_ptr<int64_t>(),
                       .order = order.data_ptr<int64_t>(),
                       .table = table.data_ptr<int64_t>(),
                       .ends = ends != nullptr ? ends->data_ptr<int32_t>() : nullptr,

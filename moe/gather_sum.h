@@ -39,16 +39,14 @@ at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table,
 at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t rows);
 
 // The stable grouping behind groupByKey (moe/routes.h), as kernels of our
-// own (moe/cuda/group_kernels.h) for a CUDA `key` of int64, or of small
-// integers in float32 or float64 (read in place where `key` is [P, m] with
-// rows apart), whose values in [0, groups) name a group (any other value: in
-// no group), `count` of them in a group: order [count] lists the entries group
-// by group, in entry order within a group; table (key's shape, int64) gives
-// each entry's place in it, -1 for none; where `ends` is given, it gets the
-// entries of groups 0..g for each g (int32 [groups], at::_grouped_mm's group
-// ends). Returns false (filling nothing) where the kernels are not built, the
-// key is not on a GPU, of another dtype or there are too many groups: the
-// caller sorts instead.
+// own (moe/cuda/group_kernels.h) for an int64 CUDA `key` whose values in
+// [0, groups) name a group (any other value: in no group), `count` of them in
+// a group: order [count] lists the entries group by group, in entry order
+// within a group; table (key's shape) gives each entry's place in it, -1 for
+// none; where `ends` is given, it gets the entries of groups 0..g for each g
+// (int32 [groups], at::_grouped_mm's group ends). Returns false (filling
+// nothing) where the kernels are not built, the key is not on a GPU or there
+// are too many groups: the caller sorts instead.
 bool groupByKeyKernels(const at::Tensor& key, int64_t groups, int64_t count, at::Tensor& order, at::Tensor& table,
                        at::Tensor* ends = nullptr);
 

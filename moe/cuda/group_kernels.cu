@@ -17,19 +17,14 @@ constexpr int64_t kMinSegment = 512;
 constexpr int64_t kMaxSegments = 256;
 
 // Entry e's group; -1 for none (a key outside [0, groups), or e past the end).
-template <typename Key>
-__device__ __forceinline__ long long groupOf(const GroupArgs& a, int64_t e, int64_t end) {
-  if (e >= end) return -1;
-  const Key value = static_cast<const Key*>(a.keys)[e / a.columns * a.rowStride + e % a.columns];
-  if (!(value >= 0 && value < a.groups)) return -1;  // NaN included
-  return static_cast<long long>(value);
+__device__ __forceinline__ long long groupOf(const int64_t* keys, int64_t e, int64_t end, int64_t groups) {
+  const long long key = e < end ? keys[e] : -1;
+  return key < groups ? key : -1;
 }
 
 // counts[s * groups + g]: entries of group g in segment s.
-template <typename Key>
-__global__ void countKernel(GroupArgs a, int64_t segment, int64_t segments) {
-  const int64_t entries = a.entries, groups = a.groups;
-  int32_t* counts = a.scratch;
+__global__ void countKernel(const int64_t* keys, int64_t entries, int64_t groups, int64_t segment, int64_t segments,
+                            int32_t* counts) {
   extern __shared__ int32_t histograms[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
@@ -39,7 +34,7 @@ __global__ void countKernel(GroupArgs a, int64_t segment, int64_t segments) {
   __syncwarp();
   const int64_t end = min(entries, (s + 1) * segment);
   for (int64_t base = s * segment; base < end; base += 32) {
-    const long long key = groupOf<Key>(a, base + lane, end);
+    const long long key = groupOf(keys, base + lane, end, groups);
     const unsigned same = __match_any_sync(0xffffffffu, key);
     if (key >= 0 && lane == __ffs(same) - 1) histogram[key] += __popc(same);
     __syncwarp();
@@ -49,11 +44,9 @@ __global__ void countKernel(GroupArgs a, int64_t segment, int64_t segments) {
 
 // Positions: group start (all earlier groups' entries) + this group's entries
 // in earlier segments + the rank among the same group's entries before it in
-// this segment. The first warp also writes the group ends.
-template <typename Key>
-__global__ void assignKernel(GroupArgs a, int64_t segment, int64_t segments) {
-  const int64_t entries = a.entries, groups = a.groups;
-  const int32_t* counts = a.scratch;
+// this segment. The first warp also writes the group ends, where asked.
+__global__ void assignKernel(const int64_t* keys, int64_t entries, int64_t groups, int64_t segment, int64_t segments,
+                             const int32_t* counts, int64_t* order, int64_t* table, int32_t* ends) {
   extern __shared__ int64_t next[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
@@ -76,22 +69,22 @@ __global__ void assignKernel(GroupArgs a, int64_t segment, int64_t segments) {
       if (lane >= offset) inclusive += up;
     }
     if (g < groups) position[g] = carry + inclusive - total + before;
-    if (g < groups && s == 0 && a.ends != nullptr) a.ends[g] = static_cast<int32_t>(carry + inclusive);
+    if (g < groups && s == 0 && ends != nullptr) ends[g] = static_cast<int32_t>(carry + inclusive);
     carry += __shfl_sync(0xffffffffu, inclusive, 31);
   }
   __syncwarp();
   const int64_t end = min(entries, (s + 1) * segment);
   for (int64_t base = s * segment; base < end; base += 32) {
     const int64_t e = base + lane;
-    const long long key = groupOf<Key>(a, e, end);
+    const long long key = groupOf(keys, e, end, groups);
     const unsigned same = __match_any_sync(0xffffffffu, key);
     if (e < end) {
       if (key >= 0) {
         const int64_t at = position[key] + __popc(same & ((1u << lane) - 1u));
-        a.table[e] = at;
-        a.order[at] = e;
+        table[e] = at;
+        order[at] = e;
       } else {
-        a.table[e] = -1;
+        table[e] = -1;
       }
     }
     __syncwarp();
@@ -105,18 +98,6 @@ int64_t segmentOf(int64_t entries) {
   return (segment + 31) / 32 * 32;
 }
 
-template <typename Key>
-void launchGrouping(const GroupArgs& args) {
-  const int64_t segment = segmentOf(args.entries);
-  const int64_t segments = (args.entries + segment - 1) / segment;
-  const auto blocks = static_cast<unsigned>((segments + kWarps - 1) / kWarps);
-  auto stream = static_cast<cudaStream_t>(args.stream);
-  countKernel<Key><<<blocks, kThreads, kWarps * args.groups * sizeof(int32_t), stream>>>(args, segment, segments);
-  checkLaunch("groupEntries count kernel launch");
-  assignKernel<Key><<<blocks, kThreads, kWarps * args.groups * sizeof(int64_t), stream>>>(args, segment, segments);
-  checkLaunch("groupEntries assign kernel launch");
-}
-
 }  // namespace
 
 int64_t groupScratchInts(int64_t entries, int64_t groups) {
@@ -126,8 +107,6 @@ int64_t groupScratchInts(int64_t entries, int64_t groups) {
 
 void groupEntries(const GroupArgs& args) {
   if (args.groups < 1 || args.groups > kMaxGroups) throw std::runtime_error("groupEntries: groups out of range");
-  if (args.columns < 1 || args.entries % args.columns != 0 || args.rowStride < args.columns)
-    throw std::runtime_error("groupEntries: keys' columns and row stride do not describe the entries");
   if (args.entries == 0) {
     if (args.ends != nullptr) {
       cudaMemsetAsync(args.ends, 0, args.groups * sizeof(int32_t), static_cast<cudaStream_t>(args.stream));
@@ -135,11 +114,16 @@ void groupEntries(const GroupArgs& args) {
     }
     return;
   }
-  switch (args.keyType) {
-    case KeyType::Int64: launchGrouping<int64_t>(args); break;
-    case KeyType::Float32: launchGrouping<float>(args); break;
-    case KeyType::Float64: launchGrouping<double>(args); break;
-  }
+  const int64_t segment = segmentOf(args.entries);
+  const int64_t segments = (args.entries + segment - 1) / segment;
+  const auto blocks = static_cast<unsigned>((segments + kWarps - 1) / kWarps);
+  auto stream = static_cast<cudaStream_t>(args.stream);
+  countKernel<<<blocks, kThreads, kWarps * args.groups * sizeof(int32_t), stream>>>(
+      args.keys, args.entries, args.groups, segment, segments, args.scratch);
+  checkLaunch("groupEntries count kernel launch");
+  assignKernel<<<blocks, kThreads, kWarps * args.groups * sizeof(int64_t), stream>>>(
+      args.keys, args.entries, args.groups, segment, segments, args.scratch, args.order, args.table, args.ends);
+  checkLaunch("groupEntries assign kernel launch");
 }
 
 }  // namespace bulkhead::moe::cuda

@@ -3,13 +3,10 @@
 // this header and its .cu need no libtorch. Launched on `stream`; they never
 // synchronize.
 //
-// Entry e's key is its group (0 <= key < groups); any other value is none.
-// The keys may be integers or small integers held in floating point (the
-// routing ids that travel beside the tokens), read where they lie: entry e at
-// (e / columns) * rowStride + e % columns. The entries are listed group by
-// group, in entry order within a group (a stable sort by key, done as counts
-// and per-warp ranks: no atomics on positions, so the result never depends on
-// timing):
+// keys[e] is entry e's group (0 <= key < groups); any other value is none. The entries
+// are listed group by group, in entry order within a group (a stable sort by
+// key, done as counts and per-warp ranks: no atomics on positions, so the
+// result never depends on timing):
 //   order[position] = e          for the `count` assigned entries
 //   table[e] = position, or -1 for the entries of no group
 //   ends[g] = the entries of groups 0..g (at::_grouped_mm's group ends), where asked
@@ -18,14 +15,10 @@
 
 namespace bulkhead::moe::cuda {
 
-enum class KeyType { Int64, Float32, Float64 };
-
 struct GroupArgs {
   int64_t entries = 0;
   int64_t groups = 0;
-  const void* keys = nullptr;
-  KeyType keyType = KeyType::Int64;
-  int64_t columns = 1, rowStride = 1;  // in elements; entries a multiple of columns
+  const int64_t* keys = nullptr;
   int64_t* order = nullptr;
   int64_t* table = nullptr;
   int32_t* ends = nullptr;     // [groups], or null
