@@ -71,9 +71,12 @@ struct ScoresBackward : torch::autograd::Node {
 
 #if BULKHEAD_MM_OUT_DTYPE
 // Gradients of float32 logits = tokens @ gate^T to the bf16 or fp16 tokens and
-// gate, in float32 as the converting form's are, each rounded once.
+// gate, in float32 as the converting form's are, each rounded once. Like
+// ATen's mm, it keeps the tokens only for the gate's gradient and the gate
+// only for the tokens'.
 struct LogitsBackward : torch::autograd::Node {
   torch::autograd::SavedVariable savedTokens, savedGate;
+  at::ScalarType type = at::kBFloat16;
   std::string name() const override { return "bulkhead::RouterLogitsBackward"; }
   void release_variables() override {
     savedTokens.reset_data();
@@ -83,11 +86,10 @@ struct LogitsBackward : torch::autograd::Node {
     refuseDoubleBackward("bulkhead::RouterLogitsBackward");
     at::Tensor gradTokens, gradGate;
     if (!grads[0].defined()) return {gradTokens, gradGate};
-    const at::Tensor tokens = savedTokens.unpack(), gate = savedGate.unpack();
-    const c10::cuda::CUDAGuard onDevice(tokens.device());
+    const c10::cuda::CUDAGuard onDevice(grads[0].device());
     const at::Tensor grad = grads[0].to(at::kFloat);
-    if (task_should_compute_output(0)) gradTokens = at::mm(grad, gate.to(at::kFloat)).to(tokens.scalar_type());
-    if (task_should_compute_output(1)) gradGate = at::mm(grad.t(), tokens.to(at::kFloat)).to(gate.scalar_type());
+    if (task_should_compute_output(0)) gradTokens = at::mm(grad, savedGate.unpack().to(at::kFloat)).to(type);
+    if (task_should_compute_output(1)) gradGate = at::mm(grad.t(), savedTokens.unpack().to(at::kFloat)).to(type);
     return {gradTokens, gradGate};
   }
 };
@@ -111,8 +113,9 @@ std::optional<at::Tensor> mixedPrecisionLogits(const at::Tensor& tokens, const a
   }
   if (torch::autograd::GradMode::is_enabled() && (tokens.requires_grad() || gate.requires_grad())) {
     auto node = std::shared_ptr<LogitsBackward>(new LogitsBackward(), torch::autograd::deleteNode);
-    node->savedTokens = torch::autograd::SavedVariable(tokens, /*is_output=*/false);
-    node->savedGate = torch::autograd::SavedVariable(gate, /*is_output=*/false);
+    if (gate.requires_grad()) node->savedTokens = torch::autograd::SavedVariable(tokens, /*is_output=*/false);
+    if (tokens.requires_grad()) node->savedGate = torch::autograd::SavedVariable(gate, /*is_output=*/false);
+    node->type = type;
     node->set_next_edges(torch::autograd::collect_next_edges(tokens, gate));
     torch::autograd::set_history(logits, node);
   }

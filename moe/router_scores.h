@@ -34,8 +34,9 @@ struct FusedScores {
 // that autograd kept for the gate's gradient. Its backward computes in float32
 // as that form's does: grad @ gate and grad^T @ tokens, each rounded once to its
 // input's dtype. tokens [T, H], gate [E, H]; nullopt where it does not apply
-// (libtorch without it, CPU tensors, no tokens, other or mixed dtypes). A
-// double backward raises (ConfigError).
+// (the kernels not built, libtorch without it, CPU tensors or two devices, no
+// tokens, shapes that do not multiply, other or mixed dtypes). A double
+// backward raises (ConfigError).
 std::optional<at::Tensor> mixedPrecisionLogits(const at::Tensor& tokens, const at::Tensor& gate);
 
 // logits [T, E] float32 or float64; bias [E] (float32) or undefined. nullopt

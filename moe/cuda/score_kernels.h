@@ -43,7 +43,8 @@ struct ScoreOutputs {
   void* probPartial = nullptr;  // [rows, E]
   void* lsePartial = nullptr;   // [rows]
 };
-// Two launches: the warps' kernel, then the sums over its rows.
+// Two launches: the warps' kernel, then the sums over its rows. With no
+// tokens nothing is launched and nothing written.
 void scoreForward(const ScoreArgs& args, const float* bias, const ScoreOutputs& out);
 
 // Gradients reaching the forward's outputs; each may be null (no gradient).
