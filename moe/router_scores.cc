@@ -106,11 +106,7 @@ std::optional<at::Tensor> mixedPrecisionLogits(const at::Tensor& tokens, const a
                        (type == at::kBFloat16 || type == at::kHalf) && gate.scalar_type() == type;
   if (!applies) return std::nullopt;
   const c10::cuda::CUDAGuard onDevice(tokens.device());
-  at::Tensor logits;
-  {
-    const c10::NoGradGuard untracked;
-    logits = at::mm(tokens.detach(), gate.detach().t(), at::kFloat);
-  }
+  at::Tensor logits = at::mm(tokens.detach(), gate.detach().t(), at::kFloat);  // the node below is its graph
   if (torch::autograd::GradMode::is_enabled() && (tokens.requires_grad() || gate.requires_grad())) {
     auto node = std::shared_ptr<LogitsBackward>(new LogitsBackward(), torch::autograd::deleteNode);
     if (gate.requires_grad()) node->savedTokens = torch::autograd::SavedVariable(tokens, /*is_output=*/false);
