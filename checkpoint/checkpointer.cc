@@ -213,6 +213,7 @@ void Checkpointer::settlePrevious(Deadline deadline) {
     finishing_ = current_;
     finishingWorker_ = std::move(worker_);
   }
+  if (result.ok) newerThanResumed_.clear();  // moved aside by that commit
   auto& state = *current_.state();
   std::lock_guard<std::mutex> lock(state.mutex);
   if (result.ok || options_.continueOnFailure || state.raised) return;
@@ -263,6 +264,8 @@ SaveHandle Checkpointer::save(int64_t step, const StateDict& state) {
   job.buffer = buffer_;
   job.layout = state.layout;
   job.state = handleState;
+  job.resumedFrom = resumedFrom_;
+  job.supersedes = newerThanResumed_;
   std::optional<commit::Failure> rejected;  // a ConfigError: raised here too
   try {
     validate(state, rank_);

@@ -22,6 +22,14 @@
 //    commit in the store (compare-and-set, so a rank that gave up first
 //    prevails), renames the folder to DIR/step_N/, replaces `latest`
 //    atomically and removes checkpoints beyond the newest `keep`.
+//    A step folder that exists already is never replaced (the save fails),
+//    with one exception, a resumed run: after loading step S, this
+//    checkpointer's first commit moves every step folder that was newer than
+//    S at the load (the run it resumes went past S, or died between a
+//    commit's rename and its `latest` update) aside to
+//    DIR/step_N.superseded.<job>/, and logs it. So a run rolled back to S
+//    saves its own steps, and `latest` and the step folders describe one
+//    run; nothing is deleted (the user removes those folders).
 // 4. The other ranks wait for rank 0's verdict until the deadline plus a
 //    grace; a rank that sees none declares the save failed in the store.
 // Coordination uses only the rendezvous store, never a training communicator.
@@ -165,6 +173,10 @@ class Checkpointer {
   int64_t saves_ = 0;
   int64_t loads_ = 0;
   std::shared_ptr<HostBuffer> buffer_;  // reused by every save
+  // Rank 0, after a load: the step loaded and the committed steps newer than
+  // it, which the next commit moves aside (see Save, 3).
+  int64_t resumedFrom_ = -1;
+  std::vector<int64_t> newerThanResumed_;
   SaveHandle current_;                  // the last save
   std::thread worker_;                  // its background part
   // The save before it, whose thread may still be removing old checkpoints

@@ -30,6 +30,10 @@ std::string temporaryFolderName(int64_t step, const std::string& job) {
   return fmt::format("{}.tmp.{}", stepFolderName(step), job);
 }
 
+std::string supersededFolderName(int64_t step, const std::string& job) {
+  return fmt::format("{}.superseded.{}", stepFolderName(step), job);
+}
+
 std::optional<int64_t> parseStepFolder(const std::string& name) {
   if (name.rfind("step_", 0) != 0) return std::nullopt;
   return parseDigits(name.substr(5));
@@ -49,6 +53,7 @@ std::vector<FolderEntry> scanFolder(const std::string& dir, int rank) {
       std::string rest = name.substr(dot + 1);
       if (rest.rfind("tmp.", 0) == 0) entry.kind = FolderEntry::Kind::Temporary;
       else if (rest.rfind("deleting.", 0) == 0) entry.kind = FolderEntry::Kind::Deleting;
+      else if (rest.rfind("superseded.", 0) == 0) entry.kind = FolderEntry::Kind::Superseded;
       else continue;
       entry.job = rest.substr(rest.find('.') + 1);
     }
@@ -113,7 +118,9 @@ std::vector<std::string> cleanFolder(const std::string& dir, int keep, int64_t j
       }
     }
     for (const auto& entry : entries) {
-      if (entry.kind == FolderEntry::Kind::Committed || entry.name == current) continue;
+      if (entry.kind == FolderEntry::Kind::Committed || entry.kind == FolderEntry::Kind::Superseded ||
+          entry.name == current)
+        continue;
       bool ours = entry.job == job, stale = entry.ageSeconds > staleSeconds;
       if (ours && entry.kind == FolderEntry::Kind::Deleting && !stale) continue;  // our earlier removal's
       if (!ours && !stale) continue;  // another job's save may be in progress

@@ -4,6 +4,9 @@
 //   DIR/step_000200.tmp.<job>/    a save in progress, or abandoned by a job that failed or died
 //   DIR/step_000050.deleting.<job>/  an old checkpoint being removed (renamed first, so it is
 //                                    never seen half-deleted under a committed name)
+//   DIR/step_000300.superseded.<job>/  a committed checkpoint newer than the step a job
+//                                    resumed from, moved aside by that job's first commit
+//                                    (a rollback); kept until the user removes it
 //   DIR/latest                    "step_000100": the newest committed step, replaced atomically
 //   DIR/.lock                     held while `latest` is swapped and old folders removed
 // Two jobs may share a folder: their temporary folders carry their own job
@@ -22,15 +25,16 @@ constexpr const char* kLatestName = "latest";
 
 std::string stepFolderName(int64_t step);  // step_000100 (at least 6 digits)
 std::string temporaryFolderName(int64_t step, const std::string& job);
+std::string supersededFolderName(int64_t step, const std::string& job);
 // The step of a committed folder's name; nullopt for any other name.
 std::optional<int64_t> parseStepFolder(const std::string& name);
 
 struct FolderEntry {
-  enum class Kind { Committed, Temporary, Deleting };
+  enum class Kind { Committed, Temporary, Deleting, Superseded };
   std::string name;
   Kind kind = Kind::Committed;
   int64_t step = 0;
-  std::string job;  // temporary and deleting folders
+  std::string job;  // temporary, deleting and superseded folders
   double ageSeconds = 0;
 };
 
@@ -49,7 +53,7 @@ void writeLatest(const std::string& dir, int64_t step, const std::string& job, i
 // other than `current`, and any job's temporary or deleting folders untouched
 // for `staleSeconds` (a save never outlives its deadline; the caller allows for
 // other jobs' longer ones). This job's deleting folders are left to the removal
-// already under way. Call it holding the folder lock; remove the folders with
+// already under way; superseded folders are never removed. Call it holding the folder lock; remove the folders with
 // removeFolders after releasing it. Best effort: failures are logged, never
 // raised.
 std::vector<std::string> cleanFolder(const std::string& dir, int keep, int64_t justCommitted, const std::string& job,

@@ -25,9 +25,10 @@ std::vector<StepInfo> listCheckpoints(const std::string& dir) {
   for (const auto& entry : scanFolder(dir, -1)) {
     StepInfo info{.step = entry.step,
                   .name = entry.name,
-                  .state = entry.kind == FolderEntry::Kind::Committed   ? "committed"
-                           : entry.kind == FolderEntry::Kind::Temporary ? "partial (in progress or abandoned)"
-                                                                        : "being removed",
+                  .state = entry.kind == FolderEntry::Kind::Committed    ? "committed"
+                           : entry.kind == FolderEntry::Kind::Temporary  ? "partial (in progress or abandoned)"
+                           : entry.kind == FolderEntry::Kind::Superseded ? "superseded (left by a resumed run)"
+                                                                         : "being removed",
                   .latest = entry.kind == FolderEntry::Kind::Committed && latest && *latest == entry.step,
                   .job = entry.job,
                   .ageSeconds = entry.ageSeconds};
@@ -38,7 +39,7 @@ std::vector<StepInfo> listCheckpoints(const std::string& dir) {
         ++info.files;
         info.bytes += fs::fileSize(fs::join(folder, name)).value_or(0);
       }
-      if (entry.kind == FolderEntry::Kind::Committed) {
+      if (entry.kind == FolderEntry::Kind::Committed || entry.kind == FolderEntry::Kind::Superseded) {
         auto text = fs::readFile(fs::join(folder, kManifestName));
         if (text && text->find("\njob ") != std::string::npos) {
           size_t at = text->find("\njob ") + 5;

@@ -15,7 +15,8 @@ namespace bulkhead::checkpoint {
 struct StepInfo {
   int64_t step = 0;
   std::string name;   // the folder's name
-  std::string state;  // "committed", "partial (in progress or abandoned)", "being removed"
+  std::string state;  // "committed", "partial (in progress or abandoned)", "being removed",
+                      // "superseded (left by a resumed run)"
   bool latest = false;
   std::string job;    // the saving job's nonce
   double ageSeconds = 0;

@@ -362,8 +362,20 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
     commit::Failure{other.kind, fmt::format("loading step {} failed {}", result.step, other.message)}.raise(rank_);
   }
   result.seconds = secondsSince(started);
-  if (rank_ == 0)
+  if (rank_ == 0) {
     log::info("checkpoint", "loaded step {} from {} in {:.2f} s", result.step, result.path, result.seconds);
+    resumedFrom_ = result.step;
+    newerThanResumed_.clear();
+    try {  // the load succeeded on every rank: it must not fail here on one
+      for (const auto& entry : scanFolder(options_.dir, rank_))
+        if (entry.kind == FolderEntry::Kind::Committed && entry.step > result.step)
+          newerThanResumed_.push_back(entry.step);
+    } catch (const std::exception& error) {
+      log::warn("checkpoint", "cannot list {} for steps newer than {}; saves of such steps will fail: {}",
+                options_.dir, result.step, error.what());
+      newerThanResumed_.clear();
+    }
+  }
   return result;
 }
 

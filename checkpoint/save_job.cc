@@ -176,10 +176,10 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
                    step);
         ::_exit(17);
       }
-      if (fs::exists(final))
-        throw CheckpointError(fmt::format("{} already exists (saved by another job, or an earlier run of this one); "
-                                          "it is left as it is and this save is dropped: give each job its own "
-                                          "checkpoint folder, or remove that step",
+      if (fs::exists(final) && std::find(supersedes.begin(), supersedes.end(), step) == supersedes.end())
+        throw CheckpointError(fmt::format("{} already exists (saved by another job, or by an earlier run that this "
+                                          "one did not resume from a checkpoint); it is left as it is and this save "
+                                          "is dropped: give each job its own checkpoint folder, or remove that step",
                                           final),
                               {.rank = rank, .expected = "a step folder that does not exist yet"});
       if (deadline.expired())
@@ -201,12 +201,16 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
     throw *failure;
   }
   // The commit is claimed: from here the outcome is reported through `committed`.
+  const bool replaces = std::find(supersedes.begin(), supersedes.end(), step) != supersedes.end();
   try {
-    if (!fs::renameNoReplace(folder, final, rank))
+    const bool movedOld = replaces && moveAside(step);
+    if (!fs::renameNoReplace(folder, final, rank)) {
+      if (movedOld) fs::renameNoReplace(fs::join(dir, supersededFolderName(step, job)), final, rank);
       throw CheckpointError(fmt::format("{} appeared while step {} was being committed (another job saving into the "
                                         "same folder?); this save is dropped, that folder is left as it is",
                                         final, step),
                             {.rank = rank, .expected = "a step folder that does not exist yet"});
+    }
     fs::sync(dir, rank);
   } catch (const std::exception& error) {
     fs::removeTree(folder);
@@ -218,6 +222,15 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
     Deadline lockDeadline = graceDeadline(1).when() > roundTrip().when() ? graceDeadline(1) : roundTrip();
     fs::FolderLock lock(dir, lockDeadline, rank);
     writeLatest(dir, step, job, rank);
+    // The rest of the run this one resumed, once `latest` names this step.
+    for (int64_t newer : supersedes) {
+      if (newer == step) continue;
+      try {
+        moveAside(newer);
+      } catch (const std::exception& error) {
+        log::warn("checkpoint", "step {} stays in {}: {}", newer, dir, error.what());
+      }
+    }
     // Another job's save never outlives its own deadline, which may be far longer than ours.
     doomed = cleanFolder(dir, keep, step, job, "", std::max(2 * timeoutSeconds, kStaleSeconds), rank);
   } catch (const std::exception& error) {
@@ -235,6 +248,19 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
   }
   result.ok = true;
   result.path = final;
+}
+
+bool SaveJob::moveAside(int64_t newer) const {
+  std::string from = fs::join(dir, stepFolderName(newer)), to = fs::join(dir, supersededFolderName(newer, job));
+  if (!fs::isDirectory(from)) return false;  // removed since the load
+  if (!fs::renameNoReplace(from, to, rank))
+    throw CheckpointError(fmt::format("cannot move {} aside: {} exists", from, to),
+                          {.rank = rank, .expected = "no superseded folder of this job for that step yet"});
+  log::warn("checkpoint",
+            "moved {} aside to {}: this run resumed from step {}, so that later step belongs to the run it went "
+            "back from; it is kept until you remove it",
+            from, to, resumedFrom);
+  return true;
 }
 
 void SaveJob::follow(commit::Exchange& exchange, SaveResult& result) {

@@ -45,6 +45,10 @@ struct SaveJob {
   std::vector<StagedSlice> slices;
   std::optional<LayoutRecord> layout;
   std::shared_ptr<SaveHandle::State> state;
+  // Rank 0: the step the run resumed from, and the step folders newer than it
+  // that this commit moves aside (checkpointer.h, Save, 3).
+  int64_t resumedFrom = -1;
+  std::vector<int64_t> supersedes;
   double blockingSeconds = 0;
   // Set when save() failed before the background part (staging): the job
   // only publishes it, so no rank waits for this one until the deadline.
@@ -60,6 +64,8 @@ struct SaveJob {
   std::optional<commit::Failure> writeOwn(commit::Exchange& exchange, SaveResult& result);
   void coordinate(commit::Exchange& exchange, SaveResult& result);
   void follow(commit::Exchange& exchange, SaveResult& result);
+  // Renames step folder `newer` to its superseded name; false if it is gone.
+  bool moveAside(int64_t newer) const;
   Deadline graceDeadline(int multiple) const;
 };
 

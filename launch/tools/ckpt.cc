@@ -13,6 +13,7 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -90,9 +91,12 @@ int list(const std::string& dir) {
     fmt::print("{}: no checkpoints\n", dir);
     return 0;
   }
-  fmt::print("{:<32} {:>10} {:<36} {:>6} {:>11} {:>8}  {}\n", "folder", "step", "state", "files", "size", "age", "job");
+  size_t width = 32;  // superseded folders' names are longer
+  for (const auto& step : steps) width = std::max(width, step.name.size());
+  fmt::print("{:<{}} {:>10} {:<36} {:>6} {:>11} {:>8}  {}\n", "folder", width, "step", "state", "files", "size", "age",
+             "job");
   for (const auto& step : steps)
-    fmt::print("{:<32} {:>10} {:<36} {:>6} {:>11} {:>8}  {}\n", step.name, step.step,
+    fmt::print("{:<{}} {:>10} {:<36} {:>6} {:>11} {:>8}  {}\n", step.name, width, step.step,
                step.latest ? step.state + " (latest)" : step.state, step.files, bytesText(step.bytes),
                ageText(step.ageSeconds), step.job);
   return 0;

@@ -96,6 +96,66 @@ TEST_CASE("each save commits a new step and moves latest; checkpoints beyond kee
   CHECK(mismatches(targets, shape, 40).empty());
 }
 
+TEST_CASE("a run resumed from an earlier step commits its own steps; the later ones it went back from move aside") {
+  SharedDir dir("ckpt-rollback");
+  ModelShape shape{.layers = 1};
+  auto saved = layout({.ep = 2});
+  {
+    auto first = open(dir.path(), {.keep = 0});
+    for (int step : {10, 20, 30}) {
+      first->save(step, build(shape, saved, rank(), step));
+      REQUIRE(first->wait(Deadline::afterSeconds(60)).ok);
+    }
+  }
+  // A job that never loaded still refuses an existing step: it may be another job's.
+  auto stranger = open(dir.path());
+  stranger->save(20, build(shape, saved, rank(), 99));
+  SaveResult refused = stranger->wait(Deadline::afterSeconds(60));
+  CHECK_FALSE(refused.ok);
+  CHECK(refused.error.find("already exists") != std::string::npos);
+
+  // Went back to step 10 (say, past a loss spike), the run saves 20 and 30 again.
+  auto resumed = open(dir.path(), {.keep = 3});
+  auto targets = build(shape, saved, rank(), 1);
+  REQUIRE(resumed->load(targets, {.step = 10}).step == 10);
+  const std::string job = resumed->job();
+  resumed->save(20, build(shape, saved, rank(), 120));
+  SaveResult twenty = resumed->wait(Deadline::afterSeconds(60));
+  INFO(twenty.error);
+  REQUIRE(twenty.ok);
+  CHECK(readLatest(dir.path(), rank()) == 20);
+  barrier();
+  std::vector<std::pair<int64_t, std::string>> folders;
+  for (const auto& step : listCheckpoints(dir.path())) folders.emplace_back(step.step, step.name);
+  CHECK(folders == std::vector<std::pair<int64_t, std::string>>{{10, "step_000010"},
+                                                               {20, "step_000020"},
+                                                               {20, supersededFolderName(20, job)},
+                                                               {30, supersededFolderName(30, job)}});
+  for (const auto& step : listCheckpoints(dir.path()))
+    if (step.name.find("superseded") != std::string::npos) {
+      CHECK(step.state == "superseded (left by a resumed run)");
+      CHECK(step.files == worldSize());  // moved whole, not deleted
+    }
+  CHECK(resumed->load(targets).step == 20);
+  CHECK(mismatches(targets, shape, 120).empty());
+
+  // Later saves commit as usual, and later commits move nothing more aside.
+  resumed->save(30, build(shape, saved, rank(), 130));
+  REQUIRE(resumed->wait(Deadline::afterSeconds(60)).ok);
+  resumed->save(40, build(shape, saved, rank(), 140));
+  REQUIRE(resumed->wait(Deadline::afterSeconds(60)).ok);
+  barrier();
+  std::vector<std::string> names;
+  for (const auto& step : listCheckpoints(dir.path())) names.push_back(step.name);
+  CHECK(names == std::vector<std::string>{"step_000020", supersededFolderName(20, job), "step_000030",
+                                          supersededFolderName(30, job), "step_000040"});
+  for (auto [step, seed] : {std::pair<int64_t, int>{20, 120}, {30, 130}, {40, 140}}) {
+    INFO("step " << step);
+    CHECK(resumed->load(targets, {.step = step}).step == step);
+    CHECK(mismatches(targets, shape, seed).empty());
+  }
+}
+
 TEST_CASE("a key missing from the checkpoint or of another shape fails the load on every rank") {
   SharedDir dir("ckpt-incompatible");
   auto ckpt = open(dir.path());
