@@ -102,6 +102,17 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
                       {.rank = ep_->rank(), .group = ep_->name(),
                        .expected = "tokens [T, H]; indices (int64), weights, keep (bool) [T, k]"});
   }
+  // Before any collective, so a misplaced tensor fails on its own rank at once
+  // (a kernel would read a host pointer, or the packing raise between exchanges).
+  for (const auto& [what, tensor] : {std::pair<const char*, const at::Tensor&>{"indices", routing.indices},
+                                     {"weights", routing.weights},
+                                     {"keep", routing.keep}}) {
+    if (tensor.device() != tokens.device()) {
+      throw ConfigError(fmt::format("dispatch on {}: routing {} on {}, tokens on {}", ep_->name(), what,
+                                    tensor.device().str(), tokens.device().str()),
+                        {.rank = ep_->rank(), .group = ep_->name(), .expected = "routing on the tokens' device"});
+    }
+  }
   const RouteShape shape{.localExperts = experts, .ranks = ranks, .perSlot = !options_.oncePerRank};
   // Metadata travels in the combine weights' dtype, at least float32: local
   // expert ids are small integers, exact there.

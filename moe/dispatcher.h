@@ -21,7 +21,7 @@
 // - Dropped slots (Routing::keep false) are neither sent nor counted. Kept
 //   slots naming no expert (outside [0, numExperts)) travel as counts in the
 //   counts exchange, and every rank of the group raises ConfigError there.
-//   Inputs of the wrong shape or dtype raise ConfigError on their own rank
+//   Inputs of the wrong shape, dtype or device raise ConfigError on their own rank
 //   before any collective; the others then time out in the counts exchange.
 // - Expert inputs are ordered by local expert, tokensPerLocalExpert[e] rows
 //   each (experts with no rows included).

@@ -43,34 +43,53 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-cuda::GatherSumArgs kernelArgs(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights) {
+// Source rows [rows, width] of `options` (a kernel dtype, on a GPU).
+struct SourceShape {
+  int64_t rows = 0, width = 0;
+  at::TensorOptions options;
+};
+
+cuda::GatherSumArgs kernelArgs(const SourceShape& source, const at::Tensor& table, const at::Tensor& weights) {
   cuda::GatherSumArgs args;
-  args.rowType = *kernelDtype(source.scalar_type());  // checked by the caller
+  args.rowType = *kernelDtype(c10::typeMetaToScalarType(source.options.dtype()));  // checked by the caller
   args.weightType = weights.defined() && weights.scalar_type() == at::kDouble ? cuda::Dtype::Float64
                                                                                : cuda::Dtype::Float32;
   args.outputs = table.size(0);
   args.columns = table.size(1);
-  args.width = source.size(1);
+  args.width = source.width;
   args.table = table.data_ptr<int64_t>();
   args.weights = weights.defined() ? weights.data_ptr() : nullptr;
-  args.stream = c10::cuda::getCurrentCUDAStream(source.device().index()).stream();
+  args.stream = c10::cuda::getCurrentCUDAStream(source.options.device().index()).stream();
   return args;
 }
 
+// Source and weights are SavedVariables: either changed in place since the
+// forward, or a second backward through a freed graph, raises as it would in
+// ATen. The source rows are kept only for the weights' gradient, so a
+// gather-sum without learned weights (the combine's last sum) keeps none.
 // The gradients it returns have no graph of their own: a double backward raises.
 struct GatherSumBackward : Node {
-  at::Tensor source, table, weights;  // weights: float32 or float64, or undefined
+  torch::autograd::SavedVariable savedSource, savedWeights;  // weights: float32 or float64
+  at::Tensor table;
+  SourceShape shape;
   SourceRows named = SourceRows::Some;
   std::string name() const override { return "bulkhead::GatherSumBackward"; }
+  void release_variables() override {
+    savedSource.reset_data();
+    savedWeights.reset_data();
+  }
   variable_list apply(variable_list&& grads) override {
     refuseDoubleBackward("bulkhead::GatherSumBackward");
-    const c10::cuda::CUDAGuard onDevice(source.device());
+    const at::Tensor source = savedSource.unpack(), weights = savedWeights.unpack();  // undefined where not saved
+    const c10::cuda::CUDAGuard onDevice(shape.options.device());
     at::Tensor gradOut = grads[0].defined() ? grads[0].contiguous()
-                                            : at::zeros({table.size(0), source.size(1)}, source.options());
-    at::Tensor gradSource = named == SourceRows::Every ? at::empty_like(source) : at::zeros_like(source);
-    at::Tensor gradWeights = weights.defined() ? at::empty_like(weights) : at::Tensor();
-    cuda::gatherSumBackward(kernelArgs(source, table, weights), source.data_ptr(), gradOut.data_ptr(),
-                            gradSource.data_ptr(), weights.defined() ? gradWeights.data_ptr() : nullptr);
+                                            : at::zeros({table.size(0), shape.width}, shape.options);
+    at::Tensor gradSource = named == SourceRows::Every ? at::empty({shape.rows, shape.width}, shape.options)
+                                                       : at::zeros({shape.rows, shape.width}, shape.options);
+    at::Tensor gradWeights = source.defined() ? at::empty_like(weights) : at::Tensor();
+    cuda::gatherSumBackward(kernelArgs(shape, table, weights), source.defined() ? source.data_ptr() : nullptr,
+                            gradOut.data_ptr(), gradSource.data_ptr(),
+                            gradWeights.defined() ? gradWeights.data_ptr() : nullptr);
     return {gradSource, gradWeights};
   }
 };
@@ -87,14 +106,16 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
     at::Tensor src = source.contiguous(), index = table.contiguous();
     at::Tensor w = weights.defined() ? weights.contiguous() : at::Tensor();
     at::Tensor out = at::empty({index.size(0), src.size(1)}, src.options());
-    cuda::gatherSumForward(kernelArgs(src, index, w), src.detach().data_ptr(), out.data_ptr());
-    const bool tracked = torch::autograd::GradMode::is_enabled() &&
-                         (source.requires_grad() || (w.defined() && w.requires_grad()));
+    const SourceShape shape{.rows = src.size(0), .width = src.size(1), .options = src.options()};
+    cuda::gatherSumForward(kernelArgs(shape, index, w), src.detach().data_ptr(), out.data_ptr());
+    const bool weightsLearn = w.defined() && w.requires_grad();
+    const bool tracked = torch::autograd::GradMode::is_enabled() && (source.requires_grad() || weightsLearn);
     if (!tracked) return out;
     auto node = std::shared_ptr<GatherSumBackward>(new GatherSumBackward(), torch::autograd::deleteNode);
-    node->source = src.detach();
+    if (weightsLearn) node->savedSource = torch::autograd::SavedVariable(src.detach(), /*is_output=*/false);
+    if (w.defined()) node->savedWeights = torch::autograd::SavedVariable(w.detach(), /*is_output=*/false);
     node->table = index;
-    node->weights = w.defined() ? w.detach() : at::Tensor();
+    node->shape = shape;
     node->named = named;
     node->set_next_edges(torch::autograd::collect_next_edges(source, weights));
     torch::autograd::set_history(out, node);

@@ -21,8 +21,10 @@ void refuseDoubleBackward(const char* node) {
   // The engine runs a backward node with grad mode on exactly when the
   // caller asked for a graph of the gradients.
   if (c10::GradMode::is_enabled()) {
-    throw ConfigError(fmt::format("{}: no double backward (create_graph) through this CUDA kernel's gradient", node),
-                      {.expected = "a first-order backward; for higher orders, the ATen form on the CPU"});
+    throw ConfigError(fmt::format("{}: no double backward (create_graph): this node's gradients carry no graph, so "
+                                  "second-order terms would be silently left out",
+                                  node),
+                      {.expected = "a first-order backward through the MoE layer (its exchanges and kernels)"});
   }
 }
 

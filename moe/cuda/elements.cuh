@@ -15,14 +15,20 @@
 
 namespace bulkhead::moe::cuda {
 
-// Raises what the last launch reported, naming the kernel. A launch fails on
-// a GPU the kernels were not built for, or after an earlier fault on the device.
+// Raises what the last launch reported, naming the kernel: ConfigError on a
+// GPU the kernels were not built for; otherwise the device's first unreported
+// error, which an earlier fault (another kernel's, or NCCL's) may have left.
 inline void checkLaunch(const char* what) {
   const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    throw Error(std::string(what) + " failed: " + cudaGetErrorString(status),
-                {.expected = "a GPU of the CUDA architectures the kernels were built for (CMAKE_CUDA_ARCHITECTURES)"});
+  if (status == cudaSuccess) return;
+  if (status == cudaErrorNoKernelImageForDevice || status == cudaErrorInvalidDeviceFunction) {
+    throw ConfigError(std::string(what) + " failed: " + cudaGetErrorString(status),
+                      {.expected = "a GPU of the CUDA architectures the kernels were built for "
+                                   "(rebuild with CMAKE_CUDA_ARCHITECTURES naming this GPU's)"});
   }
+  throw Error(std::string(what) + " failed: " + cudaGetErrorString(status) +
+                  " (the device's first unreported error: it may come from earlier work on this GPU)",
+              {.expected = "no fault on the device; restart the job from its last checkpoint"});
 }
 
 // Half-precision elements accumulate in float, float64 in double.

@@ -88,6 +88,46 @@ TEST_CASE("gather-sum over a table naming every source row writes every gradient
   }
 }
 
+TEST_CASE("gather-sum keeps its source only for learned weights, and refuses one changed since the forward",
+          "[moe][gpu]") {
+  const at::Device gpu(at::kCUDA, 0);
+  at::Tensor table = at::randperm(64, testing::sharedGenerator(11), at::kLong).view({32, 2}).to(gpu);
+  at::Tensor leaf = at::randn({64, 40}, testing::sharedGenerator(12), at::kDouble).to(gpu).requires_grad_(true);
+  at::Tensor weights = at::rand({32, 2}, testing::sharedGenerator(13), at::kDouble).to(gpu);
+  at::Tensor grad = at::randn({32, 40}, testing::sharedGenerator(14), at::kDouble).to(gpu);
+
+  // Learned weights: their gradient reads the source, so a change to it in place is caught.
+  {
+    at::Tensor source = leaf * 2, w = weights.clone().requires_grad_(true);
+    at::Tensor out = gatherSum(source, table, w, SourceRows::Every);
+    source.add_(1);
+    try {
+      out.backward(grad);
+      FAIL("the backward used a source changed in place since the forward");
+    } catch (const c10::Error& error) {
+      CHECK(std::string(error.what()).find("modified by an inplace operation") != std::string::npos);
+    }
+  }
+  // Fixed weights, or none: the source is not kept, so changing it does not matter.
+  for (bool weighted : {true, false}) {
+    INFO("weighted " << weighted);
+    at::Tensor source = leaf * 2;
+    at::Tensor w = weighted ? weights : at::Tensor();
+    at::Tensor out = gatherSum(source, table, w, SourceRows::Every);
+    source.add_(1);
+    leaf.mutable_grad() = at::Tensor();
+    out.backward(grad);
+    at::Tensor expected = leaf.detach().clone().requires_grad_(true);
+    (gatherSumReference(expected * 2, table, w) * grad).sum().backward();
+    CHECK(at::allclose(leaf.grad(), expected.grad(), 1e-12, 1e-12));
+  }
+  // A second backward through a freed graph raises, as in ATen.
+  at::Tensor w = weights.clone().requires_grad_(true);
+  at::Tensor out = gatherSum(leaf * 2, table, w, SourceRows::Every);
+  out.backward(grad);
+  CHECK_THROWS_AS(out.backward(grad), c10::Error);
+}
+
 TEST_CASE("grouping kernels list entries as the stable sort does", "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
   // Sizes around the kernels' segment boundaries (512 entries per warp, at most 256 segments).

@@ -3,6 +3,7 @@
 // run locally on every shard of the global input.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <fmt/format.h>
 
@@ -208,6 +209,26 @@ TEST_CASE("an input of another dtype than the layer's is refused on every rank, 
   // No collective was left half-issued: the next forward runs on every rank.
   at::Tensor tokens = shardTokens(rank);
   CHECK(layer.forward(tokens).output.sizes() == tokens.sizes());
+}
+
+TEST_CASE("a double backward through the layer is refused on every rank, and the layer goes on", "[moe][layer]") {
+  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4},
+                                                {.warmup = false});
+  MoELayer layer(layerOptions(true, 0, true), groups, at::kDouble);
+  const int rank = testing::world().rank();
+  at::Tensor tokens = shardTokens(rank).requires_grad_(true);
+  at::Tensor loss = (layer.forward(tokens).output * shardProjection(rank)).sum();
+  // The exchanges' gradients carry no graph: second-order terms would be lost.
+  try {
+    torch::autograd::grad({loss}, {tokens}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+    FAIL("create_graph through the MoE exchanges was accepted");
+  } catch (const ConfigError& error) {
+    CHECK(std::string(error.what()).find("no double backward") != std::string::npos);
+  }
+  // Every rank raised before the exchange: a first-order backward still runs on all of them.
+  at::Tensor grad = torch::autograd::grad({loss}, {tokens})[0];
+  CHECK(grad.sizes() == tokens.sizes());
+  CHECK((tokens.size(0) == 0 || grad.abs().sum().item<double>() > 0));
 }
 
 TEST_CASE("the layer's gradients match finite differences of the global loss", "[moe][layer][gradcheck]") {
