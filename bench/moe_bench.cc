@@ -9,8 +9,8 @@
 //                                   [--shared-ffn 0] [--shared-in-line] [--shared-rounds 0]
 //                                   [--profile trace.json] [--step-only]
 //
-// --step-only: print STEP_MS (and write the profile, if asked) and stop, for
-// quick alternating runs of two builds.
+// --step-only: print STEP_MS and PEAK_ALLOCATED_MB (and write the profile, if
+// asked) and stop, for quick alternating runs of two builds.
 //
 // --shared-rounds R (with --shared-ffn): the step with the shared expert beside
 // the routed path against the same layer running it in line, in R alternating
@@ -26,6 +26,9 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
+#if BULKHEAD_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -128,6 +131,21 @@ double medianEventMs(int iterations, const std::function<void()>& body) {
 
 }  // namespace
 
+// The most memory the caching allocator had handed out on `device` since the
+// last reset, in MB; -1 where libtorch has no CUDA.
+double peakAllocatedMb(int device, bool reset) {
+#if BULKHEAD_TORCH_CUDA
+  namespace allocator = c10::cuda::CUDACachingAllocator;
+  if (reset) allocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
+  // allocated_bytes[0]: the aggregate over the small and large pools.
+  return static_cast<double>(allocator::getDeviceStats(static_cast<c10::DeviceIndex>(device)).allocated_bytes[0].peak) /
+         1e6;
+#else
+  (void)device, (void)reset;
+  return -1;
+#endif
+}
+
 int main(int argc, char** argv) {
   return guardedMain([&] {
     Options options = parse(argc, argv);
@@ -176,7 +194,9 @@ int main(int argc, char** argv) {
       runtime->shutdown();
       return 0;
     }
+    peakAllocatedMb(input.device().index(), /*reset=*/true);
     const double stepMs = medianMs(options.iterations, step);
+    const double peakMb = peakAllocatedMb(input.device().index(), /*reset=*/false);  // of the timed steps
     if (!options.profile.empty()) {
       // Kernels and ATen ops of 5 steps, each step a "step" range in the trace.
       namespace profiler = torch::autograd::profiler;
@@ -195,7 +215,7 @@ int main(int argc, char** argv) {
       trace->save(me == 0 ? options.profile : fmt::format("{}.rank{}", options.profile, me));
     }
     if (options.stepOnly) {
-      if (me == 0) fmt::print("STEP_MS {:.3f}\n", stepMs);
+      if (me == 0) fmt::print("STEP_MS {:.3f}\nPEAK_ALLOCATED_MB {:.1f}\n", stepMs, peakMb);
       runtime->shutdown();
       return 0;
     }
@@ -290,6 +310,7 @@ int main(int argc, char** argv) {
     if (me == 0) {
       fmt::print("MODE {}\n", options.perSlot ? "per-slot" : "once-per-rank");
       fmt::print("STEP_MS {:.3f}\n", stepMs);
+      fmt::print("PEAK_ALLOCATED_MB {:.1f}\n", peakMb);
       fmt::print("ROWS_SENT {}\n", sent);
       fmt::print("DISPATCH_COMBINE_MS {:.3f}\n", oursMs);
       fmt::print("RAW_ALLTOALL_MS {:.3f}\n", rawMs);

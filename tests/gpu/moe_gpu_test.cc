@@ -23,6 +23,7 @@
 
 #include "moe/moe_layer.h"
 #include "parallel/process_groups.h"
+#include "runtime/errors.h"
 #include "tests/catch_compat.h"
 #include "tests/gpu/gpu_helpers.h"
 
@@ -212,5 +213,25 @@ TEST_CASE("the shared expert on a stream of its own gives the result it gives in
   REQUIRE(beside.sharedExpertStream().has_value());
   CHECK(*beside.sharedExpertStream() != current);
   CHECK(!reference.sharedExpertStream().has_value());
+}
+
+TEST_CASE("routing on another device than the tokens is refused before any collective, and dispatch goes on") {
+  const int ranks = gpuWorld().size(), me = gpuWorld().rank();
+  auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), {.ep = ranks}, {.warmup = false});
+  moe::TokenDispatcher dispatcher(groups.ep(), {.numExperts = 4 * ranks});
+  const at::Tensor tokens = at::randn({64, 32}, sharedGenerator(900 + me), at::kDouble).to(gpu(), at::kFloat);
+  moe::Routing routing;
+  routing.indices = std::get<1>(at::randn({64, 4 * ranks}, sharedGenerator(910 + me), at::kDouble).topk(2)).to(gpu());
+  routing.weights = at::rand({64, 2}, sharedGenerator(920 + me), at::kDouble).to(gpu(), at::kFloat);
+  routing.keep = at::ones({64, 2}, at::kBool);  // on the CPU: a kernel would read a host pointer
+  try {
+    dispatcher.dispatch(tokens, routing);
+    FAIL("routing keep flags on the CPU were accepted beside CUDA tokens");
+  } catch (const ConfigError& error) {
+    CHECK(std::string(error.what()).find("routing keep on cpu") != std::string::npos);
+  }
+  routing.keep = routing.keep.to(gpu());
+  moe::DispatchPlan plan = dispatcher.dispatch(tokens, routing);  // every rank raised alike: none waits
+  CHECK(dispatcher.combine(plan, plan.expertInput).sizes() == tokens.sizes());
 }
 #endif  // BULKHEAD_TORCH_CUDA
