@@ -9,8 +9,9 @@
 //                                   [--shared-ffn 0] [--shared-in-line] [--shared-rounds 0]
 //                                   [--profile trace.json] [--step-only]
 //
-// --step-only: print STEP_MS and PEAK_ALLOCATED_MB (and write the profile, if
-// asked) and stop, for quick alternating runs of two builds.
+// --step-only: print STEP_MS, PEAK_ALLOCATED_MB and where one step's memory
+// goes (MEMORY_MB, each rank), write the profile if asked, and stop: for quick
+// alternating runs of two builds.
 //
 // --shared-rounds R (with --shared-ffn): the step with the shared expert beside
 // the routed path against the same layer running it in line, in R alternating
@@ -36,6 +37,7 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "launch/init.h"
@@ -59,6 +61,7 @@ struct Options {
   int sharedRounds = 0;       // beside against in line, alternating rounds
   bool perSlot = false;
   bool stepOnly = false;
+  int memorySteps = 0;  // with --step-only: memory after each of this many more steps
   std::string profile;  // Chrome trace of 5 steps, rank 0's; rank r's gets ".rank<r>" (bench/profile_summary.py)
 };
 
@@ -81,6 +84,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--shared-rounds") options.sharedRounds = next();
     else if (arg == "--per-slot") options.perSlot = true;
     else if (arg == "--step-only") options.stepOnly = true;
+    else if (arg == "--memory-steps") options.memorySteps = next();
     else if (arg == "--profile") {
       if (i + 1 >= argc) throw ConfigError("--profile needs a file name");
       options.profile = argv[++i];
@@ -131,18 +135,22 @@ double medianEventMs(int iterations, const std::function<void()>& body) {
 
 }  // namespace
 
-// The most memory the caching allocator had handed out on `device` since the
-// last reset, in MB; -1 where libtorch has no CUDA.
-double peakAllocatedMb(int device, bool reset) {
+// What the caching allocator has handed out on `device`, in MB: now, and at
+// most since the last reset (`reset` resets first); -1 where libtorch has no CUDA.
+struct AllocatedMb {
+  double now = -1, peak = -1;
+};
+AllocatedMb allocatedMb(int device, bool reset = false) {
 #if BULKHEAD_TORCH_CUDA
   namespace allocator = c10::cuda::CUDACachingAllocator;
-  if (reset) allocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
-  // allocated_bytes[0]: the aggregate over the small and large pools.
-  return static_cast<double>(allocator::getDeviceStats(static_cast<c10::DeviceIndex>(device)).allocated_bytes[0].peak) /
-         1e6;
+  const auto index = static_cast<c10::DeviceIndex>(device);
+  if (reset) allocator::resetPeakStats(index);
+  const auto stats = allocator::getDeviceStats(index);
+  const auto& bytes = stats.allocated_bytes[0];  // [0]: both pools together
+  return {.now = static_cast<double>(bytes.current) / 1e6, .peak = static_cast<double>(bytes.peak) / 1e6};
 #else
   (void)device, (void)reset;
-  return -1;
+  return {};
 #endif
 }
 
@@ -194,9 +202,10 @@ int main(int argc, char** argv) {
       runtime->shutdown();
       return 0;
     }
-    peakAllocatedMb(input.device().index(), /*reset=*/true);
+    const int device = input.device().index();
+    allocatedMb(device, /*reset=*/true);
     const double stepMs = medianMs(options.iterations, step);
-    const double peakMb = peakAllocatedMb(input.device().index(), /*reset=*/false);  // of the timed steps
+    const double peakMb = allocatedMb(device).peak;  // of the timed steps
     if (!options.profile.empty()) {
       // Kernels and ATen ops of 5 steps, each step a "step" range in the trace.
       namespace profiler = torch::autograd::profiler;
@@ -215,6 +224,27 @@ int main(int argc, char** argv) {
       trace->save(me == 0 ? options.profile : fmt::format("{}.rank{}", options.profile, me));
     }
     if (options.stepOnly) {
+      // Where one step's memory goes, on each rank: held between steps, kept by
+      // the forward for the backward, and the peaks.
+      const AllocatedMb rest = allocatedMb(device, /*reset=*/true);
+      moe::MoEOutput out = layer.forward(input);
+      BENCH_CHECK(cudaDeviceSynchronize());
+      const AllocatedMb forward = allocatedMb(device);
+      torch::autograd::backward({out.output, out.auxLoss}, {gradOutput, at::ones_like(out.auxLoss)});
+      BENCH_CHECK(cudaDeviceSynchronize());
+      const AllocatedMb whole = allocatedMb(device);
+      fmt::print("MEMORY_MB rank {} between_steps {:.1f} after_forward {:.1f} forward_peak {:.1f} step_peak {:.1f} "
+                 "after_step {:.1f}\n",
+                 me, rest.now, forward.now, forward.peak, whole.peak, whole.now);
+      // Whether memory held between steps settles: right after each step's
+      // device sync, and again 20 ms later (the NCCL watchdog polls every 2 ms).
+      for (int i = 0; i < options.memorySteps; ++i) {
+        step();
+        BENCH_CHECK(cudaDeviceSynchronize());
+        const double synced = allocatedMb(device).now;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        fmt::print("MEMORY_STEP rank {} step {} synced {:.1f} settled {:.1f}\n", me, i, synced, allocatedMb(device).now);
+      }
       if (me == 0) fmt::print("STEP_MS {:.3f}\nPEAK_ALLOCATED_MB {:.1f}\n", stepMs, peakMb);
       runtime->shutdown();
       return 0;

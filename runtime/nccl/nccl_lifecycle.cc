@@ -336,8 +336,14 @@ void NcclCommunicator::watch() {
   while (!stopping_ && !aborted_) {
     {
       std::unique_lock<std::mutex> lock(pendingMutex_);
-      wake_.wait_for(lock, pending_.empty() && !enqueuing_ ? kWatchdogIdle : kWatchdogPoll,
-                     [this] { return stopping_.load(); });
+      if (pending_.empty() && !enqueuing_) {
+        // Idle: a long sleep, cut short by the next operation (enqueue
+        // notifies), which from then on is polled: its buffers are let go of
+        // within a poll of its completion, not held for the rest of the sleep.
+        wake_.wait_for(lock, kWatchdogIdle, [this] { return stopping_.load() || !pending_.empty(); });
+      } else {
+        wake_.wait_for(lock, kWatchdogPoll, [this] { return stopping_.load(); });
+      }
     }
     if (stopping_ || aborted_) break;
     try {
