@@ -213,7 +213,10 @@ void Checkpointer::settlePrevious(Deadline deadline) {
     finishing_ = current_;
     finishingWorker_ = std::move(worker_);
   }
-  if (result.ok) newerThanResumed_.clear();  // moved aside by that commit
+  if (result.ok && current_.state().get() == supersedingSave_) {  // the later steps went aside in that commit
+    newerThanResumed_.clear();
+    supersedingSave_ = nullptr;
+  }
   auto& state = *current_.state();
   std::lock_guard<std::mutex> lock(state.mutex);
   if (result.ok || options_.continueOnFailure || state.raised) return;
@@ -266,6 +269,7 @@ SaveHandle Checkpointer::save(int64_t step, const StateDict& state) {
   job.state = handleState;
   job.resumedFrom = resumedFrom_;
   job.supersedes = newerThanResumed_;
+  if (!job.supersedes.empty()) supersedingSave_ = handleState.get();
   std::optional<commit::Failure> rejected;  // a ConfigError: raised here too
   try {
     validate(state, rank_);

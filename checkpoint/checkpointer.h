@@ -24,12 +24,13 @@
 //    atomically and removes checkpoints beyond the newest `keep`.
 //    A step folder that exists already is never replaced (the save fails),
 //    with one exception, a resumed run: after loading step S, this
-//    checkpointer's first commit moves every step folder that was newer than
-//    S at the load (the run it resumes went past S, or died between a
-//    commit's rename and its `latest` update) aside to
-//    DIR/step_N.superseded.<job>/, and logs it. So a run rolled back to S
-//    saves its own steps, and `latest` and the step folders describe one
-//    run; nothing is deleted (the user removes those folders).
+//    checkpointer's first successful commit is preceded, under the folder
+//    lock, by `latest` naming S again and by every step folder that was newer
+//    than S at the load (the run it resumes went past S, or died between a
+//    commit's rename and its `latest` update) moving aside to
+//    DIR/step_N.superseded.<job>/ (logged). So a run gone back to S saves its
+//    own steps, `latest` always names a complete checkpoint of it (S, or its
+//    newest commit), and nothing is deleted (the user removes those folders).
 // 4. The other ranks wait for rank 0's verdict until the deadline plus a
 //    grace; a rank that sees none declares the save failed in the store.
 // Coordination uses only the rendezvous store, never a training communicator.
@@ -177,6 +178,7 @@ class Checkpointer {
   // it, which the next commit moves aside (see Save, 3).
   int64_t resumedFrom_ = -1;
   std::vector<int64_t> newerThanResumed_;
+  const SaveHandle::State* supersedingSave_ = nullptr;  // the last save that carried them
   SaveHandle current_;                  // the last save
   std::thread worker_;                  // its background part
   // The save before it, whose thread may still be removing old checkpoints

@@ -10,8 +10,9 @@
 //   DIR/latest                    "step_000100": the newest committed step, replaced atomically
 //   DIR/.lock                     held while `latest` is swapped and old folders removed
 // Two jobs may share a folder: their temporary folders carry their own job
-// nonce, a commit never replaces an existing step folder, and `latest` always
-// names a complete checkpoint.
+// nonce, a commit never replaces an existing step folder (a resumed run moves
+// the steps after the one it resumed from aside first, see checkpointer.h),
+// and `latest` always names a complete checkpoint.
 
 #include <cstdint>
 #include <optional>

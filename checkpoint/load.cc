@@ -366,6 +366,7 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
     log::info("checkpoint", "loaded step {} from {} in {:.2f} s", result.step, result.path, result.seconds);
     resumedFrom_ = result.step;
     newerThanResumed_.clear();
+    supersedingSave_ = nullptr;
     try {  // the load succeeded on every rank: it must not fail here on one
       for (const auto& entry : scanFolder(options_.dir, rank_))
         if (entry.kind == FolderEntry::Kind::Committed && entry.step > result.step)

@@ -201,16 +201,14 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
     throw *failure;
   }
   // The commit is claimed: from here the outcome is reported through `committed`.
-  const bool replaces = std::find(supersedes.begin(), supersedes.end(), step) != supersedes.end();
+  const Deadline lockDeadline = graceDeadline(1).when() > roundTrip().when() ? graceDeadline(1) : roundTrip();
   try {
-    const bool movedOld = replaces && moveAside(step);
-    if (!fs::renameNoReplace(folder, final, rank)) {
-      if (movedOld) fs::renameNoReplace(fs::join(dir, supersededFolderName(step, job)), final, rank);
+    if (!supersedes.empty()) returnToResumedStep(lockDeadline);
+    if (!fs::renameNoReplace(folder, final, rank))
       throw CheckpointError(fmt::format("{} appeared while step {} was being committed (another job saving into the "
                                         "same folder?); this save is dropped, that folder is left as it is",
                                         final, step),
                             {.rank = rank, .expected = "a step folder that does not exist yet"});
-    }
     fs::sync(dir, rank);
   } catch (const std::exception& error) {
     fs::removeTree(folder);
@@ -219,18 +217,8 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
     throw renameFailure;
   }
   try {
-    Deadline lockDeadline = graceDeadline(1).when() > roundTrip().when() ? graceDeadline(1) : roundTrip();
     fs::FolderLock lock(dir, lockDeadline, rank);
     writeLatest(dir, step, job, rank);
-    // The rest of the run this one resumed, once `latest` names this step.
-    for (int64_t newer : supersedes) {
-      if (newer == step) continue;
-      try {
-        moveAside(newer);
-      } catch (const std::exception& error) {
-        log::warn("checkpoint", "step {} stays in {}: {}", newer, dir, error.what());
-      }
-    }
     // Another job's save never outlives its own deadline, which may be far longer than ours.
     doomed = cleanFolder(dir, keep, step, job, "", std::max(2 * timeoutSeconds, kStaleSeconds), rank);
   } catch (const std::exception& error) {
@@ -250,17 +238,39 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
   result.path = final;
 }
 
-bool SaveJob::moveAside(int64_t newer) const {
-  std::string from = fs::join(dir, stepFolderName(newer)), to = fs::join(dir, supersededFolderName(newer, job));
-  if (!fs::isDirectory(from)) return false;  // removed since the load
-  if (!fs::renameNoReplace(from, to, rank))
-    throw CheckpointError(fmt::format("cannot move {} aside: {} exists", from, to),
-                          {.rank = rank, .expected = "no superseded folder of this job for that step yet"});
-  log::warn("checkpoint",
-            "moved {} aside to {}: this run resumed from step {}, so that later step belongs to the run it went "
-            "back from; it is kept until you remove it",
-            from, to, resumedFrom);
-  return true;
+void SaveJob::returnToResumedStep(Deadline lockDeadline) const {
+  fs::FolderLock lock(dir, lockDeadline, rank);
+  if (!fs::isDirectory(fs::join(dir, stepFolderName(resumedFrom))))
+    throw CheckpointError(fmt::format("step {}, which this run resumed from, is no longer in {}; the later steps are "
+                                      "left as they are and this save is dropped",
+                                      resumedFrom, dir),
+                          {.rank = rank, .expected = "the resumed step's folder in place until the first commit"});
+  writeLatest(dir, resumedFrom, job, rank);
+  for (int64_t newer : supersedes) {
+    try {
+      moveAside(newer);
+    } catch (const std::exception& error) {
+      if (newer == step) throw;  // the commit needs its name
+      log::warn("checkpoint", "step {} stays in {}: {}", newer, dir, error.what());
+    }
+  }
+}
+
+void SaveJob::moveAside(int64_t newer) const {
+  std::string from = fs::join(dir, stepFolderName(newer));
+  if (!fs::isDirectory(from)) return;  // removed since the load
+  // A job that went back twice over one step moves two folders of that step aside.
+  for (int copy = 1; copy <= 100; ++copy) {
+    std::string to = fs::join(dir, supersededFolderName(newer, copy == 1 ? job : fmt::format("{}.{}", job, copy)));
+    if (!fs::renameNoReplace(from, to, rank)) continue;
+    log::warn("checkpoint",
+              "moved {} aside to {}: this run resumed from step {}, so that later step belongs to the run it went "
+              "back from; it is kept until you remove it",
+              from, to, resumedFrom);
+    return;
+  }
+  throw CheckpointError(fmt::format("cannot move {} aside: 100 superseded copies of it exist", from),
+                        {.rank = rank, .expected = "fewer superseded folders of one step"});
 }
 
 void SaveJob::follow(commit::Exchange& exchange, SaveResult& result) {

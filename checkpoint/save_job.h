@@ -64,8 +64,13 @@ struct SaveJob {
   std::optional<commit::Failure> writeOwn(commit::Exchange& exchange, SaveResult& result);
   void coordinate(commit::Exchange& exchange, SaveResult& result);
   void follow(commit::Exchange& exchange, SaveResult& result);
-  // Renames step folder `newer` to its superseded name; false if it is gone.
-  bool moveAside(int64_t newer) const;
+  // The first commit after a resume, before its rename, under the folder
+  // lock: `latest` names the resumed step again, then every later step
+  // folder moves aside. Wherever the commit stops, `latest` names a complete
+  // checkpoint of this run: the resumed step, or the step committed.
+  void returnToResumedStep(Deadline lockDeadline) const;
+  // Renames step folder `newer` to a superseded name of its own (nothing if it is gone).
+  void moveAside(int64_t newer) const;
   Deadline graceDeadline(int multiple) const;
 };
 

@@ -154,6 +154,25 @@ TEST_CASE("a run resumed from an earlier step commits its own steps; the later o
     CHECK(resumed->load(targets, {.step = step}).step == step);
     CHECK(mismatches(targets, shape, seed).empty());
   }
+
+  // Going back again in the same process, after saves: to 20, then twice over step 30, the second
+  // time over the step `latest` names. Each superseded copy keeps a name of its own.
+  for (int seed : {230, 330}) {
+    REQUIRE(resumed->load(targets, {.step = 20}).step == 20);
+    resumed->save(30, build(shape, saved, rank(), seed));
+    SaveResult again = resumed->wait(Deadline::afterSeconds(60));
+    INFO(again.error);
+    REQUIRE(again.ok);
+    CHECK(readLatest(dir.path(), rank()) == 30);
+    CHECK(resumed->load(targets).step == 30);
+    CHECK(mismatches(targets, shape, seed).empty());
+  }
+  barrier();
+  names.clear();
+  for (const auto& step : listCheckpoints(dir.path())) names.push_back(step.name);
+  CHECK(names == std::vector<std::string>{"step_000020", supersededFolderName(20, job), "step_000030",
+                                          supersededFolderName(30, job), supersededFolderName(30, job + ".2"),
+                                          supersededFolderName(30, job + ".3"), supersededFolderName(40, job)});
 }
 
 TEST_CASE("a key missing from the checkpoint or of another shape fails the load on every rank") {
