@@ -54,9 +54,9 @@ void writeLatest(const std::string& dir, int64_t step, const std::string& job, i
 // other than `current`, and any job's temporary or deleting folders untouched
 // for `staleSeconds` (a save never outlives its deadline; the caller allows for
 // other jobs' longer ones). This job's deleting folders are left to the removal
-// already under way; superseded folders are never removed. Call it holding the folder lock; remove the folders with
-// removeFolders after releasing it. Best effort: failures are logged, never
-// raised.
+// already under way; superseded folders are never removed. Call it holding the
+// folder lock; remove the folders with removeFolders after releasing it. Best
+// effort: failures are logged, never raised.
 std::vector<std::string> cleanFolder(const std::string& dir, int keep, int64_t justCommitted, const std::string& job,
                                      const std::string& current, double staleSeconds, int rank);
 // Removes each folder and what it holds; failures are logged.

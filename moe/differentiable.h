@@ -11,6 +11,8 @@
 // communicator's watchdog enforces its deadline). Every operation runs under
 // the communicator's default deadline (BULKHEAD_COLLECTIVE_TIMEOUT from the
 // call, or `timeout` from the call when given), forward and backward alike.
+// The backward's gradients carry no graph: a double backward (create_graph)
+// raises ConfigError, on every rank alike, before the exchange.
 
 #include <ATen/core/Tensor.h>
 
