@@ -2,7 +2,8 @@
 # The training example end to end, under mpirun (MPI backend, CPU):
 #   falls    the loss of the README's run falls well below its start
 #   resume   2N steps straight == N steps, stop, resume for N (bitwise: losses
-#            and every rank's parameter digest); resuming at another ep, dp or
+#            and every rank's parameter digest); going back to step N in that
+#            folder commits step 2N again; resuming at another ep, dp or
 #            tp (expert-tp slices the experts' w13 and w2 along F) matches
 #            within 1e-9 relative (float64)
 #   layouts  (ep1,dp1) (ep2,dp2) (ep4) (tp2,ep2): the same 20-step loss curve
@@ -59,6 +60,13 @@ PY
     grep -a "parameter digest" "$work/out.txt" | tr -d '\r' | sed 's/.*parameter digest/parameter digest/' > "$work/resumed.digest"
     compare "$work/resumed.txt" "$work/straight.txt" 0
     diff "$work/straight.digest" "$work/resumed.digest" && echo "parameters bitwise equal: $(cat "$work/straight.digest")"
+    # Going back to step 8 in the same folder (past a loss spike, say): the run commits its own step 16,
+    # the one it went back from moves aside, and the losses are the straight run's again.
+    head -8 "$work/straight.txt" > "$work/back.txt"
+    run 4 "$work/back.txt" --ep 2 --steps 16 --ckpt-dir "$work/ckpt" --resume 8 "${small[@]}"
+    grep -aq "checkpoint step 16 committed" "$work/out.txt" || { tail -5 "$work/out.txt"; echo "FAIL: no commit after going back"; exit 1; }
+    ls -d "$work"/ckpt/step_000016.superseded.* > /dev/null || { ls "$work/ckpt"; echo "FAIL: step 16 not moved aside"; exit 1; }
+    compare "$work/back.txt" "$work/straight.txt" 0
     # The step-8 checkpoint (alone in a folder of its own each time) resumed at ep 4 on 4 ranks,
     # at ep 1 on 2 ranks (dp 2), and at tp 2 ep 2 on 4 ranks (expert-tp 2); each run's final
     # save must commit too.
