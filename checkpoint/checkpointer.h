@@ -23,7 +23,8 @@
 //    prevails), renames the folder to DIR/step_N/, replaces `latest`
 //    atomically and removes checkpoints beyond the newest `keep`.
 //    A step folder that exists already is never replaced (the save fails),
-//    with one exception, a resumed run: after loading step S, this
+//    with one exception, a resumed run: after loading step S (with
+//    LoadOptions::resume, the default), this
 //    checkpointer's first successful commit is preceded, under the folder
 //    lock, by `latest` naming S again and by every step folder that was newer
 //    than S at the load (the run it resumes went past S, or died between a
@@ -107,6 +108,9 @@ struct LoadOptions {
   std::optional<int64_t> step;       // unset: the step `latest` names
   std::optional<Deadline> deadline;  // unset: the checkpointer's timeout from the call
   bool allowMissing = false;         // keys absent from the checkpoint are listed instead of raising
+  // The run goes on from this step (see Save, 3). false for a load that only
+  // reads it (evaluation, comparison): later steps are then left as they are.
+  bool resume = true;
 };
 
 struct LoadResult {

@@ -362,8 +362,8 @@ LoadResult Checkpointer::load(StateDict& targets, LoadOptions options) {
     commit::Failure{other.kind, fmt::format("loading step {} failed {}", result.step, other.message)}.raise(rank_);
   }
   result.seconds = secondsSince(started);
-  if (rank_ == 0) {
-    log::info("checkpoint", "loaded step {} from {} in {:.2f} s", result.step, result.path, result.seconds);
+  if (rank_ == 0) log::info("checkpoint", "loaded step {} from {} in {:.2f} s", result.step, result.path, result.seconds);
+  if (rank_ == 0 && options.resume) {
     resumedFrom_ = result.step;
     newerThanResumed_.clear();
     supersedingSave_ = nullptr;

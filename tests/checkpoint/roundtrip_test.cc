@@ -107,12 +107,18 @@ TEST_CASE("a run resumed from an earlier step commits its own steps; the later o
       REQUIRE(first->wait(Deadline::afterSeconds(60)).ok);
     }
   }
-  // A job that never loaded still refuses an existing step: it may be another job's.
+  // A job that never loaded still refuses an existing step: it may be another job's. So does one
+  // that only read an earlier step.
   auto stranger = open(dir.path());
   stranger->save(20, build(shape, saved, rank(), 99));
   SaveResult refused = stranger->wait(Deadline::afterSeconds(60));
   CHECK_FALSE(refused.ok);
   CHECK(refused.error.find("already exists") != std::string::npos);
+  auto evaluated = build(shape, saved, rank(), 2);
+  REQUIRE(stranger->load(evaluated, {.step = 10, .resume = false}).step == 10);
+  stranger->save(20, build(shape, saved, rank(), 98));
+  CHECK_FALSE(stranger->wait(Deadline::afterSeconds(60)).ok);
+  CHECK(readLatest(dir.path(), rank()) == 30);
 
   // Went back to step 10 (say, past a loss spike), the run saves 20 and 30 again.
   auto resumed = open(dir.path(), {.keep = 3});
