@@ -1,6 +1,7 @@
 #include "parallel/tensor_parallel.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -44,6 +45,16 @@ c10::IValue holdGroup(const TpGroup& group) {
 TpGroup heldGroup(const c10::IValue& value) {
   auto holder = c10::static_intrusive_pointer_cast<GroupHolder>(value.toCapsule());
   return holder->group;
+}
+
+void refuseDoubleBackward(const char* what) {
+  // The engine runs a backward with grad mode on exactly when the caller asked
+  // for a graph of the gradients.
+  if (c10::GradMode::is_enabled())
+    throw ConfigError(fmt::format("{}: no double backward (create_graph): its gradient carries no graph, so "
+                                  "second-order terms would be silently left out",
+                                  what),
+                      {.expected = "a first-order backward through the tensor-parallel layers"});
 }
 
 void checkDevice(const at::Tensor& tensor, const TpGroup& group, const char* what) {
@@ -96,6 +107,7 @@ struct CopyToTp : torch::autograd::Function<CopyToTp> {
     return input;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::refuseDoubleBackward("copyToTensorParallel");
     TpGroup group = detail::heldGroup(ctx->saved_data["group"]);
     return {detail::allReduce(grads[0].clone(at::MemoryFormat::Contiguous), group), at::Tensor()};
   }
@@ -125,6 +137,7 @@ struct ScatterToTp : torch::autograd::Function<ScatterToTp> {
     return detail::ownBlockLastDim(input, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::refuseDoubleBackward("scatterToTensorParallel");
     TpGroup group = detail::heldGroup(ctx->saved_data["group"]);
     return {detail::allGatherLastDim(grads[0], group), at::Tensor()};
   }

@@ -12,6 +12,8 @@
 //   call, or BULKHEAD_COLLECTIVE_TIMEOUT when unset; a TimeoutError or
 //   CommError from the communicator propagates unchanged.
 // - A group of one rank issues no collectives: each function is the identity.
+// - No double backward: where a backward's gradient comes from a collective
+//   (copyTo, scatterTo), create_graph raises ConfigError on every rank alike.
 
 #include <ATen/core/Tensor.h>
 

@@ -3,10 +3,12 @@
 // within 1e-12 relative, on seeded random weights and data.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <fmt/format.h>
 
 #include "parallel/linear.h"
 #include "parallel/vocab_parallel.h"
+#include "runtime/errors.h"
 #include "tests/catch_compat.h"
 #include "tests/mpi/helpers.h"
 #include "tests/optim/helpers.h"
@@ -196,4 +198,35 @@ TEST_CASE("vocab-parallel cross-entropy of bf16 logits is computed in float32") 
   lossRef.sum().backward();
   CHECK(relativeError(loss, lossRef) <= 1e-2);  // one bf16 rounding of each result
   CHECK(relativeError(logits.grad(), ref.grad().narrow(-1, rows.begin, rows.length)) <= 1e-2);
+}
+
+TEST_CASE("a double backward through the tp collectives or the vocab-parallel loss is refused on every rank") {
+  ProcessGroups groups = makeGroups({.tp = world().size() % 2 == 0 ? 2 : 1});
+  TpGroup group = TpGroup::dense(groups);
+  auto refused = [](const at::Tensor& loss, const at::Tensor& input) {
+    try {
+      torch::autograd::grad({loss}, {input}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+      return false;
+    } catch (const ConfigError& error) {
+      return std::string(error.what()).find("no double backward") != std::string::npos;
+    }
+  };
+  at::Tensor x = leaf(seeded({5, 8}, 21, groups.dp()->rank()));
+  if (group.size() > 1) {
+    for (bool scatter : {false, true}) {
+      INFO((scatter ? "scatterToTensorParallel" : "copyToTensorParallel"));
+      at::Tensor y = scatter ? scatterToTensorParallel(x, group) : copyToTensorParallel(x, group);
+      at::Tensor loss = (y * y).sum();
+      CHECK(refused(loss, x));
+      CHECK(torch::autograd::grad({loss}, {x})[0].abs().sum().item<double>() > 0);  // first order still runs
+    }
+  }
+  const int64_t vocab = 10;
+  Range rows = partition(vocab, group.size(), group.rank());
+  at::Tensor logits = leaf(seeded({6, vocab}, 22).narrow(-1, rows.begin, rows.length).contiguous());
+  auto generator = at::detail::createCPUGenerator(78);
+  at::Tensor loss = vocabParallelCrossEntropy(logits, at::randint(vocab, {6}, generator, at::kLong), rows.begin, group)
+                        .sum();
+  CHECK(refused(loss, logits));
+  CHECK(torch::autograd::grad({loss}, {logits})[0].abs().sum().item<double>() > 0);
 }
