@@ -54,7 +54,8 @@ class VocabParallelEmbedding {
 // [...] (take its mean for the usual loss), the same on every tp rank, in the
 // logits' dtype (computed in at least float32). Forward: two all-reduces over
 // tp (max, then the target logit and the sum of exponentials together);
-// backward: none (each rank's gradient is softmax minus one-hot on its block).
+// backward: none (each rank's gradient is softmax minus one-hot on its block,
+// a closed form without a graph: a double backward raises ConfigError).
 at::Tensor vocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets, int64_t vocabBegin,
                                      const TpGroup& group);
 
