@@ -1,7 +1,6 @@
 #include "moe/differentiable.h"
 
 #include "moe/gather_sum.h"
-#include "moe/kernel_support.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
 
@@ -59,7 +58,7 @@ struct AllToAllBackward : Node {
   Timeout timeout;
   std::string name() const override { return "bulkhead::AllToAllBackward"; }
   variable_list apply(variable_list&& grads) override {
-    refuseDoubleBackward("bulkhead::AllToAllBackward");  // on every rank alike, before the exchange
+    parallel::refuseDoubleBackward("bulkhead::AllToAllBackward");  // on every rank alike, before the exchange
     at::Tensor grad = materialize(grads[0], outputShape, options);
     return {exchangeRows(*group, grad, recvSplits, sendSplits, timeout)};
   }
@@ -74,7 +73,7 @@ struct RoutedBackward : Node {
   Timeout timeout;
   std::string name() const override { return "bulkhead::RoutedExchangeBackward"; }
   variable_list apply(variable_list&& grads) override {
-    refuseDoubleBackward("bulkhead::RoutedExchangeBackward");
+    parallel::refuseDoubleBackward("bulkhead::RoutedExchangeBackward");
     at::Tensor rows = exchangeRows(*group, materialize(grads[0], rowsShape, rowOptions), recvSplits, sendSplits, timeout);
     at::Tensor weights =
         exchangeRows(*group, materialize(grads[1], weightsShape, weightOptions), recvSplits, sendSplits, timeout);

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
 
 #if BULKHEAD_MOE_KERNELS
@@ -79,7 +80,7 @@ struct GatherSumBackward : Node {
     savedWeights.reset_data();
   }
   variable_list apply(variable_list&& grads) override {
-    refuseDoubleBackward("bulkhead::GatherSumBackward");
+    parallel::refuseDoubleBackward("bulkhead::GatherSumBackward");
     const at::Tensor source = savedSource.unpack(), weights = savedWeights.unpack();  // undefined where not saved
     const c10::cuda::CUDAGuard onDevice(shape.options.device());
     at::Tensor gradOut = grads[0].defined() ? grads[0].contiguous()

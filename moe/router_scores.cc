@@ -16,6 +16,7 @@
 
 #include "moe/cuda/score_kernels.h"
 #include "moe/kernel_support.h"
+#include "parallel/tensor_parallel.h"
 
 // at::mm with out_dtype (bf16 or fp16 in, float32 out) came with libtorch 2.8.
 #define BULKHEAD_MM_OUT_DTYPE (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8))
@@ -52,7 +53,7 @@ struct ScoresBackward : torch::autograd::Node {
     savedIndices.reset_data();
   }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    refuseDoubleBackward("bulkhead::RouterScoresBackward");
+    parallel::refuseDoubleBackward("bulkhead::RouterScoresBackward");
     if (!grads[0].defined() && !grads[1].defined() && !grads[2].defined()) return {at::Tensor()};
     const at::Tensor logits = savedLogits.unpack(), indices = savedIndices.unpack();
     const c10::cuda::CUDAGuard onDevice(logits.device());
@@ -83,7 +84,7 @@ struct LogitsBackward : torch::autograd::Node {
     savedGate.reset_data();
   }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    refuseDoubleBackward("bulkhead::RouterLogitsBackward");
+    parallel::refuseDoubleBackward("bulkhead::RouterLogitsBackward");
     at::Tensor gradTokens, gradGate;
     if (!grads[0].defined()) return {gradTokens, gradGate};
     const c10::cuda::CUDAGuard onDevice(grads[0].device());

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
 
 #if BULKHEAD_MOE_KERNELS
@@ -48,7 +49,7 @@ struct SwigluBackward : torch::autograd::Node {
   std::string name() const override { return "bulkhead::SwigluBackward"; }
   void release_variables() override { savedGateUp.reset_data(); }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    refuseDoubleBackward("bulkhead::SwigluBackward");
+    parallel::refuseDoubleBackward("bulkhead::SwigluBackward");
     if (!grads[0].defined()) return {at::Tensor()};
     const at::Tensor gateUp = savedGateUp.unpack();
     const c10::cuda::CUDAGuard onDevice(gateUp.device());

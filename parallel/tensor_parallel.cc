@@ -23,6 +23,16 @@ TpGroup TpGroup::expert(const ProcessGroups& groups, std::optional<std::chrono::
 
 Deadline TpGroup::deadline() const { return collectiveDeadline(timeout); }
 
+void refuseDoubleBackward(const char* what) {
+  // The engine runs a backward with grad mode on exactly when the caller asked
+  // for a graph of the gradients.
+  if (c10::GradMode::is_enabled())
+    throw ConfigError(fmt::format("{}: no double backward (create_graph): its gradients carry no graph, so "
+                                  "second-order terms would be silently left out",
+                                  what),
+                      {.expected = "a first-order backward"});
+}
+
 Deadline collectiveDeadline(std::optional<std::chrono::milliseconds> timeout) {
   if (timeout) return Deadline::after(*timeout);
   return Deadline::afterSeconds(env::kCollectiveTimeout.seconds());
@@ -45,16 +55,6 @@ c10::IValue holdGroup(const TpGroup& group) {
 TpGroup heldGroup(const c10::IValue& value) {
   auto holder = c10::static_intrusive_pointer_cast<GroupHolder>(value.toCapsule());
   return holder->group;
-}
-
-void refuseDoubleBackward(const char* what) {
-  // The engine runs a backward with grad mode on exactly when the caller asked
-  // for a graph of the gradients.
-  if (c10::GradMode::is_enabled())
-    throw ConfigError(fmt::format("{}: no double backward (create_graph): its gradient carries no graph, so "
-                                  "second-order terms would be silently left out",
-                                  what),
-                      {.expected = "a first-order backward through the tensor-parallel layers"});
 }
 
 void checkDevice(const at::Tensor& tensor, const TpGroup& group, const char* what) {
@@ -107,7 +107,7 @@ struct CopyToTp : torch::autograd::Function<CopyToTp> {
     return input;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    detail::refuseDoubleBackward("copyToTensorParallel");
+    refuseDoubleBackward("copyToTensorParallel");
     TpGroup group = detail::heldGroup(ctx->saved_data["group"]);
     return {detail::allReduce(grads[0].clone(at::MemoryFormat::Contiguous), group), at::Tensor()};
   }
@@ -137,7 +137,7 @@ struct ScatterToTp : torch::autograd::Function<ScatterToTp> {
     return detail::ownBlockLastDim(input, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    detail::refuseDoubleBackward("scatterToTensorParallel");
+    refuseDoubleBackward("scatterToTensorParallel");
     TpGroup group = detail::heldGroup(ctx->saved_data["group"]);
     return {detail::allGatherLastDim(grads[0], group), at::Tensor()};
   }

@@ -55,6 +55,12 @@ struct TpGroup {
 // BULKHEAD_COLLECTIVE_TIMEOUT from now when unset.
 Deadline collectiveDeadline(std::optional<std::chrono::milliseconds> timeout);
 
+// Called first in a custom backward whose gradients carry no graph (a
+// collective's, a kernel's, a closed form's): ConfigError where autograd asks
+// for one (create_graph), on every rank alike, instead of leaving the
+// second-order terms silently out. Shared by the tp layers and the MoE layer.
+void refuseDoubleBackward(const char* what);
+
 // Forward: identity. Backward: all-reduce (sum) of the gradient over tp.
 // Where a replicated activation enters a tp-split computation.
 at::Tensor copyToTensorParallel(const at::Tensor& input, const TpGroup& group);

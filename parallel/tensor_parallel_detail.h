@@ -13,10 +13,6 @@ namespace bulkhead::parallel::detail {
 c10::IValue holdGroup(const TpGroup& group);
 TpGroup heldGroup(const c10::IValue& value);
 
-// Called first in a backward whose gradient carries no graph (a collective's,
-// or a closed form): ConfigError where autograd asks for one (create_graph),
-// on every rank alike, instead of leaving the second-order terms silently out.
-void refuseDoubleBackward(const char* what);
 // ConfigError when `tensor` is not on the group's device.
 void checkDevice(const at::Tensor& tensor, const TpGroup& group, const char* what);
 // In place when `tensor` is contiguous (else on a contiguous copy, returned).

@@ -83,7 +83,7 @@ struct VocabCrossEntropy : torch::autograd::Function<VocabCrossEntropy> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    detail::refuseDoubleBackward("vocabParallelCrossEntropy");  // the closed form below has no graph in the logits
+    refuseDoubleBackward("vocabParallelCrossEntropy");  // the closed form below has no graph in the logits
     auto saved = ctx->get_saved_variables();
     const at::Tensor& softmax = saved[0];
     const at::Tensor& column = saved[1];
