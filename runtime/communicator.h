@@ -18,8 +18,10 @@
 // - Bad arguments (split lengths, negative sizes, unsupported dtype, a tensor
 //   on the wrong device or not contiguous) raise ConfigError before any
 //   communication, on the calling rank.
-// - Tensors passed in must stay untouched until the Work completes; the Work
-//   keeps them alive.
+// - Tensors passed in must stay untouched until the Work completes. Their
+//   memory stays the operation's until then even if the caller drops them:
+//   the Work keeps them alive, or (nccl, on the current stream) the caching
+//   allocator, told of the stream, reuses it only behind the operation.
 // Tensors are at::Tensor, the same type as torch::Tensor.
 
 #include <ATen/core/Tensor.h>

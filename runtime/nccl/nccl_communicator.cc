@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <tuple>
 
 #include "runtime/backoff.h"
@@ -12,6 +13,7 @@
 #include "runtime/op_checks.h"
 
 #if BULKHEAD_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -33,6 +35,36 @@ void refuseSelf(const NcclCommunicator& comm, int peer, const char* role) {
                                   "one rank; use allToAll, which moves a rank's own rows, or the mpi backend",
                                   role, peer, checks::describeGroup(comm)),
                       checks::context(comm, "a peer other than this rank"));
+}
+
+// Hands the buffers of an operation on PyTorch's current stream that its
+// caching allocator owns back to the caller at once, marked as used by that
+// stream: the allocator reuses a block the caller frees only behind the
+// operation (in the stream's order, or once an event it records there has
+// fired), so the memory a step drops is free for its next allocation rather
+// than held until the watchdog settles the operation. Held until then:
+// - buffers of an operation on a stream the caller named, which the caller
+//   may destroy before the allocator records its event there at the free;
+// - other memory (from_blob, another allocator), whose owner cannot be told
+//   of the stream;
+// - all memory when caching is off (PYTORCH_NO_CUDA_MEMORY_CACHING), as a
+//   free is then a cudaFree, which would wait for the operation's peers.
+void letGoOfOwnedBuffers(NcclOp& op, cudaStream_t stream, int device) {
+#if BULKHEAD_TORCH_CUDA
+  static const bool caching = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING") == nullptr;
+  auto* allocator = c10::cuda::CUDACachingAllocator::get();
+  if (!caching || allocator == nullptr) return;
+  const auto onStream = c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device));
+  std::erase_if(op.buffers, [&](const at::Tensor& buffer) {
+    const c10::DataPtr& memory = buffer.storage().data_ptr();
+    if (memory.get() == nullptr) return true;  // no elements: nothing to guard
+    if (memory.get_deleter() != allocator->raw_deleter()) return false;
+    c10::cuda::CUDACachingAllocator::recordStream(memory, onStream);
+    return true;
+  });
+#else
+  (void)op, (void)stream, (void)device;  // no CUDA tensors without a libtorch with CUDA
+#endif
 }
 
 class NcclWork : public Work {
@@ -154,6 +186,7 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
       op->events = events_;
       op->done = events_->take(checks::context(*this));
       check(cudaEventRecord(op->done, cudaStream), "cudaEventRecord", checks::context(*this));
+      if (stream == nullptr) letGoOfOwnedBuffers(*op, cudaStream, device_);
     } catch (...) {
       // The operation is on the stream but cannot be tracked: nothing may free its buffers.
       abortWith(std::current_exception(), "an issued operation could not be tracked");

@@ -29,7 +29,9 @@ class EventPool {
 };
 
 // One operation in flight: NCCL reads and writes its buffers until `done`
-// (an event recorded after it on its stream) has fired, so they live here.
+// (an event recorded after it on its stream) has fired. On PyTorch's current
+// stream, buffers from its caching allocator are guarded there (recordStream)
+// and not held; any other memory lives here until the operation settles.
 struct NcclOp {
   ~NcclOp();
   Fingerprint fingerprint;

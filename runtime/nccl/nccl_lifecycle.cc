@@ -25,7 +25,8 @@ ncclConfig_t configWithBlocking(int blocking) {
 }
 
 // Operations and communicators abandoned by an abort that did not return:
-// NCCL may still touch their memory, so they are never freed.
+// NCCL may still touch their memory, so they are never freed (buffers from
+// the caching allocator are guarded by its stream record instead).
 std::mutex abandonedLock;
 std::vector<std::shared_ptr<NcclOp>> abandoned;
 
