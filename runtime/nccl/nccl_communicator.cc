@@ -9,12 +9,14 @@
 #include "runtime/backoff.h"
 #include "runtime/env.h"
 #include "runtime/fault.h"
+#include "runtime/log.h"
 #include "runtime/monitor.h"
 #include "runtime/op_checks.h"
 
 #if BULKHEAD_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/version.h>
 #endif
 
 namespace bulkhead::nccl {
@@ -37,33 +39,52 @@ void refuseSelf(const NcclCommunicator& comm, int peer, const char* role) {
                       checks::context(comm, "a peer other than this rank"));
 }
 
-// Hands the buffers of an operation on PyTorch's current stream that its
-// caching allocator owns back to the caller at once, marked as used by that
-// stream: the allocator reuses a block the caller frees only behind the
-// operation (in the stream's order, or once an event it records there has
-// fired), so the memory a step drops is free for its next allocation rather
-// than held until the watchdog settles the operation. Held until then:
-// - buffers of an operation on a stream the caller named, which the caller
-//   may destroy before the allocator records its event there at the free;
-// - other memory (from_blob, another allocator), whose owner cannot be told
-//   of the stream;
-// - all memory when caching is off (PYTORCH_NO_CUDA_MEMORY_CACHING), as a
-//   free is then a cudaFree, which would wait for the operation's peers.
-void letGoOfOwnedBuffers(NcclOp& op, cudaStream_t stream, int device) {
-#if BULKHEAD_TORCH_CUDA
-  static const bool caching = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING") == nullptr;
+#if BULKHEAD_TORCH_CUDA && TORCH_VERSION_MAJOR >= 2
+// Whether a block freed now may be reused only behind work on `stream`, once
+// the allocator has been told of it: PyTorch's native caching allocator (a
+// pluggable one may ignore the record), caching (not under
+// PYTORCH_NO_CUDA_MEMORY_CACHING, where a free is a cudaFree that waits for
+// the operation's peers), and a stream PyTorch owns: the default stream or
+// one of its pools, which it names by ids of its own (an external stream by
+// its handle). At the free the allocator records an event on the stream, and
+// the caller may have destroyed an external one by then.
+bool allocatorGuardsStream(c10::cuda::CUDACachingAllocator::CUDAAllocator& allocator,
+                           const c10::cuda::CUDAStream& stream) {
+  static const bool uncached = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING") != nullptr;
+  const bool pytorchOwns = stream.id() == 0 || stream.id() != reinterpret_cast<c10::StreamId>(stream.stream());
+  return !uncached && allocator.name() == "native" && pytorchOwns;
+}
+#endif
+
+// Hands an operation's buffers back to the caller at once where the caching
+// allocator can guard them (see allocatorGuardsStream), after telling it of
+// the operation's stream (recordStream): it then reuses a block the caller
+// frees only behind the operation, in the stream's order or once an event it
+// records there has fired. So the memory a step drops is free for its next
+// allocation, not held until the watchdog settles the operation. Held until
+// then: buffers of an operation on a stream the caller named (it may destroy
+// the stream before freeing them), memory the allocator does not own
+// (from_blob), and any buffer the allocator refuses to record.
+void letGoOfOwnedBuffers(NcclOp& op, int device) noexcept {
+#if BULKHEAD_TORCH_CUDA && TORCH_VERSION_MAJOR >= 2
   auto* allocator = c10::cuda::CUDACachingAllocator::get();
-  if (!caching || allocator == nullptr) return;
-  const auto onStream = c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device));
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+  if (allocator == nullptr || !allocatorGuardsStream(*allocator, stream)) return;
   std::erase_if(op.buffers, [&](const at::Tensor& buffer) {
     const c10::DataPtr& memory = buffer.storage().data_ptr();
     if (memory.get() == nullptr) return true;  // no elements: nothing to guard
     if (memory.get_deleter() != allocator->raw_deleter()) return false;
-    c10::cuda::CUDACachingAllocator::recordStream(memory, onStream);
-    return true;
+    try {
+      c10::cuda::CUDACachingAllocator::recordStream(memory, stream);
+      return true;
+    } catch (const std::exception& e) {
+      log::warn("comm", "the caching allocator refused to record an operation's stream ({}); the operation keeps "
+                "its buffer until it completes", e.what());
+      return false;
+    }
   });
 #else
-  (void)op, (void)stream, (void)device;  // no CUDA tensors without a libtorch with CUDA
+  (void)op, (void)device;  // without a libtorch 2 with CUDA, operations keep their buffers
 #endif
 }
 
@@ -158,45 +179,63 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   ensureUsable();
   op->seq = ledger_->issue(op->fingerprint);
   checkStrict(op->seq, op->fingerprint, op->deadline);
+  // From the NCCL call until it joins pending_, the operation is the one
+  // enqueuing_ names, so an abort in between always finds it: it fails, and
+  // if ncclCommAbort does not return it is kept, buffers and all.
+  auto leaveEnqueuing = [&] {
+    std::lock_guard<std::mutex> watched(pendingMutex_);
+    if (enqueuing_ == op) enqueuing_.reset();
+  };
   if (!op->stalled) {
+    bool usable;
     {
       std::lock_guard<std::mutex> watched(pendingMutex_);
-      enqueuing_ = op;
+      usable = !aborted_;
+      if (usable) enqueuing_ = op;
+    }
+    if (!usable) {  // aborted since ensureUsable(): comm_ may be freed already
+      ledger_->fail(op->fingerprint.op, op->seq);
+      ensureUsable();
     }
     ncclResult_t rc = ncclInternalError;
     try {
       rc = issue(cudaStream);
     } catch (...) {
-      std::lock_guard<std::mutex> watched(pendingMutex_);
-      enqueuing_.reset();
+      leaveEnqueuing();
       if (op->status == OpStatus::Pending) ledger_->fail(op->fingerprint.op, op->seq);
       throw;
     }
-    {
-      std::lock_guard<std::mutex> watched(pendingMutex_);
-      enqueuing_.reset();
+    if (op->status == OpStatus::Failed) {  // the watchdog gave up on the call
+      leaveEnqueuing();
+      std::rethrow_exception(op->error);
     }
-    if (op->status == OpStatus::Failed) std::rethrow_exception(op->error);  // the watchdog gave up on the call
     if (rc != ncclSuccess && rc != ncclInProgress) {
+      leaveEnqueuing();
       ledger_->fail(op->fingerprint.op, op->seq);
       check(rc, call, checks::context(*this));
     }
-    if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
+    try {
+      if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
+    } catch (...) {
+      leaveEnqueuing();
+      throw;
+    }
     try {
       op->events = events_;
       op->done = events_->take(checks::context(*this));
       check(cudaEventRecord(op->done, cudaStream), "cudaEventRecord", checks::context(*this));
-      if (stream == nullptr) letGoOfOwnedBuffers(*op, cudaStream, device_);
     } catch (...) {
       // The operation is on the stream but cannot be tracked: nothing may free its buffers.
       abortWith(std::current_exception(), "an issued operation could not be tracked");
+      leaveEnqueuing();
       throw;
     }
+    if (stream == nullptr) letGoOfOwnedBuffers(*op, device_);
   }
-  lock.unlock();
   bool wasIdle;
   {
     std::lock_guard<std::mutex> pendingLock(pendingMutex_);
+    if (enqueuing_ == op) enqueuing_.reset();
     if (aborted_) {  // aborted while this call was in NCCL: it fails with the abort
       if (op->status == OpStatus::Pending) {
         op->error = std::make_exception_ptr(CommError(
@@ -209,8 +248,9 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
       std::rethrow_exception(op->error);
     }
     wasIdle = pending_.empty();
-    pending_.push_back(op);
+    pending_.push_back(op);  // under enqueueMutex_ still: pending_ keeps issue order
   }
+  lock.unlock();
   if (wasIdle) wake_.notify_one();  // the watchdog sleeps long only while nothing is pending
   return std::make_shared<NcclWork>(shared_from_this(), op);
 }

@@ -25,8 +25,9 @@ ncclConfig_t configWithBlocking(int blocking) {
 }
 
 // Operations and communicators abandoned by an abort that did not return:
-// NCCL may still touch their memory, so they are never freed (buffers from
-// the caching allocator are guarded by its stream record instead).
+// NCCL may still touch their memory, so they are never freed. (An operation
+// on the current stream has handed the caching allocator's buffers back at
+// issue; the allocator's stream record guards them.)
 std::mutex abandonedLock;
 std::vector<std::shared_ptr<NcclOp>> abandoned;
 
@@ -246,6 +247,8 @@ void NcclCommunicator::progress() {
 }
 
 void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
+  // Let go of after the lock: a deleter may be a cudaFree, which waits for the device.
+  std::vector<at::Tensor> buffers;
   std::lock_guard<std::mutex> lock(pendingMutex_);
   auto it = std::find_if(pending_.begin(), pending_.end(), [&](const auto& p) { return p.get() == &op; });
   if (it == pending_.end()) return;  // settled already, or failed by an abort
@@ -261,7 +264,7 @@ void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
     ledger_->fail(op.fingerprint.op, op.seq);
     op.status = OpStatus::Failed;
   }
-  op.buffers.clear();
+  buffers.swap(op.buffers);
   pending_.erase(it);
 }
 
@@ -310,10 +313,12 @@ void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& re
     std::lock_guard<std::mutex> lock(pendingMutex_);
     if (aborted_.exchange(true)) return;
     abortReason_ = reason;
-    if (enqueuing_ && enqueuing_->status == OpStatus::Pending) {
-      enqueuing_->error = error;
-      ledger_->fail(enqueuing_->fingerprint.op, enqueuing_->seq);
-      enqueuing_->status = OpStatus::Failed;
+    if (enqueuing_) {  // issued to NCCL, or being issued
+      if (enqueuing_->status == OpStatus::Pending) {
+        enqueuing_->error = error;
+        ledger_->fail(enqueuing_->fingerprint.op, enqueuing_->seq);
+        enqueuing_->status = OpStatus::Failed;
+      }
       failed.push_back(enqueuing_);
     }
     for (auto& op : pending_) {

@@ -61,6 +61,20 @@ std::vector<std::vector<int64_t>> randomSplits(at::Generator& generator, int64_t
   return rows;
 }
 
+// Sets up a late peer: rank 1 issues its next operation 200 ms after rank 0, so rank 0's stays pending
+// that long. False (with a warning) with one rank, where no operation waits for a peer.
+bool rankOneJoinsLate() {
+  if (gpuWorld().size() < 2) {
+    WARN("one rank: no operation waits for a peer, so this case checks nothing here");
+    return false;
+  }
+  // Connected first, so the operation under test does not wait for its peer inside the NCCL call instead.
+  gpuWorld().allReduce(at::ones({1024}, at::TensorOptions().dtype(at::kFloat).device(gpu())))->wait();
+  cpuWorld().barrier()->wait();
+  if (gpuWorld().rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  return true;
+}
+
 }  // namespace
 
 TEST_CASE("nccl all-reduce matches mpi for every dtype, op and shape") {
@@ -229,8 +243,7 @@ TEST_CASE("an operation on the current stream hands the caller's buffers back at
     at::Tensor tensor = draw(me, 6100 + round, {1 << 20}, at::kFloat).to(gpu());
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     const void* block = tensor.data_ptr();
-    cpuWorld().barrier()->wait();
-    if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (!rankOneJoinsLate()) return;
     WorkPtr work;
     {
       c10::cuda::CUDAStreamGuard current(side);
@@ -255,8 +268,10 @@ TEST_CASE("an operation on a stream the caller names holds its buffers until it 
   REQUIRE(cudaStreamCreateWithFlags(&named, cudaStreamNonBlocking) == cudaSuccess);
   at::Tensor tensor = draw(me, 6150, {1 << 16}, at::kFloat).to(gpu());
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-  cpuWorld().barrier()->wait();
-  if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  if (!rankOneJoinsLate()) {
+    cudaStreamDestroy(named);
+    return;
+  }
   WorkPtr work = gpuWorld().allReduce(tensor, {.stream = named});
   if (me == 0) {
     CHECK(!work->isCompleted());  // rank 1 is still asleep
@@ -285,8 +300,7 @@ TEST_CASE("an operation holds memory that the caching allocator does not own unt
       at::TensorOptions().dtype(at::kFloat).device(gpu()));
   tensor.copy_(draw(me, 6200, {count}, at::kFloat));
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-  cpuWorld().barrier()->wait();
-  if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  if (!rankOneJoinsLate()) return;
   WorkPtr work = gpuWorld().allReduce(tensor.view({count / 4, 4}));
   tensor.reset();
   if (me == 0) {
