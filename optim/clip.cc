@@ -47,6 +47,7 @@ double clipGradNorm(const std::vector<parallel::Parameter>& params, const parall
     if (firstReplica && countsOnThisTpRank(param, groups)) addSquares(total, grad);
   }
   double norm = worldNorm(total, groups, deadline);
+  if (!std::isfinite(norm)) return norm;  // nothing to scale by: the caller skips the step
   double scale = clipScale(norm, maxNorm);
   if (scale < 1.0)
     for (const parallel::Parameter& param : params)

@@ -49,7 +49,10 @@ struct ClipOptions {
 // the gradients of `params` (every rank of the world passes its parameters;
 // missing gradients count as zero). When maxNorm > 0 and the norm exceeds it,
 // every gradient is scaled by clipScale(norm, maxNorm). Returns the norm
-// before clipping. Collective over the world.
+// before clipping. A norm that is not finite (an inf or NaN gradient on any
+// rank; every rank returns it alike) scales nothing: skip the optimizer step
+// then, as the distributed optimizer does by itself, or the update writes
+// NaN into the weights and moments. Collective over the world.
 double clipGradNorm(const std::vector<parallel::Parameter>& params, const parallel::ProcessGroups& groups,
                     double maxNorm, ClipOptions options = {});
 

@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "optim/clip.h"
@@ -13,6 +14,7 @@
 #include "parallel/grad_sync.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
+#include "runtime/log.h"
 
 namespace bulkhead::optim {
 namespace {
@@ -57,7 +59,12 @@ DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const 
     bucket.group = static_cast<ParamGroup>(key.first);
     bucket.paramType = static_cast<at::ScalarType>(key.second);
     bucket.masterType = masterType(bucket.paramType);
-    bucket.comm = bucket.group == ParamGroup::Expert ? groups_.expertDp() : groups_.dpCp();
+    if (bucket.group == ParamGroup::Expert && groups_.expertDpInterInstance()->size() > 1) {
+      bucket.comm = groups_.expertDpIntraInstance();
+      bucket.instances = groups_.expertDpInterInstance();
+    } else {
+      bucket.comm = bucket.group == ParamGroup::Expert ? groups_.expertDp() : groups_.dpCp();
+    }
     bucket.divisor = bucket.group == ParamGroup::Expert ? options_.expertDivisor.value_or(divisor) : divisor;
     std::sort(indices.begin(), indices.end(), [&](size_t a, size_t b) { return params_[a].name < params_[b].name; });
     bucket.members = indices;
@@ -126,26 +133,39 @@ void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
   std::vector<WorkPtr> works;
   for (Bucket& bucket : buckets_) {
     const ShardLayout& layout = bucket.layout;
+    const int ranks = layout.ranks();
     auto options = at::TensorOptions().dtype(bucket.masterType).device(groups_.world()->device());
-    std::vector<at::Tensor> flats;
-    for (size_t i : bucket.members) {
-      const at::Tensor& grad = params_[i].tensor.grad();
-      flats.push_back(grad.defined() ? grad.reshape({-1}).to(bucket.masterType)
-                                     : at::zeros({params_[i].tensor.numel()}, options));
+    // Every gradient goes straight into its rows' place in the padded input
+    // (rank r's region starts at r * shardMax), converted to the master dtype
+    // there: one bucket-sized buffer, not a converted copy of each gradient,
+    // their concatenation and then this.
+    at::Tensor padded = at::empty({ranks * layout.shardMax}, options);
+    for (int r = 0; r < ranks; ++r) {
+      at::Tensor region = padded.narrow(0, r * layout.shardMax, layout.shardMax);
+      region.narrow(0, layout.shardLength(r), layout.shardMax - layout.shardLength(r)).zero_();
+      for (const auto& piece : bucket.pieces[r]) {
+        at::Tensor into = region.narrow(0, piece.shardOffset, piece.numel);
+        const at::Tensor& grad = params_[bucket.members[piece.param]].tensor.grad();
+        if (!grad.defined()) {
+          into.zero_();
+          continue;
+        }
+        const int64_t rowElems = layout.params[piece.param].rowElems;
+        into.copy_(grad.reshape({-1}).narrow(0, piece.rowBegin * rowElems, piece.numel));
+      }
     }
-    at::Tensor flat = flats.empty() ? at::zeros({0}, options) : at::cat(flats);
-    int ranks = layout.ranks();
     if (ranks == 1) {
-      bucket.gradShard = flat;
+      bucket.gradShard = padded;
       continue;
     }
-    // Rank r's region of the padded input starts at r * shardMax.
-    at::Tensor padded = at::zeros({ranks * layout.shardMax}, options);
-    for (int r = 0; r < ranks; ++r)
-      padded.narrow(0, r * layout.shardMax, layout.shardLength(r)).copy_(flat.narrow(0, layout.cuts[r], layout.shardLength(r)));
     bucket.gradShard = at::empty({layout.shardMax}, options);
     works.push_back(bucket.comm->reduceScatter(padded, bucket.gradShard, {.op = ReduceOp::Sum, .deadline = deadline}));
   }
+  for (const WorkPtr& work : works) work->wait(deadline);
+  works.clear();
+  for (Bucket& bucket : buckets_)  // the other instances' sums of the same shard
+    if (bucket.instances)
+      works.push_back(bucket.instances->allReduce(bucket.gradShard, {.op = ReduceOp::Sum, .deadline = deadline}));
   for (const WorkPtr& work : works) work->wait(deadline);
   for (Bucket& bucket : buckets_)
     if (bucket.divisor != 1) bucket.gradShard.div_(bucket.divisor);
@@ -189,11 +209,25 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
   reduceScatterGradients(deadline);
 
   at::Tensor partial = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(groups_.world()->device()));
-  for (const Bucket& bucket : buckets_)
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.instances && bucket.instances->rank() != 0) continue;  // the first instance counts the shard
     for (const auto& piece : bucket.pieces[bucket.comm->rank()])
       if (countsOnThisTpRank(params_[bucket.members[piece.param]], groups_))
         addSquares(partial, bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
+  }
   double norm = worldNorm(partial, groups_, deadline);
+  if (!std::isfinite(norm)) {
+    // Every rank holds the same all-reduced norm, so all skip alike. An
+    // update from an inf or NaN gradient would write NaN into the master
+    // weights and both moments for good (and into every later checkpoint).
+    ++skippedSteps_;
+    if (groups_.world()->rank() == 0)
+      log::warn("optim", "step skipped on every rank: the global gradient norm is {} (an inf or NaN gradient); the "
+                "parameters, the optimizer state and the step count are unchanged ({} skipped so far)",
+                norm, skippedSteps_);
+    for (Bucket& bucket : buckets_) bucket.gradShard = at::Tensor();
+    return norm;
+  }
   double scale = clipScale(norm, stepOptions.maxGradNorm);
   if (scale < 1.0)
     for (Bucket& bucket : buckets_) bucket.gradShard.mul_(scale);
@@ -235,8 +269,13 @@ std::vector<parallel::ShardedTensor> DistributedOptimizer::state() {
         shape[0] = piece.rows;
         shard.offsets[0] += piece.rowBegin;
       }
-      if (p.tpReplicated)
-        shard.replicaId = (p.group == ParamGroup::Expert ? groups_.expertTp() : groups_.tp())->rank();
+      if (p.tpReplicated) {
+        const CommunicatorPtr& tp = p.group == ParamGroup::Expert ? groups_.expertTp() : groups_.tp();
+        shard.replicaId = tp->rank();
+        if (bucket.instances) shard.replicaId += tp->size() * bucket.instances->rank();
+      } else if (bucket.instances) {
+        shard.replicaId = bucket.instances->rank();  // every instance holds this shard: the first writes it
+      }
       std::string prefix = "optim." + p.name;
       auto view = [&](const at::Tensor& flat) { return flat.narrow(0, piece.shardOffset, piece.numel).view(shape); };
       if (bucket.distinctMaster()) state.push_back({prefix + ".master", view(bucket.master), shard});

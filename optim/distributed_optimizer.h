@@ -2,11 +2,17 @@
 // The distributed optimizer (ZeRO-1 / Megatron-LM's distributed optimizer):
 // AdamW whose state is sharded across data-parallel replicas. Dense
 // parameters shard over the dp x cp group, expert parameters over the
-// expert-dp group. Each step:
+// expert-dp group; with LayoutOptions::optimizerInstances = n > 1, over each
+// of the n parts of it (expert dp intra-instance), every part holding the
+// whole state (Megatron-LM's partial distributed optimizer: n times the state
+// memory, all-gathers within a part). Each step:
 //   1. reduce-scatter the gradients (every replica's full gradient in, this
-//      rank's shard of the sum out), divided by parallel::gradientDivisor:
-//      the dense dp x cp size for both groups (parallel/grad_sync.h says why);
-//   2. the global gradient norm (optim/clip.h) over the shards, and clipping;
+//      rank's shard of the sum out; with instances, within this rank's part,
+//      then all-reduced across the parts), divided by
+//      parallel::gradientDivisor: the dense dp x cp size for both groups
+//      (parallel/grad_sync.h says why);
+//   2. the global gradient norm (optim/clip.h) over the shards, and clipping
+//      (a norm that is not finite skips 3 and 4);
 //   3. AdamW (optim::adamwUpdate, the plain optimizer's function) on this
 //      rank's shard of the master weights and moments;
 //   4. all-gather the updated parameters into every replica's tensors.
@@ -16,9 +22,9 @@
 // each rank's state of a parameter is a block of whole rows and exports as
 // one ShardedTensor under the keys of optim/adamw.h, with the parameter's
 // global shape, its offsets plus the first row, and replicaId 0 (for a
-// tpReplicated parameter: the tp rank, expert-tp for experts; optim.step:
-// the world rank). A state saved under one layout (or by the plain AdamW)
-// loads into another.
+// tpReplicated parameter: the tp rank, expert-tp for experts; with
+// instances, non-zero outside the first; optim.step: the world rank). A state
+// saved under one layout (or by the plain AdamW) loads into another.
 //
 // Contract: collective over dp x cp, expert dp and (for the norm) the world.
 // Every replica passes the same parameters (names, shapes, dtypes; any order)
@@ -67,13 +73,18 @@ class DistributedOptimizer {
   DistributedOptimizer& operator=(DistributedOptimizer&&) = default;
 
   // Steps 1-4 above with learning rate `lr`. Returns the global gradient norm
-  // before clipping.
+  // before clipping. A norm that is not finite (an inf or NaN gradient
+  // anywhere in the model) skips steps 3 and 4 on every rank alike:
+  // parameters, state and stepCount() stay as they were, skippedSteps()
+  // counts it, and the caller decides whether to go on.
   double step(double lr, StepOptions options = {});
   // Releases every gradient (as PyTorch's zero_grad(set_to_none=True)): the
   // next backward then writes each one fresh, with no zero fill before it and
   // no add into it.
   void zeroGrad();
   int64_t stepCount() const { return step_; }
+  // Steps skipped for a gradient norm that was not finite, since construction.
+  int64_t skippedSteps() const { return skippedSteps_; }
   const std::vector<parallel::Parameter>& parameters() const { return params_; }
   // Elements of master weights (when distinct) and moments this rank holds.
   int64_t stateElements() const;
@@ -89,7 +100,8 @@ class DistributedOptimizer {
   struct Bucket {
     parallel::ParamGroup group;
     at::ScalarType paramType, masterType;
-    CommunicatorPtr comm;
+    CommunicatorPtr comm;       // the ranks the bucket is sharded over
+    CommunicatorPtr instances;  // with optimizer instances (expert buckets): the same shard in the others
     int64_t divisor = 1;
     std::vector<size_t> members;  // indices into params_, in bucket order
     ShardLayout layout;
@@ -112,6 +124,7 @@ class DistributedOptimizer {
   std::vector<double> decay_;
   std::vector<Bucket> buckets_;
   int64_t step_ = 0;
+  int64_t skippedSteps_ = 0;
   at::Tensor stepTensor_;
 };
 

@@ -6,7 +6,8 @@
 //   mpirun -np 4 train_moe --ep 2 --steps 400 --ckpt-dir /tmp/ckpt --resume latest
 //
 // Flags: see usage() below. Rank 0 prints one line per logging interval: step,
-// loss, tokens/s, step time, grad norm, expert load imbalance, dropped slots.
+// loss, tokens/s, step time, grad norm, expert load imbalance, dropped slots, and the
+// updates skipped for a gradient norm that was not finite (once there are any).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
@@ -173,9 +174,11 @@ int main(int argc, char** argv) {
         moe::MoEStats stats = model.moeLayers().front()->stats();
         reporter.line(fmt::format(
             "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms | grad norm {:.3f} | imbalance {:.2f} | "
-            "dropped {}",
+            "dropped {}{}",
             step + 1, meanLoss, batches.tokensPerStep() * windowSteps / windowSeconds, 1e3 * windowSeconds / windowSteps,
-            gradNorm, stats.imbalance, stats.droppedSlots));
+            gradNorm, stats.imbalance, stats.droppedSlots,
+            // Updates not taken for a gradient norm that was not finite (the optimizer logs each).
+            optimizer.skippedSteps() > 0 ? fmt::format(" | skipped updates {}", optimizer.skippedSteps()) : ""));
         windowSeconds = 0;
         windowSteps = 0;
       } else {

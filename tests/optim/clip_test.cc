@@ -6,6 +6,9 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <cmath>
+#include <limits>
+
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/distributed_optimizer.h"
@@ -141,4 +144,57 @@ TEST_CASE("distributed optimizer: the step's global norm and clipped update equa
       CHECK(relativeError(model.local[i].tensor, expected) <= 1e-12);
     }
   }
+}
+
+TEST_CASE("a gradient that is not finite on one rank skips the distributed step on every rank") {
+  ProcessGroups groups = makeGroups(clipLayout());
+  Model model(groups);
+  optim::DistributedOptimizer distributed(model.local, groups, {.adamw = {.weightDecay = 0.05}});
+  const bool poisoned = world().rank() == world().size() - 1;  // one expert gradient element on the last rank
+  auto snapshot = [&] {
+    std::vector<at::Tensor> copies;
+    for (const Parameter& p : model.local) copies.push_back(p.tensor.detach().clone());
+    for (const ShardedTensor& s : distributed.state()) copies.push_back(s.local.clone());
+    return copies;
+  };
+  auto unchangedSince = [&](const std::vector<at::Tensor>& before) {
+    std::vector<at::Tensor> now = snapshot();
+    bool same = now.size() == before.size();
+    for (size_t i = 0; same && i < now.size(); ++i) same = at::equal(now[i], before[i]);
+    return same;
+  };
+  // A finite step first, so the skipped ones have moments and a step count to keep.
+  model.setGrads(0);
+  CHECK(std::isfinite(distributed.step(0.01, {.maxGradNorm = 1.0})));
+  int step = 1;
+  for (double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    INFO("a gradient element of " << bad);
+    const std::vector<at::Tensor> before = snapshot();
+    model.setGrads(step++);
+    if (poisoned) model.local[2].tensor.mutable_grad().view({-1})[1].fill_(bad);
+    const double norm = distributed.step(0.01, {.maxGradNorm = 1.0});
+    CHECK(!std::isfinite(norm));
+    CHECK(distributed.stepCount() == 1);
+    CHECK(unchangedSince(before));
+  }
+  CHECK(distributed.skippedSteps() == 2);
+  // The next finite step is taken as usual.
+  const std::vector<at::Tensor> before = snapshot();
+  model.setGrads(step);
+  CHECK(std::isfinite(distributed.step(0.01, {.maxGradNorm = 1.0})));
+  CHECK(distributed.stepCount() == 2);
+  CHECK_FALSE(unchangedSince(before));
+}
+
+TEST_CASE("plain path: clipping an inf gradient norm scales nothing") {
+  ProcessGroups groups = makeGroups(clipLayout());
+  Model model(groups);
+  model.setGrads(0);
+  if (world().rank() == 0) model.local[0].tensor.mutable_grad().view({-1})[2].fill_(std::numeric_limits<double>::infinity());
+  syncGradients(model.local, groups);
+  std::vector<at::Tensor> synced;
+  for (const Parameter& p : model.local) synced.push_back(p.tensor.grad().clone());
+  // Scaling by maxNorm / inf = 0 would turn every finite gradient into 0 and the inf into NaN.
+  CHECK(std::isinf(optim::clipGradNorm(model.local, groups, 1.0)));
+  for (size_t i = 0; i < model.local.size(); ++i) CHECK(at::equal(model.local[i].tensor.grad(), synced[i]));
 }

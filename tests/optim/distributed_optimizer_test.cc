@@ -1,7 +1,8 @@
 // The distributed optimizer's update equals plain AdamW's on the gathered
 // parameters, step after step: dense parameters sharded over dp 4, expert
-// parameters over expert dp 2 (ep 2), parameters with fewer rows than ranks,
-// 1-D and 0-D parameters; and bf16 parameters with float32 master weights.
+// parameters over expert dp 2 (ep 2) and over two optimizer instances,
+// parameters with fewer rows than ranks, 1-D and 0-D parameters; and bf16
+// parameters with float32 master weights.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -127,6 +128,41 @@ TEST_CASE("distributed optimizer equals plain AdamW: expert parameters over expe
                           {"experts.b1", {4, 3}, ParamGroup::Expert},
                           {"router.weight", {4, 3}}};
   compareWithPlain(specs, {.ep = 2}, 3);
+}
+
+TEST_CASE("distributed optimizer equals plain AdamW with two optimizer instances over expert dp") {
+  // 4 ranks: expert dp 4 split into 2 parts of 2 (ep 1), and expert dp 2 into 2 parts of 1 (ep 2).
+  if (world().size() != 4) return;
+  std::vector<Spec> specs{{"dense.weight", {6, 3}},
+                          {"experts.w1", {4, 3, 2}, ParamGroup::Expert},
+                          {"experts.b1", {4, 5}, ParamGroup::Expert}};
+  for (int ep : {1, 2}) {
+    INFO("ep " << ep);
+    compareWithPlain(specs, {.ep = ep, .optimizerInstances = 2}, 3);
+    // The exported state: every element of each expert moment written exactly once across the world.
+    ProcessGroups groups = makeGroups({.ep = ep, .optimizerInstances = 2});
+    std::vector<Parameter> local;
+    for (const Spec& spec : specs) local.push_back(localParameter(spec, groups, seeded(spec.shape, 100, 0, 0, spec.name)));
+    DistributedOptimizer distributed(local, groups, {.adamw = kAdamW});
+    at::Tensor written = at::zeros({static_cast<int64_t>(specs.size())}, at::kDouble);
+    for (const ShardedTensor& state : distributed.state())
+      for (size_t i = 0; i < specs.size(); ++i)
+        if (state.key == "optim." + specs[i].name + ".exp_avg" && state.shard.replicaId == 0)
+          written[i] += static_cast<double>(state.local.numel());
+    world().allReduce(written)->wait();
+    int64_t held = 0;  // elements of moments (float64: no distinct master) every instance must hold
+    for (size_t i = 0; i < specs.size(); ++i) {
+      INFO(specs[i].name);
+      int64_t numel = 1;
+      for (int64_t extent : specs[i].shape) numel *= extent;
+      CHECK(written[i].item<double>() == static_cast<double>(numel));
+      held += 2 * numel * (specs[i].group == ParamGroup::Expert ? 2 : 1);
+    }
+    // Each instance holds the whole expert state: twice the elements of one sharding over all of expert dp.
+    at::Tensor elements = at::full({1}, static_cast<double>(distributed.stateElements()), at::kDouble);
+    world().allReduce(elements)->wait();
+    CHECK(elements.item<double>() == static_cast<double>(held));
+  }
 }
 
 TEST_CASE("distributed optimizer keeps float32 master weights for bf16 parameters") {
