@@ -25,6 +25,13 @@ struct Bucket {
   WorkPtr work;
 };
 
+// bf16 and fp16 gradients are summed in float32, as the distributed optimizer
+// sums them: in their own 8 or 11 bits of mantissa every addition rounds, and
+// the error grows with the number of replicas.
+at::ScalarType reductionType(at::ScalarType gradType) {
+  return gradType == at::kBFloat16 || gradType == at::kHalf ? at::kFloat : gradType;
+}
+
 }  // namespace
 
 void syncGradients(const std::vector<Parameter>& params, const ProcessGroups& groups, GradSyncOptions options) {
@@ -52,9 +59,15 @@ void syncGradients(const std::vector<Parameter>& params, const ProcessGroups& gr
 
   for (auto& [key, list] : buckets) {
     for (Bucket& bucket : list) {
-      std::vector<at::Tensor> flats;
-      for (const at::Tensor& grad : bucket.grads) flats.push_back(grad.reshape({-1}));
-      bucket.flat = at::cat(flats);
+      const at::Tensor& first = bucket.grads.front();
+      int64_t elements = 0;
+      for (const at::Tensor& grad : bucket.grads) elements += grad.numel();
+      bucket.flat = at::empty({elements}, first.options().dtype(reductionType(first.scalar_type())));
+      int64_t offset = 0;
+      for (const at::Tensor& grad : bucket.grads) {
+        bucket.flat.narrow(0, offset, grad.numel()).copy_(grad.reshape({-1}));
+        offset += grad.numel();
+      }
       if (bucket.comm->size() > 1)
         bucket.work = bucket.comm->allReduce(bucket.flat, {.op = ReduceOp::Sum, .deadline = deadline});
     }

@@ -42,7 +42,8 @@ struct GradSyncOptions {
 // every rank of those groups passes the same parameters (names, shapes and
 // dtypes) in the same order. A parameter without a gradient gets a zero one
 // first, so every rank issues the same all-reduces. Gradients must be on
-// the groups' device.
+// the groups' device. bf16 and fp16 gradients are summed and divided in
+// float32, then rounded once (as the distributed optimizer reduces them).
 void syncGradients(const std::vector<Parameter>& params, const ProcessGroups& groups, GradSyncOptions options = {});
 
 }  // namespace bulkhead::parallel

@@ -198,3 +198,16 @@ TEST_CASE("plain path: clipping an inf gradient norm scales nothing") {
   CHECK(std::isinf(optim::clipGradNorm(model.local, groups, 1.0)));
   for (size_t i = 0; i < model.local.size(); ++i) CHECK(at::equal(model.local[i].tensor.grad(), synced[i]));
 }
+
+TEST_CASE("plain path: bf16 gradients are summed in float32 and rounded once") {
+  // Per element, the four dp replicas' values: no order of bf16 additions gives, for both elements, what
+  // the float32 sum gives (2.009765625 / 4 = 0.50244140625, 0.50390625 in bf16); a bf16 sum rounds one of them.
+  ProcessGroups groups = makeGroups({});
+  if (groups.dpCp()->size() != 4) return;
+  const double values[2][4] = {{1, 1, 1.0 / 512, 1.0 / 128}, {1, 1.0 / 512, 1, 1.0 / 128}};
+  const int replica = groups.dpCp()->rank();
+  at::Tensor weight = at::zeros({2}, at::kBFloat16).set_requires_grad(true);
+  weight.mutable_grad() = at::tensor({values[0][replica], values[1][replica]}, at::kDouble).to(at::kBFloat16);
+  syncGradients({{.name = "w", .tensor = weight, .shard = ShardInfo::whole({2}, replica)}}, groups);
+  CHECK(at::equal(weight.grad(), at::full({2}, 0.50390625, at::kBFloat16)));
+}
