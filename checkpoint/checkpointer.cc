@@ -18,6 +18,7 @@
 #include "checkpoint/hdf5.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/save_job.h"
+#include "runtime/cpu_share.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
@@ -117,6 +118,26 @@ Checkpointer::Checkpointer(CheckpointOptions options, std::shared_ptr<Store> sto
       job_(std::move(job)),
       buffer_(std::make_shared<HostBuffer>()) {}
 
+namespace {
+
+// A save's background threads run beside the training loop; bound to one
+// core with it (Open MPI's default for 2 ranks or fewer), they took
+// train_moe's 34 ms steps on 2 H200s to 79-97 ms while a save wrote, and to
+// 46-47 ms at the default BULKHEAD_CHECKPOINT_NICE; 35-38 ms with 4 cores or
+// more (bench/results/train_moe_h200x2_2026-11-22.md, thirteenth session).
+void warnIfCramped() {
+  static std::once_flag warned;
+  std::call_once(warned, [] {
+    const CpuShare share = cpuShare();
+    if (!share.crampedToOne()) return;
+    log::warn("checkpoint", "this rank may run on 1 of the host's {} CPUs (its launcher's binding), so a save's "
+              "background writing shares that core with the training loop and slows its steps; give each rank "
+              "several cores: mpirun --map-by slot:PE=4 (or --bind-to none), srun --cpus-per-task=4", share.online);
+  });
+}
+
+}  // namespace
+
 std::unique_ptr<Checkpointer> Checkpointer::create(CheckpointOptions options, std::shared_ptr<Store> store, int rank,
                                                    int worldSize) {
   auto bad = [&](const std::string& what) {
@@ -131,6 +152,9 @@ std::unique_ptr<Checkpointer> Checkpointer::create(CheckpointOptions options, st
   if (options.timeoutSeconds && !(*options.timeoutSeconds > 0))
     throw bad(fmt::format("timeoutSeconds {} is not positive", *options.timeoutSeconds));
   if (options.threads && *options.threads < 1) throw bad(fmt::format("threads {} is below 1", *options.threads));
+  if (!options.backgroundNice) options.backgroundNice = static_cast<int>(env::kCheckpointNice.integer());
+  if (*options.backgroundNice < 0 || *options.backgroundNice > 19)
+    throw bad(fmt::format("backgroundNice {} is outside [0, 19] (BULKHEAD_CHECKPOINT_NICE)", *options.backgroundNice));
   double timeout = options.timeoutSeconds.value_or(env::kCheckpointTimeout.seconds());
   Deadline deadline = Deadline::afterSeconds(timeout);
   fs::makeDirectories(options.dir, rank);
@@ -143,6 +167,7 @@ std::unique_ptr<Checkpointer> Checkpointer::create(CheckpointOptions options, st
     std::lock_guard<std::mutex> lock(mutex);
     instance = created[options.dir]++;
   }
+  if (rank == 0) warnIfCramped();
   std::string prefix = fmt::format("ckpt/{}/{}/", hex64(Hash64().add(options.dir).value()), instance);
   std::string job;
   if (rank == 0) {
@@ -259,6 +284,7 @@ SaveHandle Checkpointer::save(int64_t step, const StateDict& state) {
   job.rank = rank_;
   job.worldSize = worldSize_;
   job.threads = threads();
+  job.nice = *options_.backgroundNice;
   job.keep = options_.keep;
   job.timeoutSeconds = timeout;
   job.deadline = deadline;

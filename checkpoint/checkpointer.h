@@ -73,6 +73,7 @@ struct CheckpointOptions {
   bool continueOnFailure = true;            // false: a failed save raises from the next save() or wait()
   int64_t chunkBytes = int64_t{8} << 20;    // target size of an HDF5 chunk
   std::optional<int> threads;               // unset: BULKHEAD_CHECKPOINT_THREADS
+  std::optional<int> backgroundNice;        // niceness of a save's background part; unset: BULKHEAD_CHECKPOINT_NICE
 };
 
 struct SaveResult {

@@ -3,9 +3,12 @@
 #include "checkpoint/save_job.h"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <thread>
 #include <unordered_map>
 
@@ -102,6 +105,20 @@ constexpr double kStaleSeconds = 3600;
 // One store round trip (a set, a compare-and-set, a peek), which may come
 // after the save's deadline (to report that it passed).
 Deadline roundTrip() { return Deadline::afterSeconds(5); }
+
+// The background part leaves the host's cores to the training loop, whose
+// steps wait on its kernel launches: `nice` is added to the calling thread's
+// niceness (Linux keeps one per thread), and the checksum and write threads
+// started from here inherit it. Raising one's niceness needs no privilege.
+void yieldToTraining(int nice, int rank) {
+  if (nice <= 0) return;
+  const auto self = static_cast<id_t>(::gettid());
+  errno = 0;
+  const int current = ::getpriority(PRIO_PROCESS, self);
+  if (errno == 0 && ::setpriority(PRIO_PROCESS, self, std::min(19, current + nice)) == 0) return;
+  log::warn("checkpoint", "rank {}: the save's background thread keeps the training loop's priority ({}); "
+            "BULKHEAD_CHECKPOINT_NICE has no effect", rank, std::strerror(errno));
+}
 }  // namespace
 
 Deadline SaveJob::graceDeadline(int multiple) const {
@@ -294,6 +311,7 @@ void SaveJob::follow(commit::Exchange& exchange, SaveResult& result) {
 }
 
 void SaveJob::run() {
+  yieldToTraining(nice, rank);
   SaveResult result;
   result.step = step;
   result.blockingSeconds = blockingSeconds;

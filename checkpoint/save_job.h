@@ -36,6 +36,7 @@ struct SaveJob {
   int rank = 0;
   int worldSize = 1;
   int threads = 1;
+  int nice = 0;  // of the background thread and the threads it starts
   int keep = 0;
   double timeoutSeconds = 0;
   Deadline deadline = Deadline::never();

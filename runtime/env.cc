@@ -24,6 +24,9 @@ const Knob kCollectiveTimeout{"BULKHEAD_COLLECTIVE_TIMEOUT", "300",
 const Knob kCheckpointTimeout{"BULKHEAD_CHECKPOINT_TIMEOUT", "600", "seconds for a checkpoint save or load"};
 const Knob kCheckpointThreads{"BULKHEAD_CHECKPOINT_THREADS", "4",
                                "threads per rank that checksum, copy and read checkpoint chunks"};
+const Knob kCheckpointNice{"BULKHEAD_CHECKPOINT_NICE", "10",
+                           "niceness (0-19) added to the training loop's for a save's background threads, so "
+                           "they leave the host's cores to the training loop; 0: the same priority"};
 const Knob kCheckpointFault{"BULKHEAD_CHECKPOINT_FAULT", "",
                             "tests only: rank=R[,step=S],action=exit|stall:S|write-error|commit-exit while saving"};
 const Knob kShutdownTimeout{"BULKHEAD_SHUTDOWN_TIMEOUT", "30", "seconds for the final barrier and finalize"};
@@ -51,7 +54,7 @@ const Knob kFault{"BULKHEAD_FAULT", "",
 
 const std::vector<const Knob*>& all() {
   static const std::vector<const Knob*> knobs = {&kLogLevel,         &kBackend,          &kInitTimeout,
-                                                 &kCollectiveTimeout, &kCheckpointTimeout, &kCheckpointThreads,
+                                                 &kCollectiveTimeout, &kCheckpointTimeout, &kCheckpointThreads, &kCheckpointNice,
                                                  &kShutdownTimeout,
                                                  &kAbortGrace,       &kLedgerCapacity,   &kStoreToken,
                                                  &kStoreMaxMessage,  &kStoreHost,        &kHeartbeat,

@@ -48,6 +48,7 @@ extern const Knob kLedgerDump;
 extern const Knob kFault;
 extern const Knob kStoreMaxMessage;
 extern const Knob kCheckpointThreads;
+extern const Knob kCheckpointNice;
 extern const Knob kCheckpointFault;
 
 // Every knob, in the order the README lists them.

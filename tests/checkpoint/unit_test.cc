@@ -5,13 +5,20 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <hdf5.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstring>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <random>
+#include <sstream>
+#include <thread>
 
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/checksum.h"
@@ -318,6 +325,53 @@ TEST_CASE("one rank saves and loads through a file store; folder names carry the
   CHECK_THROWS_AS(ckpt->save(4, bad), ConfigError);
   CHECK_FALSE(ckpt->wait(Deadline::afterSeconds(30)).ok);
   CHECK(readLatest(dir.path() + "/ckpt", 0) == 3);
+}
+
+// The niceness of each thread of this process, by thread id: field 19 of
+// /proc/self/task/<tid>/stat (a thread that ends meanwhile is left out).
+std::map<int, int> threadNiceness() {
+  std::map<int, int> niceness;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream stat(entry.path() / "stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const auto nameEnd = text.rfind(')');
+    if (nameEnd == std::string::npos) continue;
+    std::istringstream fields(text.substr(nameEnd + 1));
+    std::string field;
+    for (int number = 3; number <= 19 && fields >> field; ++number)
+      if (number == 19) niceness[std::stoi(entry.path().filename().string())] = std::stoi(field);
+  }
+  return niceness;
+}
+
+TEST_CASE("a save's background part runs at the configured niceness above the caller's, which keeps its own") {
+  testing::TempDir dir("ckpt-nice");
+  auto store = std::make_shared<FileStore>(dir.path() + "/store");
+  const auto self = static_cast<id_t>(::gettid());
+  const int own = ::getpriority(PRIO_PROCESS, self);
+  const int added = 7;
+  REQUIRE(own + added <= 19);
+  CHECK_THROWS_AS(Checkpointer::create({.dir = dir.path() + "/bad", .backgroundNice = 20}, store, 0, 1), ConfigError);
+  CHECK_THROWS_AS(Checkpointer::create({.dir = dir.path() + "/bad", .backgroundNice = -1}, store, 0, 1), ConfigError);
+  // Rank 0 of 2, rank 1 absent: after writing its file the background part
+  // waits for rank 1's report until the deadline, long enough to be seen.
+  auto ckpt = Checkpointer::create({.dir = dir.path() + "/ckpt", .timeoutSeconds = 3, .backgroundNice = added}, store,
+                                   0, 2);
+  StateDict state;
+  state.addWhole("w", testing::draw(0, 11, {64, 32}, at::kFloat));
+  const std::map<int, int> before = threadNiceness();
+  ckpt->save(1, state);
+  bool seen = false;
+  for (int attempt = 0; attempt < 200 && !seen; ++attempt) {
+    for (const auto& [tid, niceness] : threadNiceness())
+      if (!before.count(tid) && niceness == own + added) seen = true;
+    if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(seen);
+  CHECK(::getpriority(PRIO_PROCESS, self) == own);
+  SaveResult result = ckpt->wait(Deadline::afterSeconds(30));
+  CHECK_FALSE(result.ok);  // rank 1 never reported
+  CHECK_FALSE(readLatest(dir.path() + "/ckpt", 0).has_value());
 }
 
 TEST_CASE("reads into caller's aligned buffers (O_DIRECT where the file system has it) deliver the same bytes") {
