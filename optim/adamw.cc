@@ -16,7 +16,8 @@ at::ScalarType masterType(at::ScalarType paramType) {
 }
 
 double weightDecayFor(const parallel::Parameter& param, const AdamWOptions& options) {
-  return !options.decays || options.decays(param) ? options.weightDecay : 0.0;
+  const bool decays = options.decays ? options.decays(param) : param.shard.globalShape.size() >= 2;
+  return decays ? options.weightDecay : 0.0;
 }
 
 void adamwUpdate(at::Tensor master, const at::Tensor& grad, at::Tensor expAvg, at::Tensor expAvgSq, int64_t step,

@@ -30,7 +30,9 @@ struct AdamWOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weightDecay = 0.01;
-  // Which parameters decay (weightDecay); empty: every parameter.
+  // Which parameters decay (weightDecay); empty: those of two or more global
+  // dimensions (matrices, embeddings, expert weights), not norm gains and
+  // biases, as Megatron-LM and most LLM recipes have it.
   std::function<bool(const parallel::Parameter&)> decays;
 };
 

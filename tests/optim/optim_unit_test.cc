@@ -95,6 +95,36 @@ TEST_CASE("adamwUpdate follows the AdamW formula element by element") {
   }
 }
 
+TEST_CASE("by default matrices decay and norm gains and biases do not; a decays function overrides that") {
+  auto generator = at::detail::createCPUGenerator(11);
+  at::Tensor weight = at::randn({5, 3}, generator, at::kDouble).set_requires_grad(true);
+  at::Tensor gain = at::randn({3}, generator, at::kDouble).add_(2.0).set_requires_grad(true);
+  // A tp shard of a matrix is a matrix, whatever its local shape.
+  at::Tensor shard = at::randn({1, 4}, generator, at::kDouble).set_requires_grad(true);
+  std::vector<parallel::Parameter> params{
+      {.name = "w", .tensor = weight, .shard = parallel::ShardInfo::whole({5, 3})},
+      {.name = "norm", .tensor = gain, .shard = parallel::ShardInfo::whole({3})},
+      {.name = "w_tp", .tensor = shard, .shard = {{2, 4}, {1, 0}, 0}}};
+  const AdamWOptions options{.weightDecay = 0.25};
+  CHECK(weightDecayFor(params[0], options) == 0.25);
+  CHECK(weightDecayFor(params[1], options) == 0.0);
+  CHECK(weightDecayFor(params[2], options) == 0.25);
+  const AdamWOptions named{.weightDecay = 0.25, .decays = [](const parallel::Parameter& p) { return p.name == "norm"; }};
+  CHECK(weightDecayFor(params[0], named) == 0.0);
+  CHECK(weightDecayFor(params[1], named) == 0.25);
+  // A step moves each parameter as adamwUpdate does with its decay.
+  std::vector<at::Tensor> expected;
+  for (auto& p : params) {
+    p.tensor.mutable_grad() = at::randn(p.tensor.sizes(), generator, at::kDouble);
+    at::Tensor master = p.tensor.detach().clone(), m = at::zeros_like(master), v = at::zeros_like(master);
+    adamwUpdate(master, p.tensor.grad(), m, v, 1, 0.1, weightDecayFor(p, options), options);
+    expected.push_back(master);
+  }
+  AdamW adamw(params, options);
+  adamw.step(0.1);
+  for (size_t i = 0; i < params.size(); ++i) CHECK(at::equal(params[i].tensor, expected[i]));
+}
+
 TEST_CASE("AdamW on bf16 parameters keeps float32 masters that accumulate updates below bf16 resolution") {
   at::Tensor weight = at::ones({4, 3}, at::kBFloat16).set_requires_grad(true);
   at::Tensor bias = at::full({3}, 2.0, at::kBFloat16).set_requires_grad(true);
