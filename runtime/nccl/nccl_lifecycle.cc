@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <iterator>
 
 #include "runtime/backoff.h"
 #include "runtime/diagnosis.h"
@@ -229,6 +230,7 @@ void NcclCommunicator::shutdown() {
                 "destroyed with operations in flight");
     }
   }
+  releaseSettledBuffers();  // none left after an abandoned abort (see abortWith)
   if (!aborted_) cudaFree(scratch_);  // after an abort, a kernel may still hold it
 }
 
@@ -247,7 +249,8 @@ void NcclCommunicator::progress() {
 }
 
 void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
-  // Let go of after the lock: a deleter may be a cudaFree, which waits for the device.
+  // Let go of after the lock, and never on the watchdog: a deleter may be a
+  // cudaFree, which waits for the device.
   std::vector<at::Tensor> buffers;
   std::lock_guard<std::mutex> lock(pendingMutex_);
   auto it = std::find_if(pending_.begin(), pending_.end(), [&](const auto& p) { return p.get() == &op; });
@@ -264,9 +267,20 @@ void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
     ledger_->fail(op.fingerprint.op, op.seq);
     op.status = OpStatus::Failed;
   }
-  buffers.swap(op.buffers);
+  if (std::this_thread::get_id() == watchdog_.get_id()) {
+    std::move(op.buffers.begin(), op.buffers.end(), std::back_inserter(settledBuffers_));
+    op.buffers.clear();
+  } else {
+    buffers.swap(op.buffers);
+  }
   pending_.erase(it);
 }
+
+void NcclCommunicator::releaseSettledBuffers() {
+  std::vector<at::Tensor> buffers;
+  std::lock_guard<std::mutex> lock(pendingMutex_);
+  buffers.swap(settledBuffers_);
+}  // the deleters run here, after the lock
 
 void NcclCommunicator::timeout(NcclOp& op) {
   if (op.timingOut.exchange(true)) {
@@ -332,8 +346,15 @@ void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& re
   if (!ncclAborted && !abortBounded(comm_)) {
     log::error("comm", "ncclCommAbort of {} did not return within {} s; abandoning it", name_,
                env::kAbortGrace.seconds());
+    // Settled buffers too: with NCCL still on the device, their cudaFree would wait forever.
+    auto settled = std::make_shared<NcclOp>();
+    {
+      std::lock_guard<std::mutex> lock(pendingMutex_);
+      settled->buffers.swap(settledBuffers_);
+    }
     std::lock_guard<std::mutex> lock(abandonedLock);
     abandoned.insert(abandoned.end(), failed.begin(), failed.end());
+    abandoned.push_back(std::move(settled));
   }
 }
 

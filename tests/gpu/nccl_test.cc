@@ -314,6 +314,36 @@ TEST_CASE("an operation holds memory that the caching allocator does not own unt
   CHECK(*freed);
 }
 
+TEST_CASE("the watchdog runs no buffer's deleter: the caller's next operation lets go of what it settled") {
+  // A deleter may be a cudaFree, which waits for the whole device: on the
+  // watchdog it would stall behind a hung operation whose deadline it enforces.
+  const int me = gpuWorld().rank();
+  const int64_t count = 1 << 16;
+  void* memory = nullptr;
+  REQUIRE(cudaMalloc(&memory, count * sizeof(float)) == cudaSuccess);
+  auto freedOn = std::make_shared<std::atomic<std::thread::id>>();
+  at::Tensor tensor = at::from_blob(
+      memory, {count},
+      [freedOn](void* pointer) {
+        cudaFree(pointer);
+        *freedOn = std::this_thread::get_id();
+      },
+      at::TensorOptions().dtype(at::kFloat).device(gpu()));
+  tensor.copy_(draw(me, 6300, {count}, at::kFloat));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  WorkPtr work = gpuWorld().allReduce(tensor);
+  tensor.reset();
+  // Neither wait() nor isCompleted(): the watchdog settles it.
+  auto deadline = Deadline::after(std::chrono::seconds(5));
+  while (gpuWorld().ledger().heads().lastCompleted < work->sequence() && !deadline.expired())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  REQUIRE(gpuWorld().ledger().heads().lastCompleted >= work->sequence());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(*freedOn == std::thread::id());  // settled, and still held
+  gpuWorld().allReduce(at::ones({16}, at::TensorOptions().dtype(at::kFloat).device(gpu())))->wait();
+  CHECK(*freedOn == std::this_thread::get_id());
+}
+
 TEST_CASE("nccl rejects CPU tensors and tensors on another GPU before communicating") {
   uint64_t before = gpuWorld().ledger().heads().lastIssued;
   CHECK_THROWS_AS(gpuWorld().allReduce(at::ones({4})), ConfigError);
