@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
+#include <numeric>
 
 #include "optim/clip.h"
 #include "optim/parameter_checks.h"
@@ -263,24 +265,27 @@ std::vector<parallel::ShardedTensor> DistributedOptimizer::state() {
   for (const Bucket& bucket : buckets_) {
     for (const auto& piece : bucket.pieces[bucket.comm->rank()]) {
       const Parameter& p = params_[bucket.members[piece.param]];
-      std::vector<int64_t> shape = p.tensor.sizes().vec();
-      parallel::ShardInfo shard{p.shard.globalShape, p.shard.offsets, 0};
-      if (!shape.empty()) {
-        shape[0] = piece.rows;
-        shard.offsets[0] += piece.rowBegin;
-      }
+      const std::vector<int64_t> local = p.tensor.sizes().vec();
+      int replicaId = 0;
       if (p.tpReplicated) {
         const CommunicatorPtr& tp = p.group == ParamGroup::Expert ? groups_.expertTp() : groups_.tp();
-        shard.replicaId = tp->rank();
-        if (bucket.instances) shard.replicaId += tp->size() * bucket.instances->rank();
+        replicaId = tp->rank();
+        if (bucket.instances) replicaId += tp->size() * bucket.instances->rank();
       } else if (bucket.instances) {
-        shard.replicaId = bucket.instances->rank();  // every instance holds this shard: the first writes it
+        replicaId = bucket.instances->rank();  // every instance holds this shard: the first writes it
       }
-      std::string prefix = "optim." + p.name;
-      auto view = [&](const at::Tensor& flat) { return flat.narrow(0, piece.shardOffset, piece.numel).view(shape); };
-      if (bucket.distinctMaster()) state.push_back({prefix + ".master", view(bucket.master), shard});
-      state.push_back({prefix + ".exp_avg", view(bucket.expAvg), shard});
-      state.push_back({prefix + ".exp_avg_sq", view(bucket.expAvgSq), shard});
+      const std::string prefix = "optim." + p.name;
+      int64_t shardOffset = piece.shardOffset;  // of the next box, which follows the one before
+      for (const Box& box : rowBoxes(local, piece.rowBegin, piece.rowBegin + piece.rows)) {
+        parallel::ShardInfo shard{p.shard.globalShape, p.shard.offsets, replicaId};
+        for (size_t d = 0; d < box.offsets.size(); ++d) shard.offsets[d] += box.offsets[d];
+        const int64_t numel = std::accumulate(box.extents.begin(), box.extents.end(), int64_t{1}, std::multiplies<>());
+        auto view = [&](const at::Tensor& flat) { return flat.narrow(0, shardOffset, numel).view(box.extents); };
+        if (bucket.distinctMaster()) state.push_back({prefix + ".master", view(bucket.master), shard});
+        state.push_back({prefix + ".exp_avg", view(bucket.expAvg), shard});
+        state.push_back({prefix + ".exp_avg_sq", view(bucket.expAvgSq), shard});
+        shardOffset += numel;
+      }
     }
   }
   state.push_back({"optim.step", stepTensor_, {{1}, {0}, groups_.world()->rank()}});

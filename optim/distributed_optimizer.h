@@ -18,10 +18,12 @@
 //   4. all-gather the updated parameters into every replica's tensors.
 //
 // Sharding (optim/shard_layout.h): parameters of one group and dtype form a
-// bucket, ordered by name; its flat buffer is cut on dim-0 row boundaries, so
-// each rank's state of a parameter is a block of whole rows and exports as
-// one ShardedTensor under the keys of optim/adamw.h, with the parameter's
-// global shape, its offsets plus the first row, and replicaId 0 (for a
+// bucket, ordered by name; its flat buffer is cut on row boundaries (rows run
+// over all dimensions but the last, so one expert's state spreads over the
+// expert-dp ranks too), so each rank's state of a parameter is a run of whole
+// rows and exports as one to a few ShardedTensors (optim::rowBoxes) under the
+// keys of optim/adamw.h, with the parameter's global shape, its offsets plus
+// the box's, and replicaId 0 (for a
 // tpReplicated parameter: the tp rank, expert-tp for experts; with
 // instances, non-zero outside the first; optim.step: the world rank). A state
 // saved under one layout (or by the plain AdamW) loads into another.

@@ -8,36 +8,98 @@
 
 namespace bulkhead::optim {
 
+namespace {
+
+int64_t product(const std::vector<int64_t>& extents, size_t from, size_t to) {
+  int64_t result = 1;
+  for (size_t d = from; d < to; ++d) result *= extents[d];
+  return result;
+}
+
+// The row boundary nearest to `target` (0 < target < total; the lower one on
+// a tie): one end of the row of the parameter that holds it.
+int64_t nearestRowBoundary(const std::vector<ShardLayout::Param>& params, int64_t target) {
+  // The last parameter starting at or before the target holds it (those
+  // after it start later; a zero-size one there starts at the target).
+  auto after = std::upper_bound(params.begin(), params.end(), target,
+                                [](int64_t t, const ShardLayout::Param& p) { return t < p.offset; });
+  const ShardLayout::Param& p = *(after - 1);
+  if (p.rowElems == 0) return p.offset;
+  const int64_t lower = p.offset + (target - p.offset) / p.rowElems * p.rowElems, upper = lower + p.rowElems;
+  return target - lower <= upper - target ? lower : upper;
+}
+
+// Boxes of rows [begin, end) of `rowShape` (the extents the rows run over)
+// from dimension `axis` on, the dimensions before it fixed at `prefix`.
+void coverRows(const std::vector<int64_t>& rowShape, size_t axis, std::vector<int64_t>& prefix, int64_t begin,
+               int64_t end, int64_t rowElems, std::vector<Box>& boxes) {
+  if (begin >= end) return;
+  const int64_t inner = product(rowShape, axis + 1, rowShape.size());
+  if (begin % inner == 0 && end % inner == 0) {  // whole blocks of this dimension: one box
+    Box box{prefix, std::vector<int64_t>(prefix.size(), 1)};
+    box.offsets.push_back(begin / inner);
+    box.extents.push_back((end - begin) / inner);
+    for (size_t d = axis + 1; d < rowShape.size(); ++d) {
+      box.offsets.push_back(0);
+      box.extents.push_back(rowShape[d]);
+    }
+    if (rowElems >= 0) {  // the last dimension, whole
+      box.offsets.push_back(0);
+      box.extents.push_back(rowElems);
+    }
+    boxes.push_back(std::move(box));
+    return;
+  }
+  const int64_t first = begin / inner, last = (end - 1) / inner;
+  if (first == last) {  // inside one block: fix this index, go one dimension in
+    prefix.push_back(first);
+    coverRows(rowShape, axis + 1, prefix, begin - first * inner, end - first * inner, rowElems, boxes);
+    prefix.pop_back();
+    return;
+  }
+  const int64_t headEnd = (first + 1) * inner, tailBegin = last * inner;
+  coverRows(rowShape, axis, prefix, begin, headEnd, rowElems, boxes);
+  coverRows(rowShape, axis, prefix, headEnd, tailBegin, rowElems, boxes);
+  coverRows(rowShape, axis, prefix, tailBegin, end, rowElems, boxes);
+}
+
+}  // namespace
+
 ShardLayout ShardLayout::create(const std::vector<std::vector<int64_t>>& shapes, int ranks) {
   if (ranks < 1) throw ConfigError(fmt::format("ShardLayout: {} ranks; need at least one", ranks));
   ShardLayout layout;
-  std::vector<int64_t> boundaries{0};  // every row boundary of the flat buffer, ascending
   for (const auto& shape : shapes) {
-    int64_t numel = 1;
-    for (int64_t extent : shape) numel *= extent;
-    Param param{.offset = layout.total, .rows = shape.empty() ? 1 : shape[0]};
+    const int64_t numel = product(shape, 0, shape.size());
+    Param param{.offset = layout.total, .rows = shape.size() < 2 ? (shape.empty() ? 1 : shape[0])
+                                                                  : product(shape, 0, shape.size() - 1)};
     param.rowElems = param.rows == 0 ? 0 : numel / param.rows;
-    for (int64_t row = 1; row <= param.rows && param.rowElems > 0; ++row)
-      boundaries.push_back(param.offset + row * param.rowElems);
     layout.params.push_back(param);
     layout.total += numel;
   }
-  boundaries.erase(std::unique(boundaries.begin(), boundaries.end()), boundaries.end());
-
   layout.cuts.assign(static_cast<size_t>(ranks) + 1, 0);
   layout.cuts[ranks] = layout.total;
   for (int k = 1; k < ranks; ++k) {
-    // The row boundary nearest to the balanced cut (the lower one on a tie),
-    // never before the previous cut.
-    int64_t target = (static_cast<__int128>(k) * layout.total) / ranks;
-    // (target <= total, the last boundary, so `above` is a boundary.)
-    auto above = std::lower_bound(boundaries.begin(), boundaries.end(), target);
-    int64_t cut = *above;
-    if (above != boundaries.begin() && target - *(above - 1) <= *above - target) cut = *(above - 1);
-    layout.cuts[k] = std::max(cut, layout.cuts[k - 1]);
+    const int64_t target = static_cast<int64_t>((static_cast<__int128>(k) * layout.total) / ranks);
+    const int64_t cut = target <= 0 || target >= layout.total ? target : nearestRowBoundary(layout.params, target);
+    layout.cuts[k] = std::max(cut, layout.cuts[k - 1]);  // never before the previous cut
   }
   for (int r = 0; r < ranks; ++r) layout.shardMax = std::max(layout.shardMax, layout.shardLength(r));
   return layout;
+}
+
+std::vector<Box> rowBoxes(const std::vector<int64_t>& shape, int64_t begin, int64_t end) {
+  std::vector<Box> boxes;
+  std::vector<int64_t> prefix;
+  if (shape.empty()) {
+    if (begin < end) boxes.push_back({});
+    return boxes;
+  }
+  if (shape.size() == 1) {
+    coverRows(shape, 0, prefix, begin, end, -1, boxes);
+  } else {
+    coverRows(std::vector<int64_t>(shape.begin(), shape.end() - 1), 0, prefix, begin, end, shape.back(), boxes);
+  }
+  return boxes;
 }
 
 std::vector<ShardLayout::Piece> ShardLayout::pieces(int rank) const {

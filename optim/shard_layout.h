@@ -4,12 +4,14 @@
 // rank computes the same layout from the same shapes.
 //
 // The parameters lie end to end in a flat buffer, in bucket order. The buffer
-// is cut into one contiguous shard per rank, each cut on a dim-0 row boundary
-// of some parameter (the boundary nearest to the balanced cut k * total /
-// ranks), so the rows of a parameter a rank holds are a rectangle: they export
-// as one ShardedTensor. Shards may be empty (parameters with fewer rows than
-// ranks). Collectives use equal sizes: every rank's region of the padded
-// buffer is shardMax elements long, its shard at the start of it.
+// is cut into one contiguous shard per rank, each cut on a row boundary of
+// some parameter (the boundary nearest to the balanced cut k * total /
+// ranks). A parameter's rows run over all its dimensions but the last (an
+// expert weight [E, H, F] has E * H rows of F), so shards stay balanced when a
+// rank holds a single expert; the rows of a parameter a rank holds export as
+// a few boxes (rowBoxes). Shards may be empty (fewer rows than ranks).
+// Collectives use equal sizes: every rank's region of the padded buffer is
+// shardMax elements long, its shard at the start of it.
 // A 1-D parameter's rows are its elements; a 0-D parameter is one row.
 
 #include <cstddef>
@@ -21,8 +23,8 @@ namespace bulkhead::optim {
 struct ShardLayout {
   struct Param {
     int64_t offset = 0;    // in the flat buffer
-    int64_t rows = 0;      // dim-0 extent (1 for a 0-D parameter)
-    int64_t rowElems = 0;  // elements per row
+    int64_t rows = 0;      // the product of all extents but the last (1 for a 0-D parameter)
+    int64_t rowElems = 0;  // elements per row: the last extent
   };
   // Rows [rowBegin, rowBegin + rows) of parameter `param`, at `shardOffset` in
   // its rank's shard.
@@ -46,5 +48,15 @@ struct ShardLayout {
   // The pieces of rank `rank`'s shard, in flat order (no empty pieces).
   std::vector<Piece> pieces(int rank) const;
 };
+
+// A rectangle of a tensor: where it starts and its extent in each dimension.
+struct Box {
+  std::vector<int64_t> offsets, extents;
+};
+
+// The boxes that cover rows [begin, end) of a tensor of `shape` (rows as in
+// ShardLayout): each contiguous in row-major order, in order, at most two per
+// dimension. A 0-D tensor's one row is one box with no dimensions.
+std::vector<Box> rowBoxes(const std::vector<int64_t>& shape, int64_t begin, int64_t end);
 
 }  // namespace bulkhead::optim

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <numbers>
+#include <random>
 
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
@@ -71,6 +72,54 @@ TEST_CASE("shard layout: row-aligned, balanced, contiguous cuts covering every e
   ShardLayout few = ShardLayout::create({{3, 7}}, 4);
   for (int64_t cut : few.cuts) CHECK(cut % 7 == 0);
   CHECK(few.shardMax == 7);
+  // One expert [1, 6, 4] over 4 expert-dp ranks: rows of 4 over all but the
+  // last dimension, so every rank holds some of it.
+  ShardLayout oneExpert = ShardLayout::create({{1, 6, 4}}, 4);
+  CHECK(oneExpert.params[0].rows == 6);
+  for (int r = 0; r < 4; ++r) CHECK(oneExpert.shardLength(r) > 0);
+  for (int64_t cut : oneExpert.cuts) CHECK(cut % 4 == 0);
+  CHECK(oneExpert.shardMax == 8);
+}
+
+TEST_CASE("row boxes cover exactly the rows asked for, each box contiguous and in order") {
+  std::mt19937_64 random(23);
+  const std::vector<std::vector<int64_t>> shapes{{7}, {5, 3}, {3, 4, 2}, {2, 3, 4, 5}, {1, 6, 4}, {4, 1, 3}};
+  for (const auto& shape : shapes) {
+    const int64_t lastExtent = shape.size() == 1 ? 1 : shape.back();
+    int64_t rows = 1;
+    for (size_t d = 0; d + (shape.size() == 1 ? 0 : 1) < shape.size(); ++d) rows *= shape[d];
+    std::vector<int64_t> strides(shape.size(), 1);
+    for (size_t d = shape.size() - 1; d > 0; --d) strides[d - 1] = strides[d] * shape[d];
+    for (int draw = 0; draw < 200; ++draw) {
+      int64_t begin = static_cast<int64_t>(random() % static_cast<uint64_t>(rows + 1));
+      int64_t end = static_cast<int64_t>(random() % static_cast<uint64_t>(rows + 1));
+      if (begin > end) std::swap(begin, end);
+      INFO("shape [" << shape.size() << " dims] rows [" << begin << ", " << end << ")");
+      int64_t next = begin * lastExtent;  // the flat element each box must start at
+      const auto boxes = rowBoxes(shape, begin, end);
+      CHECK(boxes.size() <= 2 * shape.size());
+      for (const Box& box : boxes) {
+        REQUIRE(box.offsets.size() == shape.size());
+        REQUIRE(box.extents.size() == shape.size());
+        int64_t start = 0, numel = 1;
+        for (size_t d = 0; d < shape.size(); ++d) {
+          CHECK(box.extents[d] >= 1);
+          CHECK(box.offsets[d] + box.extents[d] <= shape[d]);
+          start += box.offsets[d] * strides[d];
+          numel *= box.extents[d];
+        }
+        CHECK(start == next);
+        // Contiguous: past the first dimension that is not 1, every extent is whole.
+        size_t d = 0;
+        while (d < shape.size() && box.extents[d] == 1) ++d;
+        for (size_t inner = d + 1; inner < shape.size(); ++inner) CHECK(box.extents[inner] == shape[inner]);
+        next += numel;
+      }
+      CHECK(next == end * lastExtent);
+    }
+  }
+  CHECK(rowBoxes({}, 0, 1).size() == 1);
+  CHECK(rowBoxes({3, 4}, 2, 2).empty());
 }
 
 TEST_CASE("adamwUpdate follows the AdamW formula element by element") {
