@@ -168,7 +168,6 @@ cudaStream_t NcclCommunicator::streamFor(StreamHandle handle) const {
 
 WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::optional<Deadline> deadline,
                                   StreamHandle stream, const char* call, const Issue& issue) {
-  releaseSettledBuffers();
   op->issuedAt = Deadline::Clock::now();
   op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
   cudaStream_t cudaStream = streamFor(stream);

@@ -31,7 +31,8 @@ class EventPool {
 // One operation in flight: NCCL reads and writes its buffers until `done`
 // (an event recorded after it on its stream) has fired. On PyTorch's current
 // stream, buffers from its caching allocator are guarded there (recordStream)
-// and not held; any other memory lives here until the operation settles.
+// and not held; any other memory lives here until the operation settles (the
+// watchdog hands it to a thread of its own then: see letGoOf).
 struct NcclOp {
   ~NcclOp();
   Fingerprint fingerprint;
@@ -131,8 +132,6 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   void abortWith(std::exception_ptr error, const std::string& reason, bool ncclAborted = false);
   void watch();
   void shutdown();
-  // Runs the deleters of the buffers the watchdog settled, on the caller's thread.
-  void releaseSettledBuffers();
 
   ncclComm_t comm_;
   int device_;
@@ -146,11 +145,6 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   mutable std::mutex pendingMutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<NcclOp>> pending_;
-  // Buffers of operations the watchdog settled. A deleter may be a cudaFree,
-  // which waits for the whole device: on the watchdog it would stall behind
-  // the very operation whose deadline it enforces. The caller's thread lets go
-  // of them at its next operation, or at shutdown.
-  std::vector<at::Tensor> settledBuffers_;
   // The operation whose NCCL call is running now: a first send to a peer
   // connects inside that call, so the watchdog bounds it too.
   std::shared_ptr<NcclOp> enqueuing_;

@@ -1,9 +1,9 @@
 // The NCCL backend's bootstrap, splits, watchdog, abort and teardown.
 #include <ATen/ops/empty.h>
 #include <fmt/format.h>
+#include <pthread.h>
 
 #include <cstring>
-#include <iterator>
 
 #include "runtime/backoff.h"
 #include "runtime/diagnosis.h"
@@ -31,6 +31,54 @@ ncclConfig_t configWithBlocking(int blocking) {
 // issue; the allocator's stream record guards them.)
 std::mutex abandonedLock;
 std::vector<std::shared_ptr<NcclOp>> abandoned;
+
+// Lets go of tensors on a thread of its own ("bulkhead-free"): a deleter may
+// be a cudaFree, which waits for the whole device and so stalls behind a hung
+// operation; a watchdog must not (it enforces that operation's deadline).
+// Never destroyed: its thread may be stalled there when the process exits.
+class Releaser {
+ public:
+  static Releaser& instance() {
+    static Releaser* releaser = new Releaser;
+    return *releaser;
+  }
+  void hand(int device, std::vector<at::Tensor> buffers) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back({device, std::move(buffers)});
+    }
+    wake_.notify_one();
+  }
+
+ private:
+  struct Batch {
+    int device = 0;
+    std::vector<at::Tensor> buffers;
+  };
+  Releaser() {
+    std::thread([this] {
+      pthread_setname_np(pthread_self(), "bulkhead-free");
+      for (;;) {
+        Batch batch;
+        {
+          std::unique_lock<std::mutex> lock(mutex_);
+          wake_.wait(lock, [this] { return !queue_.empty(); });  // idle: nothing to bound
+          batch = std::move(queue_.front());
+          queue_.pop_front();
+        }
+        cudaSetDevice(batch.device);
+        batch.buffers.clear();
+      }
+    }).detach();
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Batch> queue_;
+};
+
+void letGoOf(int device, std::vector<at::Tensor> buffers) {
+  if (!buffers.empty()) Releaser::instance().hand(device, std::move(buffers));
+}
 
 }  // namespace
 
@@ -230,7 +278,6 @@ void NcclCommunicator::shutdown() {
                 "destroyed with operations in flight");
     }
   }
-  releaseSettledBuffers();  // none left after an abandoned abort (see abortWith)
   if (!aborted_) cudaFree(scratch_);  // after an abort, a kernel may still hold it
 }
 
@@ -249,8 +296,8 @@ void NcclCommunicator::progress() {
 }
 
 void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
-  // Let go of after the lock, and never on the watchdog: a deleter may be a
-  // cudaFree, which waits for the device.
+  // Let go of after the lock, and on the watchdog through letGoOf: a deleter
+  // may be a cudaFree, which waits for the device.
   std::vector<at::Tensor> buffers;
   std::lock_guard<std::mutex> lock(pendingMutex_);
   auto it = std::find_if(pending_.begin(), pending_.end(), [&](const auto& p) { return p.get() == &op; });
@@ -267,20 +314,10 @@ void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
     ledger_->fail(op.fingerprint.op, op.seq);
     op.status = OpStatus::Failed;
   }
-  if (std::this_thread::get_id() == watchdog_.get_id()) {
-    std::move(op.buffers.begin(), op.buffers.end(), std::back_inserter(settledBuffers_));
-    op.buffers.clear();
-  } else {
-    buffers.swap(op.buffers);
-  }
+  buffers.swap(op.buffers);
   pending_.erase(it);
+  if (std::this_thread::get_id() == watchdog_.get_id()) letGoOf(device_, std::move(buffers));
 }
-
-void NcclCommunicator::releaseSettledBuffers() {
-  std::vector<at::Tensor> buffers;
-  std::lock_guard<std::mutex> lock(pendingMutex_);
-  buffers.swap(settledBuffers_);
-}  // the deleters run here, after the lock
 
 void NcclCommunicator::timeout(NcclOp& op) {
   if (op.timingOut.exchange(true)) {
@@ -322,11 +359,13 @@ void NcclCommunicator::abort(const std::string& reason) {
 }
 
 void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& reason, bool ncclAborted) {
-  std::vector<std::shared_ptr<NcclOp>> failed;
+  std::vector<std::shared_ptr<NcclOp>> failed;  // the enqueuing one first
+  bool wasEnqueuing = false;
   {
     std::lock_guard<std::mutex> lock(pendingMutex_);
     if (aborted_.exchange(true)) return;
     abortReason_ = reason;
+    wasEnqueuing = enqueuing_ != nullptr;
     if (enqueuing_) {  // issued to NCCL, or being issued
       if (enqueuing_->status == OpStatus::Pending) {
         enqueuing_->error = error;
@@ -346,19 +385,17 @@ void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& re
   if (!ncclAborted && !abortBounded(comm_)) {
     log::error("comm", "ncclCommAbort of {} did not return within {} s; abandoning it", name_,
                env::kAbortGrace.seconds());
-    // Settled buffers too: with NCCL still on the device, their cudaFree would wait forever.
-    auto settled = std::make_shared<NcclOp>();
-    {
-      std::lock_guard<std::mutex> lock(pendingMutex_);
-      settled->buffers.swap(settledBuffers_);
-    }
     std::lock_guard<std::mutex> lock(abandonedLock);
     abandoned.insert(abandoned.end(), failed.begin(), failed.end());
-    abandoned.push_back(std::move(settled));
+  } else if (std::this_thread::get_id() == watchdog_.get_id()) {
+    // NCCL is off the device: the buffers may go, though not on the watchdog;
+    // those of the operation being enqueued stay with its caller's thread.
+    for (size_t i = wasEnqueuing ? 1 : 0; i < failed.size(); ++i) letGoOf(device_, std::move(failed[i]->buffers));
   }
 }
 
 void NcclCommunicator::watch() {
+  pthread_setname_np(pthread_self(), "bulkhead-wd");
   cudaSetDevice(device_);
   while (!stopping_ && !aborted_) {
     {
