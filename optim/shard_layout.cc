@@ -30,37 +30,36 @@ int64_t nearestRowBoundary(const std::vector<ShardLayout::Param>& params, int64_
 }
 
 // Boxes of rows [begin, end) of `rowShape` (the extents the rows run over)
-// from dimension `axis` on, the dimensions before it fixed at `prefix`.
+// from dimension `axis` on, the dimensions before it fixed at `prefix`; the
+// last dimension (`rowElems` >= 0) is whole in every box.
 void coverRows(const std::vector<int64_t>& rowShape, size_t axis, std::vector<int64_t>& prefix, int64_t begin,
                int64_t end, int64_t rowElems, std::vector<Box>& boxes) {
   if (begin >= end) return;
   const int64_t inner = product(rowShape, axis + 1, rowShape.size());
-  if (begin % inner == 0 && end % inner == 0) {  // whole blocks of this dimension: one box
+  // Inside one block of this dimension: fix its index, go one dimension in.
+  auto within = [&](int64_t block, int64_t from, int64_t to) {
+    prefix.push_back(block);
+    coverRows(rowShape, axis + 1, prefix, from - block * inner, to - block * inner, rowElems, boxes);
+    prefix.pop_back();
+  };
+  const int64_t headEnd = (begin + inner - 1) / inner * inner, tailBegin = end / inner * inner;
+  if (headEnd > tailBegin) return within(begin / inner, begin, end);
+  if (begin < headEnd) within(begin / inner, begin, headEnd);
+  if (headEnd < tailBegin) {  // whole blocks of this dimension: one box
     Box box{prefix, std::vector<int64_t>(prefix.size(), 1)};
-    box.offsets.push_back(begin / inner);
-    box.extents.push_back((end - begin) / inner);
+    box.offsets.push_back(headEnd / inner);
+    box.extents.push_back((tailBegin - headEnd) / inner);
     for (size_t d = axis + 1; d < rowShape.size(); ++d) {
       box.offsets.push_back(0);
       box.extents.push_back(rowShape[d]);
     }
-    if (rowElems >= 0) {  // the last dimension, whole
+    if (rowElems >= 0) {
       box.offsets.push_back(0);
       box.extents.push_back(rowElems);
     }
     boxes.push_back(std::move(box));
-    return;
   }
-  const int64_t first = begin / inner, last = (end - 1) / inner;
-  if (first == last) {  // inside one block: fix this index, go one dimension in
-    prefix.push_back(first);
-    coverRows(rowShape, axis + 1, prefix, begin - first * inner, end - first * inner, rowElems, boxes);
-    prefix.pop_back();
-    return;
-  }
-  const int64_t headEnd = (first + 1) * inner, tailBegin = last * inner;
-  coverRows(rowShape, axis, prefix, begin, headEnd, rowElems, boxes);
-  coverRows(rowShape, axis, prefix, headEnd, tailBegin, rowElems, boxes);
-  coverRows(rowShape, axis, prefix, tailBegin, end, rowElems, boxes);
+  if (tailBegin < end) within(tailBegin / inner, tailBegin, end);
 }
 
 }  // namespace

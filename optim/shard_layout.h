@@ -55,8 +55,9 @@ struct Box {
 };
 
 // The boxes that cover rows [begin, end) of a tensor of `shape` (rows as in
-// ShardLayout): each contiguous in row-major order, in order, at most two per
-// dimension. A 0-D tensor's one row is one box with no dimensions.
+// ShardLayout): each contiguous in row-major order, in order; at most 2k - 1
+// for rows over k dimensions. A 0-D tensor's one row is one box with no
+// dimensions.
 std::vector<Box> rowBoxes(const std::vector<int64_t>& shape, int64_t begin, int64_t end);
 
 }  // namespace bulkhead::optim
