@@ -130,9 +130,10 @@ void warnIfCramped() {
   std::call_once(warned, [] {
     const CpuShare share = cpuShare();
     if (!share.crampedToOne()) return;
-    log::warn("checkpoint", "this rank may run on 1 of the host's {} CPUs (its launcher's binding), so a save's "
-              "background writing shares that core with the training loop and slows its steps; give each rank "
-              "several cores: mpirun --map-by slot:PE=4 (or --bind-to none), srun --cpus-per-task=4", share.online);
+    log::warn("checkpoint", "this rank may run on one core ({} of the host's {} CPUs; its launcher's binding), so "
+              "a save's background writing shares it with the training loop and slows its steps; give each rank "
+              "several cores: mpirun --map-by slot:PE=4 (or --bind-to none), srun --cpus-per-task=4", share.allowed,
+              share.online);
   });
 }
 
@@ -152,9 +153,10 @@ std::unique_ptr<Checkpointer> Checkpointer::create(CheckpointOptions options, st
   if (options.timeoutSeconds && !(*options.timeoutSeconds > 0))
     throw bad(fmt::format("timeoutSeconds {} is not positive", *options.timeoutSeconds));
   if (options.threads && *options.threads < 1) throw bad(fmt::format("threads {} is below 1", *options.threads));
-  if (!options.backgroundNice) options.backgroundNice = static_cast<int>(env::kCheckpointNice.integer());
-  if (*options.backgroundNice < 0 || *options.backgroundNice > 19)
-    throw bad(fmt::format("backgroundNice {} is outside [0, 19] (BULKHEAD_CHECKPOINT_NICE)", *options.backgroundNice));
+  const int64_t nice = options.backgroundNice ? *options.backgroundNice : env::kCheckpointNice.integer();
+  if (nice < 0 || nice > 19)
+    throw bad(fmt::format("backgroundNice {} is outside [0, 19] (BULKHEAD_CHECKPOINT_NICE)", nice));
+  options.backgroundNice = static_cast<int>(nice);
   double timeout = options.timeoutSeconds.value_or(env::kCheckpointTimeout.seconds());
   Deadline deadline = Deadline::afterSeconds(timeout);
   fs::makeDirectories(options.dir, rank);
