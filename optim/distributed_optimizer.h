@@ -23,10 +23,10 @@
 // expert-dp ranks too), so each rank's state of a parameter is a run of whole
 // rows and exports as one to a few ShardedTensors (optim::rowBoxes) under the
 // keys of optim/adamw.h, with the parameter's global shape, its offsets plus
-// the box's, and replicaId 0 (for a
-// tpReplicated parameter: the tp rank, expert-tp for experts; with
-// instances, non-zero outside the first; optim.step: the world rank). A state
-// saved under one layout (or by the plain AdamW) loads into another.
+// the box's, and replicaId 0 (for a tpReplicated parameter: the tp rank,
+// expert-tp for experts; with instances, non-zero outside the first;
+// optim.step: the world rank). A state saved under one layout (or by the
+// plain AdamW) loads into another.
 //
 // Contract: collective over dp x cp, expert dp and (for the norm) the world.
 // Every replica passes the same parameters (names, shapes, dtypes; any order)
