@@ -120,11 +120,11 @@ Checkpointer::Checkpointer(CheckpointOptions options, std::shared_ptr<Store> sto
 
 namespace {
 
-// A save's background threads run beside the training loop; bound to one
-// core with it (Open MPI's default for 2 ranks or fewer), they took
-// train_moe's 34 ms steps on 2 H200s to 79-97 ms while a save wrote, and to
-// 46-47 ms at the default BULKHEAD_CHECKPOINT_NICE; 35-38 ms with 4 cores or
-// more (bench/results/train_moe_h200x2_2026-11-22.md, thirteenth session).
+// A save's background threads run beside the training loop; where the
+// launcher binds a rank to one core (Open MPI's default for 2 ranks or fewer),
+// they share it with the training loop and slow every step while a save
+// writes. BULKHEAD_CHECKPOINT_NICE lessens that; several cores per rank end
+// it, so a rank that may run on one core is told so.
 void warnIfCramped() {
   static std::once_flag warned;
   std::call_once(warned, [] {

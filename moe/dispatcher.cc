@@ -175,9 +175,9 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   {
     const c10::NoGradGuard metadata;
     // The ids are small integers (-1: none), exact in the side's floating
-    // type. The kernels also write the group ends. (Reading the ids in place,
-    // without this copy, made the dispatch slower on H200s: see
-    // bench/results/moe_h200x2_2026-11-22.md, tenth session.)
+    // type. The kernels also write the group ends. (The copy is cheaper than
+    // reading the ids in place: rows of the receive buffer lie kilobytes apart,
+    // and each warp reads its segment's keys one dependent load at a time.)
     byExpert = groupEntries(arrived.ids.to(at::kLong), experts, expertRows, &plan.expertRowEnds);
   }
   if (!plan.expertRowEnds.defined()) plan.expertRowEnds = runningSum(plan.tokensPerLocalExpert, tokens.device());
