@@ -23,6 +23,7 @@
 #include <string>
 
 #include "checkpoint/checkpointer.h"
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "runtime/errors.h"
 
@@ -41,22 +42,15 @@ struct Options {
   double timeout = 600;
 };
 
-Options parse(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--dir") options.dir = value;
-    else if (flag == "--phase") options.phase = value;
-    else if (flag == "--iters") options.iters = std::stoi(value);
-    else if (flag == "--layers") options.layers = std::stoi(value);
-    else if (flag == "--experts") options.experts = std::stoi(value);
-    else if (flag == "--timeout") options.timeout = std::stod(value);
-    else if (flag == "--saved-world") options.savedWorld = std::stoi(value);
-    else throw ConfigError(fmt::format("unknown flag {}", flag));
-  }
-  if (options.dir.empty() || (options.phase != "save" && options.phase != "load"))
-    throw ConfigError("usage: bulkhead-ckpt-bench --dir DIR --phase save|load [--iters N] [--layers N] [--experts N]");
-  return options;
+void addFlags(CLI::App& app, Options& options) {
+  app.add_option("--dir", options.dir, "checkpoint folder")->required();
+  app.add_option("--phase", options.phase, "save or load")->check(CLI::IsMember({"save", "load"}));
+  app.add_option("--iters", options.iters, "saves")->check(cli::positive());
+  app.add_option("--layers", options.layers, "layers of the state")->check(cli::positive());
+  app.add_option("--experts", options.experts, "experts per layer")->check(cli::positive());
+  app.add_option("--timeout", options.timeout, "seconds for each save or load")->check(cli::positive());
+  app.add_option("--saved-world", options.savedWorld, "ranks that saved the checkpoint a load reads (0: this job's)")
+      ->check(cli::nonNegative());
 }
 
 // The state of `rank` of `world`, seeded so that a load regenerates what the save wrote. The
@@ -121,8 +115,11 @@ void sync(Runtime& runtime) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cli::App app("Checkpoint save and load of an MoE-like state (bench/run_ckpt_bench.sh).", "bulkhead-ckpt-bench");
+  Options options;
+  addFlags(app, options);
+  if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    Options options = parse(argc, argv);
     auto runtime = init();
     int rank = runtime->world().rank(), world = runtime->world().size();
     auto ckpt = Checkpointer::create({.dir = options.dir, .keep = 2, .timeoutSeconds = options.timeout},

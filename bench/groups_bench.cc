@@ -5,12 +5,14 @@
 //
 //   mpirun -np 2 bulkhead-groups-bench --tp 2 --ep 2 --groups-out groups.json
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "parallel/process_groups.h"
 #include "runtime/errors.h"
@@ -20,19 +22,14 @@ using namespace bulkhead::parallel;
 
 int main(int argc, char** argv) {
   auto start = std::chrono::steady_clock::now();
+  cli::App app("Time from process start to every group of a layout built and warmed (bench/run_groups_bench.sh).",
+               "bulkhead-groups-bench");
+  LayoutOptions layoutOptions;
+  std::string groupsOut;
+  cli::addLayout(app, layoutOptions);
+  app.add_option("--groups-out", groupsOut, "write the layout's groups as JSON here (for bench/torch_groups.py)");
+  if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    LayoutOptions layoutOptions;
-    std::string groupsOut;
-    for (int i = 1; i + 1 < argc; i += 2) {
-      std::string flag = argv[i];
-      int value = flag == "--groups-out" ? 0 : std::stoi(argv[i + 1]);
-      if (flag == "--tp") layoutOptions.tp = value;
-      else if (flag == "--ep") layoutOptions.ep = value;
-      else if (flag == "--pp") layoutOptions.pp = value;
-      else if (flag == "--cp") layoutOptions.cp = value;
-      else if (flag == "--groups-out") groupsOut = argv[i + 1];
-      else throw ConfigError(fmt::format("unknown flag {}", flag));
-    }
     auto runtime = init();
     double initMs = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     Layout layout = Layout::create(runtime->world().size(), layoutOptions);
@@ -43,16 +40,12 @@ int main(int argc, char** argv) {
                   runtime->world().backend(), initMs, totalMs);
       std::printf("BULKHEAD_TOTAL_MS %.1f\n", totalMs);
       if (!groupsOut.empty()) {
-        std::string json = "[";
+        nlohmann::json json = nlohmann::json::array();
         for (GroupKind kind : allGroupKinds())
-          for (const auto& members : layout.groups(kind))
-            json += fmt::format("{}{{\"kind\": \"{}\", \"ranks\": [{}]}}", json.size() > 1 ? ", " : "",
-                                toString(kind), fmt::join(members, ", "));
-        json += "]\n";
-        std::FILE* file = std::fopen(groupsOut.c_str(), "w");
+          for (const auto& members : layout.groups(kind)) json.push_back({{"kind", toString(kind)}, {"ranks", members}});
+        std::ofstream file(groupsOut);
+        file << json.dump() << '\n';
         if (!file) throw IoError(fmt::format("cannot write {}", groupsOut));
-        std::fputs(json.c_str(), file);
-        std::fclose(file);
       }
     }
     return 0;

@@ -40,6 +40,7 @@
 #include <thread>
 #include <vector>
 
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "moe/differentiable.h"
 #include "moe/moe_layer.h"
@@ -65,33 +66,24 @@ struct Options {
   std::string profile;  // Chrome trace of 5 steps, rank 0's; rank r's gets ".rank<r>" (bench/profile_summary.py)
 };
 
-Options parse(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    auto next = [&]() -> int {
-      if (i + 1 >= argc) throw ConfigError(fmt::format("{} needs a value", arg));
-      return std::stoi(argv[++i]);
-    };
-    if (arg == "--tokens") options.tokens = next();
-    else if (arg == "--hidden") options.hidden = next();
-    else if (arg == "--experts") options.experts = next();
-    else if (arg == "--topk") options.topK = next();
-    else if (arg == "--ffn") options.ffn = next();
-    else if (arg == "--iters") options.iterations = next();
-    else if (arg == "--shared-ffn") options.sharedFfn = next();
-    else if (arg == "--shared-in-line") options.sharedInLine = true;
-    else if (arg == "--shared-rounds") options.sharedRounds = next();
-    else if (arg == "--per-slot") options.perSlot = true;
-    else if (arg == "--step-only") options.stepOnly = true;
-    else if (arg == "--memory-steps") options.memorySteps = next();
-    else if (arg == "--profile") {
-      if (i + 1 >= argc) throw ConfigError("--profile needs a file name");
-      options.profile = argv[++i];
-    }
-    else throw ConfigError(fmt::format("unknown argument '{}' (see the header of bench/moe_bench.cc)", arg));
-  }
-  return options;
+void addFlags(CLI::App& app, Options& o) {
+  const CLI::Validator positive = cli::positive();
+  app.add_option("--tokens", o.tokens, "tokens per rank")->check(positive);
+  app.add_option("--hidden", o.hidden, "model width")->check(positive);
+  app.add_option("--experts", o.experts, "experts")->check(positive);
+  app.add_option("--topk", o.topK, "experts per token")->check(positive);
+  app.add_option("--ffn", o.ffn, "expert hidden size")->check(positive);
+  app.add_option("--iters", o.iterations, "timed steps")->check(positive);
+  app.add_option("--shared-ffn", o.sharedFfn, "a shared expert of this hidden size (0: none)")
+      ->check(cli::nonNegative());
+  app.add_flag("--shared-in-line", o.sharedInLine, "run the shared expert on the layer's stream");
+  app.add_option("--shared-rounds", o.sharedRounds, "shared expert beside against in line, alternating rounds")
+      ->check(cli::nonNegative());
+  app.add_flag("--per-slot", o.perSlot, "dispatch once per selected expert, not once per rank");
+  app.add_flag("--step-only", o.stepOnly, "time the step and its memory only");
+  app.add_option("--memory-steps", o.memorySteps, "with --step-only: memory after each of this many more steps")
+      ->check(cli::nonNegative());
+  app.add_option("--profile", o.profile, "Chrome trace of 5 steps (rank r > 0 writes FILE.rank<r>)");
 }
 
 double median(std::vector<double> values) {
@@ -155,8 +147,13 @@ AllocatedMb allocatedMb(int device, bool reset = false) {
 }
 
 int main(int argc, char** argv) {
+  cli::App app("The MoE layer's forward + backward step on GPUs (NCCL, bf16), and its exchanges beside raw NCCL "
+               "moving the same rows (bench/run_moe_bench.sh).",
+               "bulkhead-moe-bench");
+  Options options;
+  addFlags(app, options);
+  if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    Options options = parse(argc, argv);
     auto runtime = init({.backend = Backend::Nccl});
     const int ranks = runtime->world().size(), me = runtime->world().rank();
     auto groups = parallel::ProcessGroups::create(runtime->worldPtr(), parallel::LayoutOptions{.ep = ranks});

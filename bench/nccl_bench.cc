@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "bench/bench_check.h"
 #include "runtime/env.h"
@@ -32,22 +33,9 @@ struct Options {
   std::string out;
 };
 
-Options parse(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--max-bytes" && i + 1 < argc) {
-      std::string v = argv[++i];
-      int64_t scale = v.back() == 'G' ? 1 << 30 : v.back() == 'M' ? 1 << 20 : v.back() == 'K' ? 1 << 10 : 1;
-      options.maxBytes = std::stoll(scale == 1 ? v : v.substr(0, v.size() - 1)) * scale;
-    } else if (arg == "--out" && i + 1 < argc) {
-      options.out = argv[++i];
-    } else {
-      throw ConfigError(fmt::format("unknown argument '{}'; usage: bulkhead-nccl-bench [--max-bytes 1G] [--out F]",
-                                    arg));
-    }
-  }
-  return options;
+void addFlags(CLI::App& app, Options& options) {
+  cli::addBytes(app, "--max-bytes", options.maxBytes, "largest message per rank");
+  app.add_option("--out", options.out, "also write the table to this file");
 }
 
 // Times `iterations` back-to-back launches on `stream` with events; returns
@@ -88,8 +76,12 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cli::App app("The nccl backend against raw NCCL: bandwidth and per-call overhead (bench/run_nccl_bench.sh).",
+               "bulkhead-nccl-bench");
+  Options options;
+  addFlags(app, options);
+  if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    Options options = parse(argc, argv);
     auto runtime = init({.backend = Backend::Nccl});
     Communicator& world = runtime->world();
     Communicator& cpu = runtime->cpuWorld();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "runtime/errors.h"
 
@@ -34,8 +35,12 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cli::App app("The cost of strict mode: the same all-reduces with the cross-rank fingerprint check off and on.",
+               "bulkhead-strict-bench");
+  std::string out;
+  app.add_option("--out", out, "also write the table to this file");
+  if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    std::string out = argc == 3 && std::string(argv[1]) == "--out" ? argv[2] : "";
     auto runtime = init();
     Communicator& world = runtime->world();
     auto& monitor = *runtime->monitor();

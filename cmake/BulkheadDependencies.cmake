@@ -8,6 +8,10 @@ find_package(fmt REQUIRED)
 # libtorch 2.x ships its own fmt headers; the header-only target keeps one fmt
 # in every translation unit, whichever the include path finds first.
 set(BULKHEAD_FMT fmt::fmt-header-only)
+# Command lines (CLI11) and JSON (nlohmann-json): header-only, from the
+# distribution (libcli11-dev, nlohmann-json3-dev).
+find_package(CLI11 CONFIG REQUIRED)
+find_package(nlohmann_json 3.9 CONFIG REQUIRED)
 
 set(BULKHEAD_WITH_NCCL OFF)
 if(NOT BULKHEAD_NCCL STREQUAL "OFF")

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "checkpoint/checkpointer.h"
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "moe/moe_layer.h"
 #include "optim/distributed_optimizer.h"
@@ -30,16 +31,16 @@ checkpoint::StateDict stateOf(const moe::MoELayer& layer, optim::DistributedOpti
 }
 
 int main(int argc, char** argv) {
+  // 0. The command line (CLI11, with Bulkhead's --help, --version and exit codes).
+  cli::App app("Fits a MoE layer to a teacher layer with Bulkhead's API, saves and loads it back.", "custom_trainer");
+  int ep = 2, steps = 60;
+  std::string dir;  // default: a folder of this run's own, under /tmp
+  app.add_option("--ep", ep, "expert-parallel size")->check(cli::positive());
+  app.add_option("--steps", steps, "training steps")->check(cli::positive());
+  app.add_option("--ckpt-dir", dir, "checkpoint folder (default: one of its own under /tmp)");
+  if (auto code = cli::parse(app, argc, argv)) return *code;
+
   return guardedMain([&] {
-    int ep = 2, steps = 60;
-    std::string dir;  // default: a folder of this run's own, under /tmp
-    for (int i = 1; i + 1 < argc; i += 2) {
-      const std::string flag = argv[i], value = argv[i + 1];
-      if (flag == "--ep") ep = std::stoi(value);
-      else if (flag == "--steps") steps = std::stoi(value);
-      else if (flag == "--ckpt-dir") dir = value;
-      else throw ConfigError("usage: custom_trainer [--ep N] [--steps N] [--ckpt-dir DIR]");
-    }
 
     // 1. The runtime (MPI or NCCL, chosen from the machine) and every group,
     //    built and warmed now rather than at the first collective.

@@ -83,8 +83,12 @@ struct Reporter {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cli::App app("Trains a MoE transformer language model on generated text, with checkpoints and resume.",
+               "train_moe");
+  TrainOptions options;
+  examples::addTrainFlags(app, options);
+  if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    TrainOptions options = examples::parseTrainOptions(argc, argv);
     auto runtime = init({.backend = options.backend});
     auto groups = parallel::ProcessGroups::create(
         runtime->worldPtr(), parallel::LayoutOptions{.tp = options.tp, .ep = options.ep, .etp = options.tp},

@@ -6,85 +6,67 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <functional>
 #include <map>
 
-#include "runtime/errors.h"
 
 namespace bulkhead::examples {
 namespace {
 
-constexpr const char* kUsage = R"(usage: train_moe [flags]
-  layout:      --tp N --ep N --backend auto|mpi|nccl
-  model:       --layers N --hidden N --heads N --ffn N --experts N --topk N --shared-ffn N
-               --aux-coeff X --z-coeff X --capacity X --per-slot --dtype float32|float64|bfloat16 --seed N
-  data:        --seq N --batch N (global sequences per step)
-  training:    --steps N --stop-after N --lr X --warmup N --clip X --log-interval N
-  checkpoints: --ckpt-dir DIR --ckpt-interval N --keep N --resume latest|STEP
-  tests:       --loss-log FILE --digest)";
-
-at::ScalarType parseDtype(const std::string& name) {
-  if (name == "float32") return at::kFloat;
-  if (name == "float64") return at::kDouble;
-  if (name == "bfloat16") return at::kBFloat16;
-  throw ConfigError(fmt::format("unknown --dtype '{}'\n{}", name, kUsage), {.expected = "float32|float64|bfloat16"});
-}
+const std::map<std::string, at::ScalarType> kDtypes{
+    {"float32", at::kFloat}, {"float64", at::kDouble}, {"bfloat16", at::kBFloat16}};
 
 }  // namespace
 
-TrainOptions parseTrainOptions(int argc, char** argv) {
-  TrainOptions o;
+void addTrainFlags(CLI::App& app, TrainOptions& o) {
   auto& m = o.model;
-  std::map<std::string, std::function<void(const std::string&)>> flags{
-      {"--backend", [&](const std::string& v) { o.backend = parseBackend(v); }},
-      {"--tp", [&](const std::string& v) { o.tp = std::stoi(v); }},
-      {"--ep", [&](const std::string& v) { o.ep = std::stoi(v); }},
-      {"--layers", [&](const std::string& v) { m.layers = std::stoi(v); }},
-      {"--hidden", [&](const std::string& v) { m.hidden = std::stoi(v); }},
-      {"--heads", [&](const std::string& v) { m.heads = std::stoi(v); }},
-      {"--ffn", [&](const std::string& v) { m.ffn = std::stoi(v); }},
-      {"--experts", [&](const std::string& v) { m.experts = std::stoi(v); }},
-      {"--topk", [&](const std::string& v) { m.topK = std::stoi(v); }},
-      {"--shared-ffn", [&](const std::string& v) { m.sharedFfn = std::stoi(v); }},
-      {"--aux-coeff", [&](const std::string& v) { m.auxLossCoeff = std::stod(v); }},
-      {"--z-coeff", [&](const std::string& v) { m.zLossCoeff = std::stod(v); }},
-      {"--capacity", [&](const std::string& v) { m.capacityFactor = std::stod(v); }},
-      {"--dtype", [&](const std::string& v) { m.dtype = parseDtype(v); }},
-      {"--seed", [&](const std::string& v) { m.seed = std::stoull(v); }},
-      {"--seq", [&](const std::string& v) { o.sequence = std::stoi(v); }},
-      {"--batch", [&](const std::string& v) { o.globalBatch = std::stoi(v); }},
-      {"--steps", [&](const std::string& v) { o.steps = std::stoll(v); }},
-      {"--stop-after", [&](const std::string& v) { o.stopAfter = std::stoll(v); }},
-      {"--lr", [&](const std::string& v) { o.lr = std::stod(v); }},
-      {"--warmup", [&](const std::string& v) { o.warmup = std::stoll(v); }},
-      {"--clip", [&](const std::string& v) { o.clip = std::stod(v); }},
-      {"--log-interval", [&](const std::string& v) { o.logInterval = std::max(1, std::stoi(v)); }},
-      {"--ckpt-dir", [&](const std::string& v) { o.checkpointDir = v; }},
-      {"--ckpt-interval", [&](const std::string& v) { o.checkpointInterval = std::stoll(v); }},
-      {"--keep", [&](const std::string& v) { o.keep = std::stoi(v); }},
-      {"--resume", [&](const std::string& v) { o.resume = v; }},
-      {"--loss-log", [&](const std::string& v) { o.lossLog = v; }},
-  };
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--per-slot") {
-      m.oncePerRank = false;
-    } else if (flag == "--digest") {
-      o.printDigest = true;
-    } else if (flag == "--help" || flag == "-h") {
-      throw ConfigError(kUsage, {.expected = "flags as listed"});
-    } else if (auto it = flags.find(flag); it != flags.end() && i + 1 < argc) {
-      const std::string value = argv[++i];
-      try {
-        it->second(value);
-      } catch (const std::logic_error&) {  // std::stoi and friends
-        throw ConfigError(fmt::format("{} {}: not a valid value\n{}", flag, value, kUsage), {.expected = flag});
-      }
-    } else {
-      throw ConfigError(fmt::format("unknown flag or missing value: '{}'\n{}", flag, kUsage), {.expected = "a flag"});
-    }
-  }
-  return o;
+  const CLI::Validator positive = cli::positive();
+  const CLI::Validator count = cli::nonNegative();
+  // Layout.
+  app.add_option("--tp", o.tp, "tensor-parallel size (expert-tp too)")->check(positive)->group("Layout");
+  app.add_option("--ep", o.ep, "expert-parallel size")->check(positive)->group("Layout");
+  cli::addBackend(app, o.backend)->group("Layout");
+  // Model.
+  app.add_option("--layers", m.layers, "transformer layers")->check(positive)->group("Model");
+  app.add_option("--hidden", m.hidden, "model width")->check(positive)->group("Model");
+  app.add_option("--heads", m.heads, "attention heads")->check(positive)->group("Model");
+  app.add_option("--ffn", m.ffn, "each expert's hidden size")->check(positive)->group("Model");
+  app.add_option("--experts", m.experts, "experts per MoE layer")->check(positive)->group("Model");
+  app.add_option("--topk", m.topK, "experts each token goes to")->check(positive)->group("Model");
+  app.add_option("--shared-ffn", m.sharedFfn, "a shared expert of this hidden size (0: none)")
+      ->check(cli::nonNegative())->group("Model");
+  app.add_option("--aux-coeff", m.auxLossCoeff, "load-balancing loss coefficient")
+      ->check(cli::nonNegative())->group("Model");
+  app.add_option("--z-coeff", m.zLossCoeff, "router z-loss coefficient")->check(cli::nonNegative())->group("Model");
+  app.add_option("--capacity", m.capacityFactor, "expert capacity factor (0: dropless)")
+      ->check(cli::nonNegative())->group("Model");
+  app.add_flag_callback("--per-slot", [&m] { m.oncePerRank = false; },
+                        "dispatch once per selected expert, not once per destination rank")->group("Model");
+  app.add_option_function<std::string>("--dtype", [&m](const std::string& name) { m.dtype = kDtypes.at(name); },
+                                       "parameter and activation dtype")
+      ->check(CLI::IsMember({"float32", "float64", "bfloat16"}))->default_str("float32")->group("Model");
+  app.add_option("--seed", m.seed, "seed of the weights and the data")->group("Model");
+  // Data and training.
+  app.add_option("--seq", o.sequence, "sequence length")->check(positive)->group("Training");
+  app.add_option("--batch", o.globalBatch, "sequences per step over all data-parallel ranks")
+      ->check(positive)->group("Training");
+  app.add_option("--steps", o.steps, "length of the schedule")->check(positive)->group("Training");
+  app.add_option("--stop-after", o.stopAfter, "stop (and save) after this step, as a job time limit would; 0: never")
+      ->check(count)->group("Training");
+  app.add_option("--lr", o.lr, "peak learning rate")->check(cli::positive())->group("Training");
+  app.add_option("--warmup", o.warmup, "warm-up steps")->check(count)->group("Training");
+  app.add_option("--clip", o.clip, "global gradient-norm clip (0: none)")->check(cli::nonNegative())
+      ->group("Training");
+  app.add_option("--log-interval", o.logInterval, "steps between log lines")->check(positive)->group("Training");
+  // Checkpoints.
+  app.add_option("--ckpt-dir", o.checkpointDir, "checkpoint folder (empty: no checkpoints)")->group("Checkpoints");
+  app.add_option("--ckpt-interval", o.checkpointInterval, "steps between saves (0: only at the end)")
+      ->check(count)->group("Checkpoints");
+  app.add_option("--keep", o.keep, "committed checkpoints kept (0: all)")->check(cli::nonNegative())->group("Checkpoints");
+  app.add_option("--resume", o.resume, "latest or a step number")->group("Checkpoints");
+  // Tests.
+  app.add_option("--loss-log", o.lossLog, "rank 0 appends 'step loss grad_norm' per step to this file")
+      ->group("Tests");
+  app.add_flag("--digest", o.printDigest, "print a digest of every rank's parameters at the end")->group("Tests");
 }
 
 std::string parameterDigest(const std::vector<parallel::Parameter>& parameters, Communicator& cpuWorld) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "examples/train_moe/model.h"
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "parallel/parameter.h"
 #include "runtime/communicator.h"
@@ -32,8 +33,8 @@ struct TrainOptions {
   bool printDigest = false;
 };
 
-// ConfigError for an unknown flag or a bad value, with the usage text.
-TrainOptions parseTrainOptions(int argc, char** argv);
+// train_moe's flags, writing into `options` (parse with cli::parse).
+void addTrainFlags(CLI::App& app, TrainOptions& options);
 
 // "parameter digest: <hex per rank>": an FNV-1a hash of every local parameter's
 // bytes, in name order, gathered over `cpuWorld` (collective).

@@ -8,10 +8,13 @@
 //
 // Exit codes: 0 fine; 1 verify found a fault (each is printed); otherwise the
 // error's code (2 usage, 6 I/O, 7 checkpoint: missing or unreadable).
+// --help lists the flags of each subcommand (bulkhead-ckpt verify --help).
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
+
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +26,7 @@
 #include "checkpoint/inspect.h"
 #include "checkpoint/state_dict.h"
 #include "checkpoint/dtype.h"
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
@@ -32,9 +36,7 @@ using namespace bulkhead::checkpoint;
 
 namespace {
 
-constexpr const char* kUsage =
-    "usage: bulkhead-ckpt list DIR | inspect DIR [--step N|latest] [--slices] [--json] | "
-    "verify DIR [--step N|latest|all] [--threads N]";
+using Json = nlohmann::ordered_json;
 
 std::string bytesText(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -50,16 +52,6 @@ std::string ageText(double seconds) {
   if (seconds < 120) return fmt::format("{:.0f} s", seconds);
   if (seconds < 7200) return fmt::format("{:.0f} min", seconds / 60);
   return fmt::format("{:.1f} h", seconds / 3600);
-}
-
-std::string json(const std::string& text) {
-  std::string out = "\"";
-  for (unsigned char c : text) {
-    if (c == '"' || c == '\\') out += '\\', out += static_cast<char>(c);
-    else if (c < 0x20) out += fmt::format("\\u{:04x}", c);
-    else out += static_cast<char>(c);
-  }
-  return out + "\"";
 }
 
 // A progress bar on stderr when it is a terminal, at most ten updates a second.
@@ -108,29 +100,25 @@ int inspect(const std::string& dir, const std::string& which, bool slices, bool 
   const auto& byTensor = manifest.slicesByTensor();
   auto tensorBytes = [&](size_t t) { return volume(manifest.tensors[t].globalShape) * dtypeSize(manifest.tensors[t].dtype); };
   if (asJson) {
-    std::string out = fmt::format("{{\"step\": {}, \"path\": {}, \"job\": {}, \"world_size\": {}, \"created\": {:.3f}, "
-                                  "\"layout\": {}, \"bytes\": {}, \"files\": [",
-                                  manifest.step, json(folder), json(manifest.job), manifest.worldSize, manifest.created,
-                                  manifest.layout ? json(manifest.layout->text()) : "null", manifest.totalBytes());
-    for (size_t i = 0; i < manifest.files.size(); ++i)
-      out += fmt::format("{}{{\"rank\": {}, \"name\": {}, \"bytes\": {}}}", i ? ", " : "", manifest.files[i].rank,
-                         json(manifest.files[i].name), manifest.files[i].bytes);
-    out += "], \"tensors\": [";
+    Json out{{"step", manifest.step}, {"path", folder}, {"job", manifest.job}, {"world_size", manifest.worldSize},
+             {"created", manifest.created}, {"layout", manifest.layout ? Json(manifest.layout->text()) : Json()},
+             {"bytes", manifest.totalBytes()}, {"files", Json::array()}, {"tensors", Json::array()}};
+    for (const auto& file : manifest.files)
+      out["files"].push_back({{"rank", file.rank}, {"name", file.name}, {"bytes", file.bytes}});
     for (size_t t = 0; t < manifest.tensors.size(); ++t) {
       const auto& tensor = manifest.tensors[t];
-      out += fmt::format("{}{{\"key\": {}, \"dtype\": {}, \"shape\": [{}], \"bytes\": {}, \"internal\": {}, \"slices\": [",
-                         t ? ", " : "", json(tensor.key), json(checkpoint::dtypeName(tensor.dtype)),
-                         fmt::join(tensor.globalShape, ", "), tensorBytes(t), isReservedKey(tensor.key) ? "true" : "false");
-      for (size_t i = 0; i < byTensor[t].size(); ++i) {
-        const auto& slice = manifest.slices[byTensor[t][i]];
-        out += fmt::format("{}{{\"rank\": {}, \"offsets\": [{}], \"shape\": [{}], \"dataset\": {}, \"digest\": \"{:016x}\"}}",
-                           i ? ", " : "", slice.rank, fmt::join(slice.offsets, ", "), fmt::join(slice.shape, ", "),
-                           json(slice.dataset), slice.digest);
+      Json sliceList = Json::array();
+      for (int s : byTensor[t]) {
+        const auto& slice = manifest.slices[s];
+        sliceList.push_back({{"rank", slice.rank}, {"offsets", slice.offsets}, {"shape", slice.shape},
+                             {"dataset", slice.dataset}, {"digest", fmt::format("{:016x}", slice.digest)}});
       }
-      out += "]}";
+      out["tensors"].push_back({{"key", tensor.key}, {"dtype", checkpoint::dtypeName(tensor.dtype)},
+                                {"shape", tensor.globalShape}, {"bytes", tensorBytes(t)},
+                                {"internal", isReservedKey(tensor.key)}, {"slices", std::move(sliceList)}});
     }
-    out += "]}\n";
-    fmt::print("{}", out);
+    // Keys are the writer's bytes: invalid UTF-8 is replaced rather than refused.
+    fmt::print("{}\n", out.dump(2, ' ', false, Json::error_handler_t::replace));
     return 0;
   }
   std::time_t created = static_cast<std::time_t>(manifest.created);
@@ -193,22 +181,28 @@ int verify(const std::string& dir, const std::string& which, int threads) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cli::App app("Lists, inspects and verifies the checkpoints in a folder, without a job.", "bulkhead-ckpt");
+  app.require_subcommand(1);
+  std::string dir, step = "latest";
+  bool slices = false, asJson = false;
+  int threads = static_cast<int>(std::max<int64_t>(1, env::kCheckpointThreads.integer()));
+
+  auto* list = app.add_subcommand("list", "committed steps, latest, partial and superseded folders, sizes, ages");
+  list->add_option("DIR", dir, "the checkpoint folder")->required();
+  auto* inspect = app.add_subcommand("inspect", "a checkpoint's step, layout, tensors, slices and sizes");
+  inspect->add_option("DIR", dir, "the checkpoint folder")->required();
+  inspect->add_option("--step", step, "a step number or latest");
+  inspect->add_flag("--slices", slices, "list every saved slice of each tensor");
+  inspect->add_flag("--json", asJson, "print the manifest as JSON");
+  auto* verify = app.add_subcommand("verify", "reads everything: every checksum, digest, file and the coverage");
+  verify->add_option("DIR", dir, "the checkpoint folder")->required();
+  verify->add_option("--step", step, "a step number, latest or all");
+  verify->add_option("--threads", threads, "reader threads")->check(CLI::Range(1, 1024));
+  if (auto code = cli::parse(app, argc, argv)) return *code;
+
   return guardedMain([&] {
-    std::vector<std::string> args(argv + 1, argv + argc);
-    if (args.size() < 2) throw ConfigError(kUsage);
-    std::string command = args[0], dir = args[1], step = "latest";
-    bool slices = false, asJson = false;
-    int threads = static_cast<int>(std::max<int64_t>(1, env::kCheckpointThreads.integer()));
-    for (size_t i = 2; i < args.size(); ++i) {
-      if (args[i] == "--slices") slices = true;
-      else if (args[i] == "--json") asJson = true;
-      else if (args[i] == "--step" && i + 1 < args.size()) step = args[++i];
-      else if (args[i] == "--threads" && i + 1 < args.size()) threads = std::max(1, std::atoi(args[++i].c_str()));
-      else throw ConfigError(fmt::format("unknown argument '{}'; {}", args[i], kUsage));
-    }
-    if (command == "list") return list(dir);
-    if (command == "inspect") return inspect(dir, step, slices, asJson);
-    if (command == "verify") return verify(dir, step, threads);
-    throw ConfigError(fmt::format("unknown command '{}'; {}", command, kUsage));
+    if (list->parsed()) return ::list(dir);
+    if (inspect->parsed()) return ::inspect(dir, step, slices, asJson);
+    return ::verify(dir, step, threads);
   });
 }

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "runtime/errors.h"
 
@@ -26,37 +27,18 @@ struct Options {
   std::vector<int64_t> bytes = {4 << 10, 256 << 10, 4 << 20};
 };
 
-int64_t parseSize(const std::string& text) {
-  char* end = nullptr;
-  double value = std::strtod(text.c_str(), &end);
-  std::string unit(end);
-  int64_t scale = unit.empty() ? 1 : unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : -1;
-  if (end == text.c_str() || scale < 0 || value < 0)
-    throw ConfigError(fmt::format("--sizes: '{}' is not a size like 4K, 1M or 1G", text));
-  return static_cast<int64_t>(value * scale);
-}
-
-Options parse(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--iters" && i + 1 < argc) {
-      options.iterations = std::max(1, std::atoi(argv[++i]));
-    } else if (arg == "--sizes" && i + 1 < argc) {
-      options.bytes.clear();
-      std::string list = argv[++i];
-      for (size_t start = 0; start <= list.size();) {
-        size_t comma = list.find(',', start);
-        if (comma == std::string::npos) comma = list.size();
-        options.bytes.push_back(parseSize(list.substr(start, comma - start)));
-        start = comma + 1;
-      }
-    } else {
-      throw ConfigError(fmt::format("unknown argument '{}'; usage: bulkhead-collectives [--iters N] [--sizes 4K,1M]",
-                                    arg));
-    }
-  }
-  return options;
+void addFlags(CLI::App& app, Options& options) {
+  app.add_option("--iters", options.iterations, "timed iterations of each operation")->check(cli::positive());
+  app.add_option_function<std::vector<std::string>>(
+         "--sizes",
+         [&options](const std::vector<std::string>& sizes) {
+           options.bytes.clear();
+           for (const auto& size : sizes) options.bytes.push_back(cli::parseBytes("--sizes", size, 0));
+         },
+         "bytes per rank of each operation, comma-separated (0 allowed)")
+      ->delimiter(',')
+      ->type_name("SIZE,...")
+      ->default_str("4K,256K,4M");
 }
 
 // Rank r's input for one test: small integers, so sums are exact in fp32.
@@ -177,8 +159,13 @@ Row measure(Communicator& world, const Case& c, int64_t bytes, int iterations) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cli::App app("Runs every collective on seeded data over the world (mpi backend), checks each result against a "
+               "reference and prints what it took.",
+               "bulkhead-collectives");
+  Options options;
+  addFlags(app, options);
+  if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    Options options = parse(argc, argv);
     auto runtime = init({.backend = Backend::Mpi});
     Communicator& world = runtime->world();
     std::vector<Row> rows;

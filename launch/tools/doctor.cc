@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "launch/cli.h"
 #include "launch/init.h"
 #include "parallel/process_groups.h"
 #include "runtime/errors.h"
@@ -35,10 +36,6 @@ constexpr double kSlowFraction = 0.25;
 // Groups listed per kind; the rest are summarised in one line.
 constexpr size_t kRowsPerKind = 16;
 
-constexpr const char* kUsage =
-    "usage: bulkhead-doctor [--tp N] [--cp N] [--pp N] [--ep N] [--etp N] [--instances N] [--order tp-cp-ep-dp-pp] "
-    "[--backend auto|mpi|nccl] [--bytes 4M] [--iters N] [--deadline SECONDS]";
-
 struct Options {
   LayoutOptions layout;
   Backend backend = Backend::Auto;
@@ -47,49 +44,13 @@ struct Options {
   double deadlineSeconds = 30;
 };
 
-int64_t parseSize(const std::string& text) {
-  char* end = nullptr;
-  double value = std::strtod(text.c_str(), &end);
-  std::string unit(end);
-  int64_t scale = unit.empty() ? 1 : unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : -1;
-  if (end == text.c_str() || scale < 0 || value <= 0)
-    throw ConfigError(fmt::format("--bytes: '{}' is not a size like 64K, 4M or 1G", text));
-  return static_cast<int64_t>(value * scale);
-}
-
-int parsePositive(const std::string& flag, const std::string& text) {
-  char* end = nullptr;
-  long value = std::strtol(text.c_str(), &end, 10);
-  if (end == text.c_str() || *end != '\0' || value < 1 || value > 1 << 20)
-    throw ConfigError(fmt::format("{}: '{}' is not a positive integer; {}", flag, text, kUsage));
-  return static_cast<int>(value);
-}
-
-Options parse(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (i + 1 >= argc) throw ConfigError(fmt::format("'{}' needs a value; {}", flag, kUsage));
-    std::string value = argv[++i];
-    if (flag == "--tp") options.layout.tp = parsePositive(flag, value);
-    else if (flag == "--cp") options.layout.cp = parsePositive(flag, value);
-    else if (flag == "--pp") options.layout.pp = parsePositive(flag, value);
-    else if (flag == "--ep") options.layout.ep = parsePositive(flag, value);
-    else if (flag == "--etp") options.layout.etp = parsePositive(flag, value);
-    else if (flag == "--instances") options.layout.optimizerInstances = parsePositive(flag, value);
-    else if (flag == "--order") options.layout.order = value;
-    else if (flag == "--backend") options.backend = parseBackend(value);
-    else if (flag == "--bytes") options.bytes = parseSize(value);
-    else if (flag == "--iters") options.iterations = parsePositive(flag, value);
-    else if (flag == "--deadline") {
-      options.deadlineSeconds = std::strtod(value.c_str(), nullptr);
-      if (!(options.deadlineSeconds > 0))
-        throw ConfigError(fmt::format("--deadline: '{}' is not a positive number of seconds", value));
-    } else {
-      throw ConfigError(fmt::format("unknown argument '{}'; {}", flag, kUsage));
-    }
-  }
-  return options;
+void addFlags(CLI::App& app, Options& options) {
+  cli::addLayout(app, options.layout);
+  cli::addBackend(app, options.backend);
+  cli::addBytes(app, "--bytes", options.bytes, "bytes per rank of each group's timed check");
+  app.add_option("--iters", options.iterations, "timed iterations per group")->check(cli::positive());
+  app.add_option("--deadline", options.deadlineSeconds, "seconds for init, building the groups and each check")
+      ->check(cli::positive());
 }
 
 // World rank r's input for the check of one kind: small integers, so sums are
@@ -164,8 +125,13 @@ double median(std::vector<double> values) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cli::App app("Builds every process group of a layout and checks each: a result against a reference, and its "
+               "bandwidth. Run it with the job's launcher and rank count.",
+               "bulkhead-doctor");
+  Options options;
+  addFlags(app, options);
+  if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    Options options = parse(argc, argv);
     auto runtime = init({.backend = options.backend, .deadline = Deadline::afterSeconds(options.deadlineSeconds)});
     Communicator& world = runtime->world();
     Communicator& cpuWorld = runtime->cpuWorld();
