@@ -3,25 +3,33 @@
 #   ./dev.sh run     install what is missing, build, run the main job on 4 ranks
 #   ./dev.sh test    install what is missing, build, run the whole test suite
 #   ./dev.sh build   install what is missing and build
+#   ./dev.sh configure   install what is missing and run CMake's configure step
 # BULKHEAD_BUILD_DIR picks the build folder (default: build).
 set -euo pipefail
 cd "$(dirname "$0")"
+. cmake/torch-prefix.sh
 build_dir=${BULKHEAD_BUILD_DIR:-build}
 # Open MPI refuses root without these (containers and CI run as root).
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 
-build() {
+configure() {
   ./install-deps.sh
   local generator=() prefix
   command -v ninja >/dev/null && generator=(-G Ninja)
-  # A PyTorch install (with CUDA on GPU machines) provides libtorch's CMake files.
-  prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
+  # A Python PyTorch with libtorch's CMake files (with CUDA on GPU machines),
+  # else the distribution's libtorch-dev.
+  prefix=$(torch_cmake_prefix)
   cmake -S . -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"}
+}
+
+build() {
+  configure
   cmake --build "$build_dir" -j "$(nproc)"
 }
 
 case "${1:-}" in
   build) build ;;
+  configure) configure ;;
   run)
     build
     # The main job: a MoE transformer on 4 ranks (ep 2 x expert-dp 2), checkpointed
@@ -37,7 +45,7 @@ case "${1:-}" in
     ctest --test-dir "$build_dir" --output-on-failure
     ;;
   *)
-    echo "usage: $0 run|test|build" >&2
+    echo "usage: $0 run|test|build|configure" >&2
     exit 2
     ;;
 esac

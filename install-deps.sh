@@ -3,11 +3,19 @@
 # (Debian 12, Ubuntu 22.04 and 24.04). As root it runs apt-get; otherwise it
 # prints the exact command to run and exits 1. Nothing is downloaded at build
 # time: this script is the whole list.
+#
+#   ./install-deps.sh           install what is missing (as root), or print the command
+#   ./install-deps.sh --print   print the packages this machine needs, one a line, and exit
 set -euo pipefail
+cd "$(dirname "$0")"
+. cmake/torch-prefix.sh
 
-missing=()
-need_command() { command -v "$1" >/dev/null 2>&1 || missing+=("$2"); }
-need_package() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed" || missing+=("$1"); }
+missing=() needed=()
+need_command() { needed+=("$2"); command -v "$1" >/dev/null 2>&1 || missing+=("$2"); }
+need_package() {
+  needed+=("$1")
+  dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed" || missing+=("$1")
+}
 
 need_command g++ g++
 need_command make make
@@ -19,9 +27,16 @@ need_package openmpi-bin
 need_package libhdf5-dev
 need_package libfmt-dev
 need_package catch2
-# libtorch: the distribution's libtorch-dev (CPU), unless a PyTorch with its
-# CMake files is installed (as on the GPU machine, whose libtorch has CUDA).
-if ! python3 -c 'import torch' >/dev/null 2>&1; then need_package libtorch-dev; fi
+need_package libcli11-dev        # command lines
+need_package nlohmann-json3-dev  # JSON output
+# libtorch: the distribution's libtorch-dev (CPU), unless a Python PyTorch that
+# ships libtorch's CMake files is installed (as on GPU machines, with CUDA).
+if [ -z "$(torch_cmake_prefix)" ]; then need_package libtorch-dev; fi
+
+if [ "${1:-}" = "--print" ]; then
+  printf '%s\n' "${needed[@]}"
+  exit 0
+fi
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all build dependencies are installed"
