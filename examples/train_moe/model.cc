@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "runtime/errors.h"
@@ -21,12 +22,22 @@ at::Tensor positions(int64_t sequence, int64_t hidden, const at::TensorOptions& 
   return table.to(options.dtype());
 }
 
+// The tied embedding's init std. Inputs are the token embedding scaled up by
+// sqrt(hidden), so the residual stream starts as the token's own embedding,
+// and the output layer is the same matrix: a token's logit for itself starts
+// near |e|^2 / rms(e) = std * hidden. 0.02 (GPT-2's) keeps that at 1.28 up to
+// a width of 64; wider, the std shrinks as 1 / hidden (as muP scales the
+// output layer with the width), so the first loss stays near ln(vocab) at any
+// width instead of growing with it (19.5 at 1,024 with 0.02).
+double embeddingStd(int hidden) { return 0.02 * std::min(1.0, 64.0 / hidden); }
+
 }  // namespace
 
 MoETransformer::MoETransformer(const ModelConfig& config, const parallel::ProcessGroups& groups)
     : config_(config),
       tp_(parallel::TpGroup::dense(groups)),
-      embedding_("embed", config.vocab, config.hidden, tp_, {.initStd = 0.02, .seed = config.seed, .dtype = config.dtype}) {
+      embedding_("embed", config.vocab, config.hidden, tp_,
+                 {.initStd = embeddingStd(config.hidden), .seed = config.seed, .dtype = config.dtype}) {
   if (config.heads % tp_.size() != 0 || config.hidden % config.heads != 0) {
     throw ConfigError(fmt::format("model: {} heads of hidden size {} do not split over tp {}", config.heads,
                                   config.hidden, tp_.size()),

@@ -7,7 +7,9 @@
 #            tp (expert-tp slices the experts' w13 and w2 along F) matches
 #            within 1e-9 relative (float64)
 #   layouts  (ep1,dp1) (ep2,dp2) (ep4) (tp2,ep2): the same 20-step loss curve
-# usage: train_test.sh falls|resume|layouts <train_moe> <mpirun>
+#   width    the first loss is within 10% of ln(256) (a uniform guess over bytes)
+#            at widths 64, 256 and 1024 (16 experts, top-2, float32)
+# usage: train_test.sh falls|resume|layouts|width <train_moe> <mpirun>
 set -euo pipefail
 mode=$1 train=$2 mpirun=$3
 work=$(mktemp -d)
@@ -42,6 +44,18 @@ small=(--layers 2 --hidden 32 --heads 4 --ffn 48 --experts 8 --topk 2 --shared-f
        --warmup 4)
 
 case "$mode" in
+  width)
+    for hidden in 64 256 1024; do
+      run 4 "$work/width$hidden.txt" --ep 2 --hidden "$hidden" --heads 8 --experts 16 --topk 2 --steps 100 \
+        --stop-after 2 --seq 32 --batch 8
+      python3 - "$work/width$hidden.txt" "$hidden" <<'PY'
+import math, sys
+first = float(open(sys.argv[1]).readline().split()[1])
+print(f"hidden {sys.argv[2]}: first loss {first:.4f}, ln(256) = {math.log(256):.4f}")
+assert abs(first - math.log(256)) <= 0.1 * math.log(256), "the first loss is not within 10% of ln(256)"
+PY
+    done
+    ;;
   falls)
     run 4 "$work/loss.txt" --ep 2 --steps 200 --stop-after 120
     python3 - "$work/loss.txt" <<'PY'
