@@ -1,0 +1,212 @@
+#include "parallel/pipeline.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <map>
+#include <tuple>
+
+#include "runtime/errors.h"
+
+namespace bulkhead::parallel {
+namespace {
+
+constexpr int64_t kMagic = 0x42484b5049504531;  // "BHKPIPE1"
+constexpr int kHeaderWords = 16, kMaxDims = kHeaderWords - 7;
+
+enum Direction : int64_t { Forward = 0, Backward = 1 };
+const char* describe(Direction d) { return d == Forward ? "forward activations" : "backward gradients"; }
+
+// What travels ahead of each tensor.
+struct Header {
+  Direction direction = Forward;
+  int64_t fromStage = 0, toChunk = 0, microBatch = 0;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+};
+
+// Messages of one step: which tensor a receiving chunk waits for.
+using Key = std::tuple<int64_t, int64_t, int64_t>;  // direction, receiving chunk, micro-batch
+
+std::string shapeText(at::ScalarType dtype, const std::vector<int64_t>& shape) {
+  return fmt::format("{} [{}]", c10::toString(dtype), fmt::join(shape, ", "));
+}
+
+// The pp group's traffic seen from one rank: sends keep their tensors until
+// the end of the run; receives read a peer's messages in order into a mailbox.
+class Channel {
+ public:
+  Channel(Communicator& pp, const PipelineOptions& options) : pp_(pp), options_(options) {}
+
+  void send(int peer, const Header& header, at::Tensor tensor) {
+    if (peer == pp_.rank()) {  // pp = 1: chunk to chunk on this rank
+      mailbox_[{header.direction, header.toChunk, header.microBatch}] = std::move(tensor);
+      return;
+    }
+    tensor = tensor.contiguous();
+    if (static_cast<int>(tensor.dim()) > kMaxDims)
+      throw ConfigError(fmt::format("pipeline: a {}-dimensional activation is more than the {} dimensions a message "
+                                    "carries",
+                                    tensor.dim(), kMaxDims),
+                        {.rank = pp_.rank(), .group = pp_.name()});
+    std::vector<int64_t> words(kHeaderWords, 0);
+    words[0] = kMagic;
+    words[1] = header.direction;
+    words[2] = header.fromStage;
+    words[3] = header.toChunk;
+    words[4] = header.microBatch;
+    words[5] = static_cast<int64_t>(tensor.scalar_type());
+    words[6] = tensor.dim();
+    for (int64_t d = 0; d < tensor.dim(); ++d) words[7 + d] = tensor.size(d);
+    at::Tensor head = at::tensor(words, at::kLong).to(pp_.device());
+    pending_.push_back({pp_.send(head, peer, {.deadline = options_.deadline}), head});
+    pending_.push_back({pp_.send(tensor, peer, {.deadline = options_.deadline}), tensor});
+  }
+
+  // The tensor of `key` from `peer`, reading the peer's messages until it comes.
+  at::Tensor take(int peer, const Key& key, int myStage, int fromStage) {
+    for (;;) {
+      if (auto it = mailbox_.find(key); it != mailbox_.end()) {
+        at::Tensor tensor = std::move(it->second);
+        mailbox_.erase(it);
+        return tensor;
+      }
+      receiveNext(peer, key, myStage, fromStage);
+    }
+  }
+
+  // Waits for every send of this run.
+  void finish() {
+    for (auto& [work, tensor] : pending_) work->wait(options_.deadline);
+    pending_.clear();
+  }
+
+ private:
+  void receiveNext(int peer, const Key& key, int myStage, int fromStage) {
+    auto [direction, chunk, microBatch] = key;
+    auto expecting = [&] {
+      return fmt::format("pipeline stage {} (rank {} of {}) waited for micro-batch {}'s {} from stage {}", myStage,
+                         pp_.rank(), pp_.name(), microBatch, describe(static_cast<Direction>(direction)), fromStage);
+    };
+    auto received = [&](const at::Tensor& tensor) {
+      try {
+        pp_.recv(tensor, peer, {.deadline = options_.deadline})->wait(options_.deadline);
+      } catch (const TimeoutError& e) {
+        const std::string last = lastFrom_.count(peer) ? lastFrom_[peer] : "none";
+        throw TimeoutError(fmt::format("{}: stage {} never sent it (its last message to stage {}: {}). {}", expecting(),
+                                       fromStage, myStage, last, e.message()),
+                           {.rank = pp_.rank(), .group = pp_.name(),
+                            .expected = fmt::format("micro-batch {} from stage {}", microBatch, fromStage)},
+                           e.sequence(), e.diagnosis());
+      }
+    };
+    at::Tensor head = at::empty({kHeaderWords}, at::TensorOptions(at::kLong).device(pp_.device()));
+    received(head);
+    head = head.cpu();
+    const int64_t* w = head.data_ptr<int64_t>();
+    if (w[0] != kMagic || w[6] < 0 || w[6] > kMaxDims || (w[1] != Forward && w[1] != Backward))
+      throw DesyncError(fmt::format("{}, but rank {} sent something that is not a pipeline message (another "
+                                    "operation on this group at the same time?)",
+                                    expecting(), peer),
+                        {.rank = pp_.rank(), .group = pp_.name()});
+    Header h{.direction = static_cast<Direction>(w[1]), .fromStage = w[2], .toChunk = w[3], .microBatch = w[4],
+             .dtype = static_cast<at::ScalarType>(w[5]), .shape = std::vector<int64_t>(w + 7, w + 7 + w[6])};
+    if (h.direction == Forward) checkActivation(h, myStage);
+    at::Tensor tensor = at::empty(h.shape, at::TensorOptions(h.dtype).device(pp_.device()));
+    received(tensor);
+    lastFrom_[peer] = fmt::format("micro-batch {}'s {}", h.microBatch, describe(h.direction));
+    mailbox_[{h.direction, h.toChunk, h.microBatch}] = std::move(tensor);
+  }
+
+  void checkActivation(const Header& h, int myStage) {
+    const bool dtypeOk = !options_.activationDtype || *options_.activationDtype == h.dtype;
+    const bool shapeOk = !options_.activationShape || options_.activationShape(static_cast<int>(h.microBatch)) == h.shape;
+    if (dtypeOk && shapeOk) return;
+    const auto dtype = options_.activationDtype.value_or(h.dtype);
+    const auto shape = options_.activationShape ? options_.activationShape(static_cast<int>(h.microBatch)) : h.shape;
+    throw DesyncError(fmt::format("pipeline stage {} expected micro-batch {}'s forward activations from stage {} as "
+                                  "{}, but stage {} sent {}",
+                                  myStage, h.microBatch, h.fromStage, shapeText(dtype, shape), h.fromStage,
+                                  shapeText(h.dtype, h.shape)),
+                      {.rank = pp_.rank(), .group = pp_.name(), .expected = shapeText(dtype, shape)});
+  }
+
+  Communicator& pp_;
+  const PipelineOptions& options_;
+  std::map<Key, at::Tensor> mailbox_;
+  std::map<int, std::string> lastFrom_;
+  std::vector<std::pair<WorkPtr, at::Tensor>> pending_;
+};
+
+// What one micro-batch of one chunk keeps between its forward and backward.
+struct Held {
+  at::Tensor input, output;
+};
+
+}  // namespace
+
+Pipeline::Pipeline(CommunicatorPtr pp, PipelineOptions options) : pp_(std::move(pp)), options_(std::move(options)) {
+  if (!pp_) throw ConfigError("pipeline: no pp communicator", {.expected = "the pp group (ProcessGroups::pp())"});
+}
+
+PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {
+  const int P = pp_->size(), r = pp_->rank(), V = static_cast<int>(chunks.size()), M = options_.microBatches;
+  if (V < 1) throw ConfigError("pipeline: no chunk to run", {.rank = r, .group = pp_->name()});
+  const auto steps = pipelineSteps(options_.schedule, {.stages = P, .rank = r, .virtualStages = V, .microBatches = M});
+  const int lastStage = P * V - 1, next = (r + 1) % P, previous = (r + P - 1) % P;
+  const double scale = options_.lossScale > 0 ? options_.lossScale : 1.0 / M;
+  Channel channel(*pp_, options_);
+  std::map<std::pair<int, int>, Held> held;  // (chunk, micro-batch)
+  PipelineResult result;
+  std::vector<double> losses(M, 0.0);
+
+  for (const PipelineStep& step : steps) {
+    const int stage = step.chunk * P + r, m = step.microBatch;
+    if (step.forward) {
+      at::Tensor input;
+      if (stage > 0) {
+        input = channel.take(previous, {Forward, step.chunk, m}, stage, stage - 1).detach().requires_grad_(true);
+      }
+      at::Tensor output = chunks[step.chunk].forward(m, input);
+      if (stage == lastStage) {
+        if (output.numel() != 1)
+          throw ConfigError(fmt::format("pipeline: the last stage's forward returned {} values for micro-batch {}, "
+                                        "not its loss",
+                                        output.numel(), m),
+                            {.rank = r, .group = pp_->name(), .expected = "a scalar loss"});
+        losses[m] = output.detach().to(at::kDouble).item<double>();
+      } else {
+        const int toChunk = r == P - 1 ? step.chunk + 1 : step.chunk;
+        channel.send(next, {.direction = Forward, .fromStage = stage, .toChunk = toChunk, .microBatch = m},
+                     output.detach());
+      }
+      held[{step.chunk, m}] = {input, output};
+      result.maxLiveActivations = std::max(result.maxLiveActivations, static_cast<int>(held.size()));
+      continue;
+    }
+    auto it = held.find({step.chunk, m});
+    Held h = std::move(it->second);
+    held.erase(it);
+    if (stage == lastStage) {
+      (h.output * scale).backward();
+    } else {
+      at::Tensor grad = channel.take(next, {Backward, step.chunk, m}, stage, stage + 1);
+      torch::autograd::backward({h.output}, {grad});
+    }
+    if (stage > 0) {
+      const int toChunk = r == 0 ? step.chunk - 1 : step.chunk;
+      at::Tensor grad = h.input.grad().defined() ? h.input.grad() : at::zeros_like(h.input);
+      channel.send(previous, {.direction = Backward, .fromStage = stage, .toChunk = toChunk, .microBatch = m}, grad);
+    }
+  }
+  channel.finish();
+  if (r == P - 1) {  // the last stage lives on the last rank
+    result.losses = losses;
+    for (double loss : losses) result.meanLoss += loss / M;
+  }
+  return result;
+}
+
+}  // namespace bulkhead::parallel

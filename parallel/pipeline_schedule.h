@@ -1,0 +1,45 @@
+#pragma once
+// The order in which one pipeline rank runs its forward and backward passes.
+//
+// A model cut into P * V stages runs on a pp group of P ranks: rank r holds
+// the V chunks r, P + r, 2P + r, ... (Megatron-LM's interleaved layout), so
+// stage g = chunk * P + r. Activations of micro-batch m flow from stage g to
+// g + 1 and their gradients back. Schedules, each a list per rank:
+//   AllForwardAllBackward  every forward, then every backward: the simple
+//                          reference; keeps all M micro-batches' activations.
+//   OneFOneB               (V = 1) P - r - 1 warm-up forwards, then one forward
+//                          and one backward in turn, then the remaining
+//                          backwards: the first stage keeps at most P
+//                          micro-batches' activations.
+//   Interleaved            (V > 1) 1F1B over virtual micro-batches (Megatron-LM's
+//                          interleaved schedule); M must be a multiple of P.
+// Backwards of one chunk run in micro-batch order, so gradients accumulate in
+// the same order under every schedule.
+
+#include <string>
+#include <vector>
+
+namespace bulkhead::parallel {
+
+enum class PipelineSchedule { AllForwardAllBackward, OneFOneB, Interleaved };
+const char* toString(PipelineSchedule schedule);
+
+struct PipelineStep {
+  bool forward = true;
+  int chunk = 0;       // this rank's chunk (0 .. V-1)
+  int microBatch = 0;  // 0 .. M-1
+  bool operator==(const PipelineStep&) const = default;
+};
+
+struct PipelineShape {
+  int stages = 1;          // P: ranks of the pp group
+  int rank = 0;            // this rank in it
+  int virtualStages = 1;   // V: chunks per rank
+  int microBatches = 1;    // M
+};
+
+// This rank's steps under `schedule`; ConfigError for shapes it cannot run
+// (V > 1 outside Interleaved, M not a multiple of P when interleaving).
+std::vector<PipelineStep> pipelineSteps(PipelineSchedule schedule, const PipelineShape& shape);
+
+}  // namespace bulkhead::parallel
