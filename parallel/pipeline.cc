@@ -100,6 +100,11 @@ class Channel {
                            {.rank = pp_.rank(), .group = pp_.name(),
                             .expected = fmt::format("micro-batch {} from stage {}", microBatch, fromStage)},
                            e.sequence(), e.diagnosis());
+      } catch (const CommError& e) {
+        throw CommError(fmt::format("{}: receiving it failed (a message of another size from stage {} means it "
+                                    "skipped or reordered a send): {}",
+                                    expecting(), fromStage, e.message()),
+                        {.rank = pp_.rank(), .group = pp_.name()});
       }
     };
     at::Tensor head = at::empty({kHeaderWords}, at::TensorOptions(at::kLong).device(pp_.device()));

@@ -3,10 +3,13 @@
 // operation and what goes wrong there:
 //   BULKHEAD_FAULT=rank=2,group=world,seq=6,action=skip
 // rank is the world rank, group the communicator's name ("world", "ep[1]"),
-// seq the collective's sequence number in that group. Actions:
+// seq the operation's sequence number in that group on that rank (sends and
+// receives are numbered apart from collectives, as the ledger numbers them; a
+// seq names both a collective and a send or receive). Actions:
 //   skip           the rank does not issue it (no communication, no ledger entry)
 //   mismatch-op    the rank issues a different collective there and is stuck in it
 //   mismatch-size  the rank issues the same collective with another size, stuck in it
+//                  (both: collectives only; a send or receive there runs as usual)
 //   delay:S        the rank issues it S seconds late
 //   exit           the process ends abruptly (exit code 17) instead of issuing it
 // The mismatches are recorded in the ledger as issued but sent to no backend:

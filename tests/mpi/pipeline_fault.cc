@@ -1,0 +1,83 @@
+// A 4-stage pipeline (1F1B, 8 micro-batches, a chain of float64 layers) that
+// goes wrong, for pipeline_fault_test.sh. Each rank writes <out-dir>/rank_<r>.txt:
+// the seconds from the start of the failing run to its error, the error's
+// kind and message ("0 none" when none).
+//
+//   pipeline_fault probe <out-dir>   no fault; prints "SEND_SEQ <n>": the ledger
+//                                    sequence number of stage 1's third send
+//   pipeline_fault run <out-dir>     three runs; the fault comes from BULKHEAD_FAULT
+//                                    (a skipped send) or, with PIPELINE_WRONG_SHAPE=1,
+//                                    stage 1 sends micro-batch 3 with one row too many
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "launch/init.h"
+#include "parallel/pipeline.h"
+#include "runtime/errors.h"
+
+using namespace bulkhead;
+
+namespace {
+
+constexpr int kHidden = 16, kBatch = 5, kMicroBatches = 8;
+
+at::Tensor seeded(std::vector<int64_t> shape, uint64_t seed) {
+  auto generator = at::detail::createCPUGenerator(seed);
+  return at::randn(shape, generator, at::kDouble);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: %s probe|run <out-dir>\n", argv[0]);
+    return 2;
+  }
+  const std::string mode = argv[1], outDir = argv[2];
+  auto runtime = init({.backend = Backend::Mpi});
+  const int me = runtime->world().rank();
+  auto pp = runtime->world().split(0, me, "pp");
+  const int stages = pp->size();
+  const bool wrongShape = std::getenv("PIPELINE_WRONG_SHAPE") != nullptr;
+  at::Tensor weight = (seeded({kHidden, kHidden}, 10 + me) / 4).requires_grad_(true);
+  parallel::PipelineChunk chunk{.forward = [&](int m, const at::Tensor& input) {
+    at::Tensor x = at::tanh(at::matmul(me == 0 ? seeded({kBatch, kHidden}, 100 + m) : input, weight));
+    if (wrongShape && me == 1 && m == 3) x = at::cat({x, x.slice(0, 0, 1)});
+    return me == stages - 1 ? x.pow(2).mean() : x;
+  }};
+  parallel::Pipeline pipeline(pp, {.schedule = parallel::PipelineSchedule::OneFOneB, .microBatches = kMicroBatches,
+                                   .activationShape = [](int) { return std::vector<int64_t>{kBatch, kHidden}; }});
+
+  if (mode == "probe") {
+    pipeline.run({chunk});
+    int sends = 0;
+    for (const LedgerEntry& entry : pp->ledger().entries())
+      if (entry.fingerprint.op == OpType::Send && ++sends == 5 && me == 1) std::printf("SEND_SEQ %llu\n",
+                                                                                     (unsigned long long)entry.seq);
+    return 0;
+  }
+  std::string outcome = "0 none";
+  int exitCode = 0;
+  for (int run = 0; run < 3; ++run) {
+    auto start = std::chrono::steady_clock::now();
+    try {
+      pipeline.run({chunk});
+    } catch (const Error& e) {
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      outcome = fmt::format("{:.2f} {} {}", seconds, e.kind(), e.what());
+      exitCode = e.exitCode();
+      break;
+    }
+  }
+  std::FILE* file = std::fopen(fmt::format("{}/rank_{}.txt", outDir, me).c_str(), "w");
+  if (file) {
+    std::fputs(outcome.c_str(), file);
+    std::fclose(file);
+  }
+  return exitCode;
+}
