@@ -15,6 +15,7 @@ double clipScale(double norm, double maxNorm) {
 }
 
 bool countsOnThisTpRank(const parallel::Parameter& param, const parallel::ProcessGroups& groups) {
+  if (param.pipelineCopy) return false;
   if (!param.tpReplicated) return true;
   const CommunicatorPtr& tp = param.group == parallel::ParamGroup::Expert ? groups.expertTp() : groups.tp();
   return tp->rank() == 0;

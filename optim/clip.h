@@ -30,7 +30,8 @@ namespace bulkhead::optim {
 double clipScale(double norm, double maxNorm);
 
 // Whether a tpReplicated parameter of `group` counts on this rank (tp rank 0,
-// expert-tp rank 0 for experts); other parameters always count.
+// expert-tp rank 0 for experts); a pipelineCopy never counts; other
+// parameters always count.
 bool countsOnThisTpRank(const parallel::Parameter& param, const parallel::ProcessGroups& groups);
 
 // Adds the squares of `values` to `total` (float64, one element).

@@ -274,6 +274,7 @@ std::vector<parallel::ShardedTensor> DistributedOptimizer::state() {
       } else if (bucket.instances) {
         replicaId = bucket.instances->rank();  // every instance holds this shard: the first writes it
       }
+      if (p.pipelineCopy) replicaId += 1 << 16;  // the owning stage writes it
       const std::string prefix = "optim." + p.name;
       int64_t shardOffset = piece.shardOffset;  // of the next box, which follows the one before
       for (const Box& box : rowBoxes(local, piece.rowBegin, piece.rowBegin + piece.rows)) {

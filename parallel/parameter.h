@@ -54,6 +54,11 @@ struct Parameter {
   // True when every rank of the tp group (etp for expert parameters) holds the
   // same values (a norm weight, a router): gradient norms count it once.
   bool tpReplicated = false;
+  // True for a copy of a parameter another pipeline stage owns (the tied
+  // embedding on the last stage): its gradient is summed with the owner's
+  // before the step, and gradient norms and checkpoints count it once (its
+  // replicaId is not 0).
+  bool pipelineCopy = false;
 };
 
 }  // namespace bulkhead::parallel

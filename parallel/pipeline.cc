@@ -147,7 +147,7 @@ class Channel {
 
 // What one micro-batch of one chunk keeps between its forward and backward.
 struct Held {
-  at::Tensor input, output;
+  at::Tensor input, output, auxLoss;
 };
 
 }  // namespace
@@ -174,7 +174,8 @@ PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {
       if (stage > 0) {
         input = channel.take(previous, {Forward, step.chunk, m}, stage, stage - 1).detach().requires_grad_(true);
       }
-      at::Tensor output = chunks[step.chunk].forward(m, input);
+      PipelineOutput out = chunks[step.chunk].forward(m, input);
+      at::Tensor& output = out.output;
       if (stage == lastStage) {
         if (output.numel() != 1)
           throw ConfigError(fmt::format("pipeline: the last stage's forward returned {} values for micro-batch {}, "
@@ -187,18 +188,20 @@ PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {
         channel.send(next, {.direction = Forward, .fromStage = stage, .toChunk = toChunk, .microBatch = m},
                      output.detach());
       }
-      held[{step.chunk, m}] = {input, output};
+      held[{step.chunk, m}] = {input, output, out.auxLoss};
       result.maxLiveActivations = std::max(result.maxLiveActivations, static_cast<int>(held.size()));
       continue;
     }
     auto it = held.find({step.chunk, m});
     Held h = std::move(it->second);
     held.erase(it);
+    const bool aux = h.auxLoss.defined() && h.auxLoss.requires_grad();
     if (stage == lastStage) {
-      (h.output * scale).backward();
+      ((aux ? h.output + h.auxLoss : h.output) * scale).backward();
     } else {
       at::Tensor grad = channel.take(next, {Backward, step.chunk, m}, stage, stage + 1);
-      torch::autograd::backward({h.output}, {grad});
+      if (aux) torch::autograd::backward({h.output, h.auxLoss}, {grad, at::full_like(h.auxLoss, scale)});
+      else torch::autograd::backward({h.output}, {grad});
     }
     if (stage > 0) {
       const int toChunk = r == 0 ? step.chunk - 1 : step.chunk;

@@ -16,9 +16,10 @@
 // - Rank r of the pp group runs chunks r, P + r, ... (stage = chunk * P + r).
 //   A chunk's forward gets micro-batch m's input (undefined on stage 0) and
 //   returns the activations for the next stage, or on the last stage a scalar
-//   loss. Backward runs through autograd; parameter gradients accumulate over
-//   the micro-batches, each loss scaled by lossScale (default 1 / M, so the
-//   gradients are those of the mean loss).
+//   loss, with optionally an auxiliary loss of its own. Backward runs through
+//   autograd; parameter gradients accumulate over the micro-batches, each
+//   micro-batch's loss and auxiliary losses scaled by lossScale (default 1 / M,
+//   so the gradients are those of the mean loss).
 // - Every activation and gradient goes with a header (direction, stage,
 //   micro-batch, dtype, shape) ahead of it, so any shape can travel and the
 //   receiver allocates exactly what comes. Messages between two ranks are
@@ -35,6 +36,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <utility>
 #include <optional>
 #include <vector>
 
@@ -43,8 +45,16 @@
 
 namespace bulkhead::parallel {
 
+// What a chunk's forward returns for one micro-batch.
+struct PipelineOutput {
+  PipelineOutput(at::Tensor output, at::Tensor auxLoss = {}) : output(std::move(output)), auxLoss(std::move(auxLoss)) {}
+  at::Tensor output;   // the activations for the next stage, or the last stage's loss
+  at::Tensor auxLoss;  // optional: this chunk's own loss terms (a MoE layer's aux and z losses), backpropagated
+                       // with the micro-batch and scaled like the loss, not sent on
+};
+
 struct PipelineChunk {
-  std::function<at::Tensor(int microBatch, const at::Tensor& input)> forward;
+  std::function<PipelineOutput(int microBatch, const at::Tensor& input)> forward;
 };
 
 struct PipelineOptions {

@@ -33,11 +33,17 @@ double embeddingStd(int hidden) { return 0.02 * std::min(1.0, 64.0 / hidden); }
 
 }  // namespace
 
-MoETransformer::MoETransformer(const ModelConfig& config, const parallel::ProcessGroups& groups)
-    : config_(config),
-      tp_(parallel::TpGroup::dense(groups)),
-      embedding_("embed", config.vocab, config.hidden, tp_,
-                 {.initStd = embeddingStd(config.hidden), .seed = config.seed, .dtype = config.dtype}) {
+MoETransformer::MoETransformer(const ModelConfig& config, const parallel::ProcessGroups& groups, ModelPart part)
+    : config_(config), part_(part), tp_(parallel::TpGroup::dense(groups)) {
+  if (part_.endLayer < 0) part_.endLayer = config.layers;
+  if (part_.firstLayer < 0 || part_.firstLayer > part_.endLayer || part_.endLayer > config.layers)
+    throw ConfigError(fmt::format("model: layers [{}, {}) are not a part of {} layers", part_.firstLayer,
+                                  part_.endLayer, config.layers),
+                      {.rank = groups.world()->rank()});
+  if (part_.first || part_.last)
+    embedding_.emplace("embed", config.vocab, config.hidden, tp_,
+                       parallel::VocabEmbeddingOptions{.initStd = embeddingStd(config.hidden), .seed = config.seed,
+                                                       .dtype = config.dtype});
   if (config.heads % tp_.size() != 0 || config.hidden % config.heads != 0) {
     throw ConfigError(fmt::format("model: {} heads of hidden size {} do not split over tp {}", config.heads,
                                   config.hidden, tp_.size()),
@@ -49,7 +55,7 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
                                      .set_requires_grad(true)};
   };
   const double projectionStd = 0.02 / std::sqrt(2.0 * config.layers);
-  for (int layer = 0; layer < config.layers; ++layer) {
+  for (int layer = part_.firstLayer; layer < part_.endLayer; ++layer) {
     const std::string prefix = fmt::format("layers.{}", layer);
     const parallel::ColumnParallelOptions column{.bias = false, .seed = config.seed, .dtype = config.dtype};
     q_.emplace_back(prefix + ".attn.q", config.hidden, config.hidden, tp_, column);
@@ -75,8 +81,10 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
                             .seed = config.seed * 1000 + static_cast<uint64_t>(layer)};
     moe_.push_back(std::make_unique<moe::MoELayer>(options, groups, at::TensorOptions(config.dtype).device(device)));
   }
-  finalNorm_ = normWeight("final_norm.weight");
+  if (part_.last) finalNorm_ = normWeight("final_norm.weight");
 }
+
+at::Tensor MoETransformer::embeddingWeight() const { return embedding_ ? embedding_->weight() : at::Tensor(); }
 
 at::Tensor MoETransformer::norm(const Norm& n, const at::Tensor& x) const {
   return x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-6) * n.weight;
@@ -97,24 +105,41 @@ at::Tensor MoETransformer::attention(int layer, const at::Tensor& x) const {
 }
 
 ModelOutput MoETransformer::forward(const at::Tensor& ids, const at::Tensor& targets) {
-  // Token embeddings scaled up to unit size, positions kept smaller, so the
-  // token identity is not drowned by the position signal after each norm.
-  at::Tensor x = embedding_.forward(ids) * std::sqrt(static_cast<double>(config_.hidden)) +
-                 0.1 * positions(ids.size(1), config_.hidden, embedding_.weight().options());
+  return forwardPart(ids, at::Tensor(), targets);
+}
+
+ModelOutput MoETransformer::forwardPart(const at::Tensor& ids, const at::Tensor& input, const at::Tensor& targets) {
+  at::Tensor x = input;
+  if (part_.first) {
+    // Token embeddings scaled up to unit size, positions kept smaller, so the
+    // token identity is not drowned by the position signal after each norm.
+    x = embedding_->forward(ids) * std::sqrt(static_cast<double>(config_.hidden)) +
+        0.1 * positions(ids.size(1), config_.hidden, embedding_->weight().options());
+  }
   at::Tensor aux = at::zeros({}, x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
-  for (int layer = 0; layer < config_.layers; ++layer) {
-    x = x + attention(layer, norm(attentionNorm_[layer], x));
-    moe::MoEOutput out = moe_[layer]->forward(norm(moeNorm_[layer], x));
+  for (size_t i = 0; i < moe_.size(); ++i) {
+    x = x + attention(static_cast<int>(i), norm(attentionNorm_[i], x));
+    moe::MoEOutput out = moe_[i]->forward(norm(moeNorm_[i], x));
     x = x + out.output;
     aux = aux + out.auxLoss + out.zLoss;
   }
-  at::Tensor logits = embedding_.logits(norm(finalNorm_, x));
-  at::Tensor loss = parallel::vocabParallelCrossEntropy(logits, targets, embedding_.vocabRange().begin, tp_).mean();
+  if (!part_.last) return {x, aux};
+  at::Tensor logits = embedding_->logits(norm(finalNorm_, x));
+  at::Tensor loss = parallel::vocabParallelCrossEntropy(logits, targets, embedding_->vocabRange().begin, tp_).mean();
   return {loss, aux};
 }
 
 std::vector<parallel::Parameter> MoETransformer::parameters() const {
-  std::vector<parallel::Parameter> all = embedding_.parameters();
+  std::vector<parallel::Parameter> all;
+  if (embedding_) {
+    for (parallel::Parameter parameter : embedding_->parameters()) {
+      if (!part_.first) {  // the last stage's copy: the first stage's is saved and counted
+        parameter.pipelineCopy = true;
+        parameter.shard.replicaId += 1 << 16;
+      }
+      all.push_back(std::move(parameter));
+    }
+  }
   auto append = [&](std::vector<parallel::Parameter> more) { all.insert(all.end(), more.begin(), more.end()); };
   auto appendNorm = [&](const Norm& n) {
     all.push_back({.name = n.name,
@@ -123,7 +148,7 @@ std::vector<parallel::Parameter> MoETransformer::parameters() const {
                    .group = parallel::ParamGroup::Dense,
                    .tpReplicated = true});
   };
-  for (int layer = 0; layer < config_.layers; ++layer) {
+  for (size_t layer = 0; layer < moe_.size(); ++layer) {
     appendNorm(attentionNorm_[layer]);
     append(q_[layer].parameters());
     append(k_[layer].parameters());
@@ -132,7 +157,7 @@ std::vector<parallel::Parameter> MoETransformer::parameters() const {
     appendNorm(moeNorm_[layer]);
     append(moe_[layer]->parameters());
   }
-  appendNorm(finalNorm_);
+  if (part_.last) appendNorm(finalNorm_);
   return all;
 }
 

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "moe/moe_layer.h"
@@ -41,14 +42,32 @@ struct ModelOutput {
   at::Tensor auxLoss;  // MoE aux + z losses of all layers (coefficients applied)
 };
 
+// The part of the model one pipeline chunk holds: layers [firstLayer,
+// endLayer) by global index (so checkpoints do not depend on the pipeline
+// size). The first part embeds the bytes; the last applies the final norm and
+// the tied output layer. A last part that is not also the first holds a copy
+// of the embedding (pipelineCopy: its gradient is summed with the first
+// part's, and it is counted and saved once).
+struct ModelPart {
+  int firstLayer = 0, endLayer = -1;  // -1: every layer
+  bool first = true, last = true;
+};
+
 class MoETransformer {
  public:
-  MoETransformer(const ModelConfig& config, const parallel::ProcessGroups& groups);
+  MoETransformer(const ModelConfig& config, const parallel::ProcessGroups& groups, ModelPart part = {});
   MoETransformer(const MoETransformer&) = delete;
   MoETransformer& operator=(const MoETransformer&) = delete;
 
-  // ids, targets: [batch, sequence] int64 on the groups' device.
+  // ids, targets: [batch, sequence] int64 on the groups' device (the whole model).
   ModelOutput forward(const at::Tensor& ids, const at::Tensor& targets);
+  // This part: the first embeds `ids`, the others continue from `input` (the
+  // previous part's activations); returns the activations, or on the last
+  // part the loss, and this part's MoE losses.
+  ModelOutput forwardPart(const at::Tensor& ids, const at::Tensor& input, const at::Tensor& targets);
+  const ModelPart& part() const { return part_; }
+  // The embedding weight on a first or last part (undefined elsewhere).
+  at::Tensor embeddingWeight() const;
 
   std::vector<parallel::Parameter> parameters() const;
   // State that is not trained by gradients (the routers' expert biases).
@@ -64,8 +83,9 @@ class MoETransformer {
   at::Tensor attention(int layer, const at::Tensor& x) const;
 
   ModelConfig config_;
+  ModelPart part_;
   parallel::TpGroup tp_;
-  parallel::VocabParallelEmbedding embedding_;
+  std::optional<parallel::VocabParallelEmbedding> embedding_;
   std::vector<parallel::ColumnParallelLinear> q_, k_, v_;
   std::vector<parallel::RowParallelLinear> out_;
   std::vector<Norm> attentionNorm_, moeNorm_;

@@ -25,6 +25,7 @@
 #include "checkpoint/checkpointer.h"
 #include "examples/train_moe/data.h"
 #include "examples/train_moe/model.h"
+#include "examples/train_moe/staged_model.h"
 #include "examples/train_moe/train_options.h"
 #include "launch/init.h"
 #include "optim/distributed_optimizer.h"
@@ -50,7 +51,7 @@ bool agreeToStop(Runtime& runtime) {
   return flag.item<int>() != 0;
 }
 
-checkpoint::StateDict stateOf(const examples::MoETransformer& model, optim::DistributedOptimizer& optimizer,
+checkpoint::StateDict stateOf(const examples::StagedModel& model, optim::DistributedOptimizer& optimizer,
                               const parallel::Layout& layout, int64_t step) {
   checkpoint::StateDict state;
   for (const auto& parameter : model.parameters()) state.add(parameter.name, parameter.tensor.detach(), parameter.shard);
@@ -91,7 +92,8 @@ int main(int argc, char** argv) {
   return guardedMain([&] {
     auto runtime = init({.backend = options.backend});
     auto groups = parallel::ProcessGroups::create(
-        runtime->worldPtr(), parallel::LayoutOptions{.tp = options.tp, .ep = options.ep, .etp = options.tp},
+        runtime->worldPtr(),
+        parallel::LayoutOptions{.tp = options.tp, .pp = options.pp, .ep = options.ep, .etp = options.tp},
         {.localSize = runtime->info().localSize});
     const auto& layout = groups.layout();
     const int rank = runtime->world().rank();
@@ -99,7 +101,12 @@ int main(int argc, char** argv) {
     if (options.model.dtype == at::kBFloat16 && !device.is_cuda())
       log::warn("train", "bf16 on CPU is slow; float32 or float64 are the CPU dtypes");
 
-    examples::MoETransformer model(options.model, groups);
+    if (const int parts = options.microBatches * groups.dpCp()->size(); options.globalBatch % parts != 0)
+      throw ConfigError(fmt::format("--batch {} does not split into {} micro-batches on each of {} data-parallel ranks",
+                                    options.globalBatch, options.microBatches, groups.dpCp()->size()),
+                        {.rank = rank, .expected = fmt::format("--batch a multiple of {}", parts)});
+    examples::StagedModel model(options.model, groups,
+                                {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
     optim::DistributedOptimizer optimizer(model.parameters(), groups, {.adamw = {.weightDecay = 0.01}});
     const optim::LrSchedule schedule{.peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup,
                                      .totalSteps = options.steps};
@@ -140,8 +147,8 @@ int main(int argc, char** argv) {
                           std::getenv("CI") == nullptr;
     Reporter reporter{.leader = rank == 0, .terminal = rank == 0 && terminal};
     if (rank == 0 && !options.lossLog.empty()) reporter.lossLog.open(options.lossLog, std::ios::app);
-    reporter.line(fmt::format("train_moe: {} ranks (tp {} ep {} dp {} expert-dp {}), {} on {}, steps {}..{} of {}",
-                              runtime->world().size(), layout.tp(), layout.ep(), layout.dp(), layout.edp(),
+    reporter.line(fmt::format("train_moe: {} ranks (tp {} pp {} ep {} dp {} expert-dp {}), {} on {}, steps {}..{} of {}",
+                              runtime->world().size(), layout.tp(), layout.pp(), layout.ep(), layout.dp(), layout.edp(),
                               c10::toString(options.model.dtype), device.str(), step, lastStep, options.steps));
 
     auto save = [&](int64_t completed) {
@@ -159,23 +166,27 @@ int main(int argc, char** argv) {
     int64_t windowSteps = 0;
     for (; step < lastStep; ++step) {
       auto start = std::chrono::steady_clock::now();
-      auto [ids, targets] = batches.batch(step, dp->rank(), dp->size(), device);
-      examples::ModelOutput out = model.forward(ids, targets);
-      (out.loss + out.auxLoss).backward();
+      // Micro-batch m of every dp rank together is the same slice of the global batch in
+      // any layout (rows [m B / M, (m + 1) B / M)), so the MoE losses, which are not
+      // linear in the batch, see the same tokens whatever dp is.
+      std::vector<at::Tensor> ids, targets;
+      for (int m = 0; m < options.microBatches; ++m) {
+        auto [i, t] = batches.batch(step, m * dp->size() + dp->rank(), options.microBatches * dp->size(), device);
+        ids.push_back(i);
+        targets.push_back(t);
+      }
+      // The data-parallel mean of the loss (every rank's batch is the same size).
+      const double meanLoss = model.forwardBackward(ids, targets);
       const double gradNorm = optimizer.step(schedule.at(step), {.maxGradNorm = options.clip});
       optimizer.zeroGrad();
-
-      // The data-parallel mean of the loss (every rank's batch is the same size).
-      at::Tensor loss = out.loss.detach().to(at::kDouble).reshape({1}).clone();
-      dp->allReduce(loss)->wait();
-      const double meanLoss = loss.item<double>() / dp->size();
       windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       ++windowSteps;
       if (reporter.lossLog.is_open()) reporter.lossLog << fmt::format("{} {:.17g} {:.17g}\n", step, meanLoss, gradNorm);
 
       const bool last = step + 1 == lastStep;
       if ((step + 1) % options.logInterval == 0 || last) {
-        moe::MoEStats stats = model.moeLayers().front()->stats();
+        const moe::MoELayer* layer = model.firstMoeLayer();
+        const moe::MoEStats stats = layer ? layer->stats() : moe::MoEStats{};
         reporter.line(fmt::format(
             "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms | grad norm {:.3f} | imbalance {:.2f} | "
             "dropped {}{}",

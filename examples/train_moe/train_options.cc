@@ -24,6 +24,12 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   // Layout.
   app.add_option("--tp", o.tp, "tensor-parallel size (expert-tp too)")->check(positive)->group("Layout");
   app.add_option("--ep", o.ep, "expert-parallel size")->check(positive)->group("Layout");
+  app.add_option("--pp", o.pp, "pipeline-parallel size (the layers split evenly over the stages)")
+      ->check(positive)->group("Layout");
+  app.add_option("--vpp", o.virtualStages, "model chunks per pipeline rank (interleaved 1F1B when above 1)")
+      ->check(positive)->group("Layout");
+  app.add_option("--microbatches", o.microBatches, "micro-batches per step, through the pipeline schedule")
+      ->check(positive)->group("Layout");
   cli::addBackend(app, o.backend)->group("Layout");
   // Model.
   app.add_option("--layers", m.layers, "transformer layers")->check(positive)->group("Model");

@@ -15,7 +15,9 @@ namespace bulkhead::examples {
 
 struct TrainOptions {
   Backend backend = Backend::Auto;
-  int tp = 1, ep = 1;
+  int tp = 1, ep = 1, pp = 1;
+  int virtualStages = 1;  // model chunks per pipeline rank (interleaved 1F1B when > 1)
+  int microBatches = 1;   // per step, run through the pipeline schedule
   ModelConfig model;
   int sequence = 64;
   int globalBatch = 16;  // sequences per step, over all data-parallel ranks

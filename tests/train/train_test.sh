@@ -7,9 +7,14 @@
 #            tp (expert-tp slices the experts' w13 and w2 along F) matches
 #            within 1e-9 relative (float64)
 #   layouts  (ep1,dp1) (ep2,dp2) (ep4) (tp2,ep2): the same 20-step loss curve
+#   pipeline (pp 1) (pp 2) (pp 4) (pp 2, ep 2) (pp 2, tp 2) (pp 2, vpp 2) and one rank, 4
+#            micro-batches: the same 10-step loss curve within 1e-12 (float64); a
+#            checkpoint saved at (pp 2, ep 2) resumes at (pp 1), (pp 4) and (pp 2, ep 1)
+#            within 1e-9 of the straight run; --pp 2 on the README's run: the loss falls
+#            like the pp 1 run's
 #   width    the first loss is within 10% of ln(256) (a uniform guess over bytes)
 #            at widths 64, 256 and 1024 (16 experts, top-2, float32)
-# usage: train_test.sh falls|resume|layouts|width <train_moe> <mpirun>
+# usage: train_test.sh falls|resume|layouts|pipeline|width <train_moe> <mpirun>
 set -euo pipefail
 mode=$1 train=$2 mpirun=$3
 work=$(mktemp -d)
@@ -100,5 +105,37 @@ PY
     run 4 "$work/tp2ep2.txt" --tp 2 --ep 2 --steps 20 "${small[@]}"
     for layout in ep2 ep4 tp2ep2; do compare "$work/$layout.txt" "$work/ep1.txt" 1e-9; done
     ;;
-  *) echo "usage: $0 falls|resume|layouts <train_moe> <mpirun>" >&2; exit 2 ;;
+  pipeline)
+    piped=(--layers 4 --hidden 32 --heads 4 --ffn 48 --experts 8 --topk 2 --shared-ffn 16 --seq 32 --batch 16
+           --dtype float64 --warmup 4 --microbatches 4)
+    run 1 "$work/one.txt" --steps 10 "${piped[@]}"
+    for variant in "pp1 --ep 2" "pp2 --pp 2" "pp4 --pp 4" "pp2ep2 --pp 2 --ep 2" "pp2tp2 --pp 2 --tp 2" \
+                   "pp2vpp2 --pp 2 --vpp 2"; do
+      set -- $variant
+      run 4 "$work/$1.txt" "${@:2}" --steps 10 "${piped[@]}"
+      compare "$work/$1.txt" "$work/one.txt" 1e-12
+    done
+    # Saved at (pp 2, ep 2) at step 6, resumed in three other layouts.
+    run 4 "$work/straight.txt" --pp 2 --ep 2 --steps 12 "${piped[@]}"
+    run 4 "$work/saved.txt" --pp 2 --ep 2 --steps 12 --stop-after 6 --ckpt-dir "$work/ckpt" "${piped[@]}"
+    for variant in "4 pp1 --ep 2" "4 pp4 --pp 4" "4 pp2ep1 --pp 2 --ep 1"; do
+      set -- $variant
+      rm -rf "$work/$2.ckpt" && mkdir "$work/$2.ckpt" && cp -r "$work/ckpt/step_000006" "$work/$2.ckpt/"
+      head -6 "$work/straight.txt" > "$work/resumed_$2.txt"
+      run "$1" "$work/resumed_$2.txt" "${@:3}" --steps 12 --ckpt-dir "$work/$2.ckpt" --resume 6 "${piped[@]}"
+      compare "$work/resumed_$2.txt" "$work/straight.txt" 1e-9
+    done
+    # The README's run at pp 2 (2 layers, one a stage): the loss falls as at pp 1.
+    run 4 "$work/readme_pp1.txt" --ep 2 --steps 200 --stop-after 60
+    run 4 "$work/readme_pp2.txt" --pp 2 --steps 200 --stop-after 60
+    python3 - "$work/readme_pp1.txt" "$work/readme_pp2.txt" <<'PY'
+import sys
+curves = [[float(line.split()[1]) for line in open(path)] for path in sys.argv[1:]]
+ends = [sum(c[-10:]) / 10 for c in curves]
+print(f"loss over steps 51-60: pp 1 {ends[0]:.4f}, pp 2 {ends[1]:.4f} (from {curves[1][0]:.4f})")
+assert ends[1] < 0.6 * curves[1][0], "the pp 2 run's loss did not fall"
+assert abs(ends[1] - ends[0]) < 0.05 * ends[0], "the pp 2 run's loss falls unlike the pp 1 run's"
+PY
+    ;;
+  *) echo "usage: $0 falls|resume|layouts|pipeline|width <train_moe> <mpirun>" >&2; exit 2 ;;
 esac

@@ -1,0 +1,104 @@
+#include "examples/train_moe/staged_model.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include "runtime/errors.h"
+
+namespace bulkhead::examples {
+namespace {
+
+parallel::PipelineOptions pipelineOptions(const StagedOptions& options) {
+  return {.schedule = options.virtualStages > 1 ? parallel::PipelineSchedule::Interleaved
+                                                : parallel::PipelineSchedule::OneFOneB,
+          .microBatches = options.microBatches};
+}
+
+}  // namespace
+
+StagedModel::StagedModel(const ModelConfig& config, const parallel::ProcessGroups& groups, StagedOptions options)
+    : groups_(groups), options_(options), pipeline_(groups.pp(), pipelineOptions(options)) {
+  const int pp = groups.pp()->size(), rank = groups.pp()->rank(), stages = pp * options.virtualStages;
+  if (config.layers % stages != 0)
+    throw ConfigError(fmt::format("model: {} layers do not divide over {} pipeline stages (pp {} x vpp {})",
+                                  config.layers, stages, pp, options.virtualStages),
+                      {.rank = groups.world()->rank(), .expected = fmt::format("layers a multiple of {}", stages)});
+  const int perStage = config.layers / stages;
+  for (int chunk = 0; chunk < options.virtualStages; ++chunk) {
+    const int stage = chunk * pp + rank;
+    parts_.push_back(std::make_unique<MoETransformer>(
+        config, groups,
+        ModelPart{.firstLayer = stage * perStage, .endLayer = (stage + 1) * perStage, .first = stage == 0,
+                  .last = stage == stages - 1}));
+  }
+}
+
+double StagedModel::forwardBackward(const std::vector<at::Tensor>& idsOf, const std::vector<at::Tensor>& targetsOf) {
+  if (static_cast<int>(idsOf.size()) != options_.microBatches || targetsOf.size() != idsOf.size())
+    throw ConfigError(fmt::format("{} micro-batches of ids and {} of targets for a schedule of {}", idsOf.size(),
+                                  targetsOf.size(), options_.microBatches),
+                      {.rank = groups_.world()->rank()});
+  std::vector<parallel::PipelineChunk> chunks;
+  for (auto& part : parts_) {
+    chunks.push_back({.forward = [&, model = part.get()](int m, const at::Tensor& input) {
+      ModelOutput out = model->forwardPart(idsOf[m], input, targetsOf[m]);
+      return parallel::PipelineOutput(out.loss, out.auxLoss);
+    }});
+  }
+  parallel::PipelineResult result = pipeline_.run(chunks);
+  tieEmbeddingGradients();
+
+  // The loss lives on the last stage (the same on every tp rank there): one
+  // contribution per data-parallel replica, summed over the world.
+  const bool counts = groups_.pp()->rank() == groups_.pp()->size() - 1 && groups_.tp()->rank() == 0;
+  at::Tensor loss = at::full({1}, counts ? result.meanLoss : 0.0,
+                             at::TensorOptions(at::kDouble).device(groups_.world()->device()));
+  groups_.world()->allReduce(loss)->wait();
+  return loss.item<double>() / groups_.dpCp()->size();
+}
+
+void StagedModel::tieEmbeddingGradients() {
+  c10::NoGradGuard noGrad;
+  at::Tensor owner, copy;
+  for (const auto& part : parts_) {
+    if (part->part().first) owner = part->embeddingWeight();
+    else if (part->part().last) copy = part->embeddingWeight();
+  }
+  auto gradOf = [](at::Tensor& weight) -> at::Tensor {
+    if (!weight.grad().defined()) weight.mutable_grad() = at::zeros_like(weight);
+    return weight.grad();
+  };
+  if (owner.defined() && copy.defined()) {  // both ends on this rank (pp 1, several chunks)
+    gradOf(owner).add_(gradOf(copy));
+    gradOf(copy).copy_(owner.grad());
+    return;
+  }
+  at::Tensor mine = owner.defined() ? owner : copy;
+  const CommunicatorPtr& embedding = groups_.embedding();
+  if (!mine.defined() || !embedding || embedding->size() < 2) return;
+  at::Tensor grad = gradOf(mine);
+  embedding->allReduce(grad)->wait();
+}
+
+std::vector<parallel::Parameter> StagedModel::parameters() const {
+  std::vector<parallel::Parameter> all;
+  for (const auto& part : parts_)
+    for (auto& parameter : part->parameters()) all.push_back(std::move(parameter));
+  return all;
+}
+
+std::vector<parallel::ShardedTensor> StagedModel::buffers() const {
+  std::vector<parallel::ShardedTensor> all;
+  for (const auto& part : parts_)
+    for (auto& buffer : part->buffers()) all.push_back(std::move(buffer));
+  return all;
+}
+
+const moe::MoELayer* StagedModel::firstMoeLayer() const {
+  for (const auto& part : parts_)
+    if (!part->moeLayers().empty()) return part->moeLayers().front().get();
+  return nullptr;
+}
+
+}  // namespace bulkhead::examples

@@ -1,0 +1,50 @@
+#pragma once
+// train_moe's model over a pipeline: this rank's parts of the MoE transformer
+// (stage = chunk * pp + pp rank; the layers split evenly over pp x vpp stages),
+// the schedule that runs them over micro-batches, and the sum of the tied
+// embedding's gradients between the first and the last stage. With pp = 1,
+// vpp = 1 and one micro-batch it is the whole model in one forward and one
+// backward.
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "examples/train_moe/model.h"
+#include "parallel/pipeline.h"
+
+namespace bulkhead::examples {
+
+struct StagedOptions {
+  int virtualStages = 1;  // chunks per pipeline rank (interleaved 1F1B when > 1)
+  int microBatches = 1;   // per step; this rank's batch rows must divide by it
+};
+
+class StagedModel {
+ public:
+  // ConfigError when the layers do not divide over pp x vpp stages.
+  StagedModel(const ModelConfig& config, const parallel::ProcessGroups& groups, StagedOptions options = {});
+
+  // Forward and backward of this rank's micro-batches (ids and targets
+  // [rows, sequence] each, microBatches of them); gradients accumulate in the
+  // parameters (the tied embedding's copies hold their sum). Returns the loss,
+  // the mean over every data-parallel rank's tokens, on every rank.
+  // Collective over the world.
+  double forwardBackward(const std::vector<at::Tensor>& ids, const std::vector<at::Tensor>& targets);
+
+  std::vector<parallel::Parameter> parameters() const;
+  std::vector<parallel::ShardedTensor> buffers() const;
+  // The first MoE layer this rank holds (its stats go in the log), or null.
+  const moe::MoELayer* firstMoeLayer() const;
+
+ private:
+  void tieEmbeddingGradients();
+
+  const parallel::ProcessGroups& groups_;
+  StagedOptions options_;
+  std::vector<std::unique_ptr<MoETransformer>> parts_;
+  parallel::Pipeline pipeline_;
+};
+
+}  // namespace bulkhead::examples
