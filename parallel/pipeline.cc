@@ -61,8 +61,10 @@ class Channel {
     words[6] = tensor.dim();
     for (int64_t d = 0; d < tensor.dim(); ++d) words[7 + d] = tensor.size(d);
     at::Tensor head = at::tensor(words, at::kLong).to(pp_.device());
-    pending_.push_back({pp_.send(head, peer, {.deadline = options_.deadline}), head});
-    pending_.push_back({pp_.send(tensor, peer, {.deadline = options_.deadline}), tensor});
+    const std::string label = fmt::format("stage {} micro-batch {} {}", header.fromStage, header.microBatch,
+                                          header.direction == Forward ? "forward" : "backward");
+    pending_.push_back({pp_.send(head, peer, {.deadline = options_.deadline, .label = label + " header"}), head});
+    pending_.push_back({pp_.send(tensor, peer, {.deadline = options_.deadline, .label = label}), tensor});
   }
 
   // The tensor of `key` from `peer`, reading the peer's messages until it comes.
@@ -90,9 +92,11 @@ class Channel {
       return fmt::format("pipeline stage {} (rank {} of {}) waited for micro-batch {}'s {} from stage {}", myStage,
                          pp_.rank(), pp_.name(), microBatch, describe(static_cast<Direction>(direction)), fromStage);
     };
-    auto received = [&](const at::Tensor& tensor) {
+    const std::string label =
+        fmt::format("stage {} micro-batch {} {}", myStage, microBatch, direction == Forward ? "forward" : "backward");
+    auto received = [&](const at::Tensor& tensor, const std::string& what) {
       try {
-        pp_.recv(tensor, peer, {.deadline = options_.deadline})->wait(options_.deadline);
+        pp_.recv(tensor, peer, {.deadline = options_.deadline, .label = what})->wait(options_.deadline);
       } catch (const TimeoutError& e) {
         const std::string last = lastFrom_.count(peer) ? lastFrom_[peer] : "none";
         throw TimeoutError(fmt::format("{}: stage {} never sent it (its last message to stage {}: {}). {}", expecting(),
@@ -108,7 +112,7 @@ class Channel {
       }
     };
     at::Tensor head = at::empty({kHeaderWords}, at::TensorOptions(at::kLong).device(pp_.device()));
-    received(head);
+    received(head, label + " header (next message)");
     head = head.cpu();
     const int64_t* w = head.data_ptr<int64_t>();
     if (w[0] != kMagic || w[6] < 0 || w[6] > kMaxDims || (w[1] != Forward && w[1] != Backward))
@@ -120,7 +124,8 @@ class Channel {
              .dtype = static_cast<at::ScalarType>(w[5]), .shape = std::vector<int64_t>(w + 7, w + 7 + w[6])};
     if (h.direction == Forward) checkActivation(h, myStage);
     at::Tensor tensor = at::empty(h.shape, at::TensorOptions(h.dtype).device(pp_.device()));
-    received(tensor);
+    received(tensor, fmt::format("from stage {} micro-batch {} {}", h.fromStage, h.microBatch,
+                                 h.direction == Forward ? "forward" : "backward"));
     lastFrom_[peer] = fmt::format("micro-batch {}'s {}", h.microBatch, describe(h.direction));
     mailbox_[{h.direction, h.toChunk, h.microBatch}] = std::move(tensor);
   }
@@ -154,6 +159,15 @@ struct Held {
 
 Pipeline::Pipeline(CommunicatorPtr pp, PipelineOptions options) : pp_(std::move(pp)), options_(std::move(options)) {
   if (!pp_) throw ConfigError("pipeline: no pp communicator", {.expected = "the pp group (ProcessGroups::pp())"});
+  // NCCL runs a send until its peer receives, in stream order: the schedule's
+  // send-then-receive between two neighbours needs them grouped
+  // (ncclGroupStart/End), which the communicator does not offer yet.
+  if (pp_->size() > 1 && std::string(pp_->backend()) == "nccl")
+    throw ConfigError(fmt::format("pipeline: {} runs on the nccl backend, whose sends and receives are not grouped "
+                                  "yet, so a schedule could stall on them; run pipelines of more than one stage "
+                                  "with the mpi backend (--backend mpi)",
+                                  pp_->name()),
+                      {.rank = pp_->rank(), .group = pp_->name(), .expected = "the mpi backend for pp > 1"});
 }
 
 PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {

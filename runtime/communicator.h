@@ -46,6 +46,9 @@ struct CallOptions {
   // Unset: the communicator's default timeout, counted from the call.
   std::optional<Deadline> deadline;
   StreamHandle stream = nullptr;
+  // Sends and receives: what the message is ("micro-batch 5 forward"), kept in
+  // the ledger with the operation and shown in its reports and dumps.
+  std::string label;
 };
 
 struct ReduceOptions {

@@ -65,6 +65,7 @@ std::string Fingerprint::describe() const {
   if (op == OpType::AllReduce || op == OpType::ReduceScatter) text += fmt::format(" {}", toString(reduce));
   if (op == OpType::Broadcast) text += fmt::format(" root {}", root);
   if (isPointToPoint(op)) text += fmt::format(" peer {}", root);
+  if (!label.empty()) text += fmt::format(" ({})", label);
   if (op == OpType::AllToAll)
     text += fmt::format(" send [{}] recv [{}]", fmt::join(sendSplits, ","), fmt::join(recvSplits, ","));
   return text;

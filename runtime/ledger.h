@@ -37,6 +37,7 @@ struct Fingerprint {
   ReduceOp reduce = ReduceOp::Sum;
   int root = -1;                  // broadcast root, or the peer of send/recv
   std::vector<int64_t> sendSplits, recvSplits;  // all-to-all only
+  std::string label;              // send/recv: the caller's CallOptions::label (not compared)
 
   // "all_to_all bf16 [4096 x 2048]"
   std::string describe() const;

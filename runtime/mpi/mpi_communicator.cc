@@ -206,6 +206,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     checks::peer(*this, peer, "peer");
     auto op = prepare(OpType::Send, tensor);
     op->fingerprint.root = peer;
+    op->fingerprint.label = options.label;
     int count = countOf(tensor.numel(), *this);
     return launch(op, options.deadline, "MPI_Isend", [&](MPI_Request* request) {
       return MPI_Isend(tensor.data_ptr(), count, datatype(tensor.scalar_type()), peer, kPointToPointTag, comm_,
@@ -218,6 +219,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     checks::peer(*this, peer, "peer");
     auto op = prepare(OpType::Recv, tensor);
     op->fingerprint.root = peer;
+    op->fingerprint.label = options.label;
     int count = countOf(tensor.numel(), *this);
     return launch(op, options.deadline, "MPI_Irecv", [&](MPI_Request* request) {
       return MPI_Irecv(tensor.data_ptr(), count, datatype(tensor.scalar_type()), peer, kPointToPointTag, comm_,

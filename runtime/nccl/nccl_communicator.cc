@@ -342,6 +342,7 @@ WorkPtr NcclCommunicator::send(at::Tensor tensor, int peer, CallOptions options)
   refuseSelf(*this, peer, "send");
   auto op = prepare(OpType::Send, tensor);
   op->fingerprint.root = peer;
+  op->fingerprint.label = options.label;
   return enqueue(op, options.deadline, options.stream, "ncclSend", [&](cudaStream_t stream) {
     return ncclSend(tensor.data_ptr(), tensor.numel(), datatype(tensor.scalar_type()), peer, comm_, stream);
   });
@@ -353,6 +354,7 @@ WorkPtr NcclCommunicator::recv(at::Tensor tensor, int peer, CallOptions options)
   refuseSelf(*this, peer, "recv");
   auto op = prepare(OpType::Recv, tensor);
   op->fingerprint.root = peer;
+  op->fingerprint.label = options.label;
   return enqueue(op, options.deadline, options.stream, "ncclRecv", [&](cudaStream_t stream) {
     return ncclRecv(tensor.data_ptr(), tensor.numel(), datatype(tensor.scalar_type()), peer, comm_, stream);
   });
