@@ -157,6 +157,8 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   if (shared) output = output + shared->join();
 
   lastLoads_ = routing.tokensPerExpert;
+  if (options_.router.expertBias)  // every micro-batch of a step counts towards the bias
+    pendingLoads_ = pendingLoads_.defined() ? pendingLoads_ + lastLoads_ : lastLoads_.clone();
   lastAux_ = routing.auxLoss.detach();
   lastZ_ = routing.zLoss.detach();
   lastDropped_ = routing.droppedSlots;
@@ -215,8 +217,9 @@ std::vector<parallel::Parameter> MoELayer::parameters() const {
 }
 
 void MoELayer::updateExpertBias(std::optional<Deadline> deadline) {
-  if (!options_.router.expertBias || !lastLoads_.defined()) return;
-  at::Tensor loads = lastLoads_.clone();
+  if (!options_.router.expertBias || !pendingLoads_.defined()) return;
+  at::Tensor loads = std::move(pendingLoads_);
+  pendingLoads_ = at::Tensor();
   const Deadline bound = deadline.value_or(parallel::collectiveDeadline(options_.timeout));
   dpCp_->allReduce(loads, {.deadline = bound})->wait(bound);
   router_.updateBias(loads);

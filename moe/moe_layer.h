@@ -95,9 +95,10 @@ class MoELayer {
   const Router& router() const { return router_; }
   Router& router() { return router_; }
 
-  // Aux-loss-free balancing: sums the last forward's loads over the dp x cp group
-  // (bounded by `deadline`, by default the layer's collective timeout) and
-  // moves the router bias. No-op unless enabled.
+  // Aux-loss-free balancing: sums the loads of every forward since the last
+  // update (all micro-batches of a step) over the dp x cp group (bounded by
+  // `deadline`, by default the layer's collective timeout) and moves the
+  // router bias. No-op unless enabled.
   void updateExpertBias(std::optional<Deadline> deadline = std::nullopt);
 
   // The stream the shared expert runs on beside the routed path, once a
@@ -123,6 +124,7 @@ class MoELayer {
   at::Tensor sharedW13_, sharedW2_;  // [2, F_s, H] (W1 then W3), [H, F_s]
   std::optional<c10::Stream> sharedStream_;  // where the shared expert runs on a GPU
   at::Tensor lastLoads_, lastAux_, lastZ_;
+  at::Tensor pendingLoads_;  // with expertBias: loads since the last updateExpertBias
   int64_t lastDropped_ = 0;
 };
 
