@@ -2,8 +2,9 @@
 // (parallel/process_groups.h), then checks each group: a timed all-reduce
 // (all-to-all on ep) on seeded data compared against a reference each rank
 // computes alone, and its algorithm bandwidth (slowest rank of the group).
-// Rank 0 prints one table. Exit 0 when every group works and none is far
-// slower than its peers; otherwise a diagnosis and a non-zero exit (the
+// Pipeline groups are checked with a message to the next stage and one back
+// (send/recv). Rank 0 prints one table. Exit 0 when every group works and
+// none is far slower than its peers; otherwise a diagnosis and a non-zero exit (the
 // error's code from guardedMain when a group fails, 1 for a wrong result or a
 // slow group).
 //
@@ -66,10 +67,57 @@ struct Measured {
   bool ok = true;       // the checked result equals the reference
 };
 
-// All-reduce (all-to-all on ep) of `bytes` per rank: one checked run, then
-// `iterations` timed ones, all under `deadline`.
+// The operation that checks and times a group of `kind`.
+const char* checkName(GroupKind kind) {
+  return kind == GroupKind::Ep ? "all_to_all" : kind == GroupKind::Pp ? "send/recv" : "all_reduce";
+}
+
+double medianOf(std::vector<double> times) {
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
+}
+
+// Pipeline neighbours: a message to the next stage and one back to the
+// previous (the pipeline's forward and backward traffic), each phase posting
+// its send and receive together; the forward message is checked against what
+// the previous stage sent.
+Measured measureNeighbours(Communicator& comm, int64_t numel, int iterations, Deadline deadline) {
+  const int n = comm.size(), me = comm.rank();
+  const std::vector<int>& members = comm.members();
+  at::Tensor out = input(members[me], numel, GroupKind::Pp).to(comm.device());
+  at::Tensor in = at::zeros_like(out);
+  auto exchange = [&] {
+    bool ok = true;  // both phases run whatever arrives, so no neighbour waits for a message that never comes
+    for (int direction : {+1, -1}) {
+      const int to = me + direction, from = me - direction;
+      std::vector<WorkPtr> works;
+      const std::string label = direction > 0 ? "doctor forward" : "doctor backward";
+      if (to >= 0 && to < n) works.push_back(comm.send(out, to, {.deadline = deadline, .label = label}));
+      if (from >= 0 && from < n) works.push_back(comm.recv(in, from, {.deadline = deadline, .label = label}));
+      for (auto& work : works) work->wait(deadline);
+      if (direction > 0 && me > 0) ok = ok && at::equal(in.cpu(), input(members[me - 1], numel, GroupKind::Pp));
+    }
+    return ok;
+  };
+  Measured result;
+  result.ok = exchange();
+  std::vector<double> times;
+  for (int i = 0; i < iterations; ++i) {
+    auto start = std::chrono::steady_clock::now();
+    exchange();
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  result.medianMs = medianOf(std::move(times));
+  return result;
+}
+
+// All-reduce (all-to-all on ep, send/recv between pipeline neighbours) of
+// `bytes` per rank: one checked run, then `iterations` timed ones, all under
+// `deadline`.
 Measured measure(Communicator& comm, GroupKind kind, int64_t bytes, int iterations, Deadline deadline) {
   int n = comm.size(), me = comm.rank();
+  if (kind == GroupKind::Pp && n > 1) return measureNeighbours(comm, std::max<int64_t>(n, bytes / 4 / n * n),
+                                                                iterations, deadline);
   const std::vector<int>& members = comm.members();
   at::Tensor sent = input(members[me], std::max<int64_t>(n, bytes / 4 / n * n), kind);
   int64_t numel = sent.numel(), chunk = numel / n;
@@ -101,8 +149,7 @@ Measured measure(Communicator& comm, GroupKind kind, int64_t bytes, int iteratio
     run();
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
-  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-  result.medianMs = times[times.size() / 2];
+  result.medianMs = medianOf(std::move(times));
   return result;
 }
 
@@ -114,6 +161,7 @@ struct Row {
   bool ok = true;
   double gbps() const { return opMs > 0 ? bytes / (opMs * 1e6) : 0; }
   int64_t bytes = 0;
+  const char* check = "all_reduce";
 };
 
 double median(std::vector<double> values) {
@@ -202,10 +250,12 @@ int main(int argc, char** argv) {
                 .size = static_cast<int>(layout.groups(kind)[g].size()),
                 .createMs = s[0], .warmMs = s[1], .opMs = s[2], .ok = s[3] == 0};
         row.bytes = row.size > 1 ? std::max<int64_t>(row.size, options.bytes / 4 / row.size * row.size) * 4 : 0;
+        if (kind == GroupKind::Pp) row.bytes *= 2;  // a message forward and one backward
+        row.check = checkName(kind);
         if (!row.ok)
           problems.push_back(fmt::format("{} (ranks {}) returned a WRONG {} result: check its links and GPUs",
                                          row.name, fmt::join(layout.groups(kind)[g], ","),
-                                         kind == GroupKind::Ep ? "all-to-all" : "all-reduce"));
+                                         checkName(kind)));
         ofKind.push_back(row);
       }
       // Same kind means same size and same traffic: compare within the kind.
@@ -236,6 +286,7 @@ int main(int argc, char** argv) {
           }
           rest.opMs = slowest;
           rest.bytes = ofKind[g].bytes;
+          rest.check = ofKind[g].check;
           rows.push_back(rest);
           break;
         }
@@ -248,7 +299,7 @@ int main(int argc, char** argv) {
       for (const Row& row : rows) {
         bool traffic = row.size > 1;
         fmt::print("{:<22} {:>5} {:>10.2f} {:>10.2f} {:>11} {:>6} {:>10}\n", row.name, row.size, row.createMs,
-                   row.warmMs, !traffic ? "-" : row.name.rfind("ep[", 0) == 0 ? "all_to_all" : "all_reduce",
+                   row.warmMs, !traffic ? "-" : row.check,
                    !traffic ? "-" : row.ok ? "ok" : "WRONG", traffic ? fmt::format("{:.3f}", row.gbps()) : "-");
       }
       if (problems.empty()) {

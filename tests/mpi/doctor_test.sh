@@ -34,7 +34,15 @@ done
 grep -q "WRONG\|failed" "$out/log" && fail "the healthy run reported a problem"
 rows=$(grep -c " ok " "$out/log")
 [ "$rows" -ge 10 ] || fail "only $rows groups checked ok"
-[ "$mode" = healthy ] && { echo "PASS: $rows groups checked ok"; exit 0; }
+if [ "$mode" = healthy ]; then
+  # Pipeline neighbours (pp 2): a message forward and one back, checked and timed.
+  timeout 120 "$mpirun" --oversubscribe -np 4 "$doctor" --pp 2 --tp 2 --backend mpi --bytes 1M >"$out/log" 2>&1 ||
+    grep -q "is SLOW" "$out/log" || fail "the doctor at pp 2 exited non-zero"
+  grep -E "^pp\[[01]\] " "$out/log"
+  [ "$(grep -cE "^pp\[[01]\] +2 .* send/recv +ok " "$out/log")" -eq 2 ] || fail "the pp groups' send/recv rows are missing"
+  echo "PASS: $rows groups checked ok; pp 2 neighbours checked with send/recv"
+  exit 0
+fi
 
 # The manager's splits run in allGroupKinds() order; ep is the 9th (index 8).
 first=$(sed -n 's/.*splits of world at seq \([0-9]*\)\.\..*/\1/p' "$out/log")
