@@ -25,11 +25,11 @@ App::App(std::string description, std::string name) : CLI::App(std::move(descrip
 
 namespace {
 
-// An option `name` ("--tp", "-h") of `app` or of an app above it.
-bool known(const CLI::App* app, const std::string& name) {
+// The option `name` ("--tp", "-h") of `app` or of an app above it, or null.
+const CLI::Option* known(const CLI::App* app, const std::string& name) {
   for (; app != nullptr; app = app->get_parent())
-    if (app->get_option_no_throw(name) != nullptr) return true;
-  return false;
+    if (const CLI::Option* option = app->get_option_no_throw(name)) return option;
+  return nullptr;
 }
 
 // CLI11 checks required options and subcommands before it reports arguments
@@ -43,8 +43,10 @@ void checkNames(const CLI::App& app, int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--") return;
     if (arg.size() > 2 && arg.rfind("--", 0) == 0) {
-      const std::string name = arg.substr(0, arg.find('='));
-      if (!known(current, name)) throw CLI::ExtrasError({arg});
+      const size_t equals = arg.find('=');
+      const CLI::Option* option = known(current, arg.substr(0, equals));
+      if (option == nullptr) throw CLI::ExtrasError({arg});
+      if (equals == std::string::npos && option->get_expected_min() > 0) ++i;  // its value, whatever it looks like
       continue;
     }
     if (arg.size() > 1 && arg[0] == '-') continue;  // short flags and negative numbers: CLI11 judges them

@@ -14,7 +14,7 @@ namespace bulkhead::parallel {
 namespace {
 
 constexpr int64_t kMagic = 0x42484b5049504531;  // "BHKPIPE1"
-constexpr int kHeaderWords = 16, kMaxDims = kHeaderWords - 7;
+constexpr int kHeaderWords = 16, kDims = 8, kMaxDims = kHeaderWords - kDims;
 
 enum Direction : int64_t { Forward = 0, Backward = 1 };
 const char* describe(Direction d) { return d == Forward ? "forward activations" : "backward gradients"; }
@@ -22,7 +22,7 @@ const char* describe(Direction d) { return d == Forward ? "forward activations" 
 // What travels ahead of each tensor.
 struct Header {
   Direction direction = Forward;
-  int64_t fromStage = 0, toChunk = 0, microBatch = 0;
+  int64_t fromStage = 0, toChunk = 0, microBatch = 0, run = 0;
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;
 };
@@ -38,13 +38,14 @@ std::string shapeText(at::ScalarType dtype, const std::vector<int64_t>& shape) {
 // the end of the run; receives read a peer's messages in order into a mailbox.
 class Channel {
  public:
-  Channel(Communicator& pp, const PipelineOptions& options) : pp_(pp), options_(options) {}
+  Channel(Communicator& pp, const PipelineOptions& options, int64_t run) : pp_(pp), options_(options), run_(run) {}
 
   void send(int peer, const Header& header, at::Tensor tensor) {
     if (peer == pp_.rank()) {  // pp = 1: chunk to chunk on this rank
       mailbox_[{header.direction, header.toChunk, header.microBatch}] = std::move(tensor);
       return;
     }
+    prune();
     tensor = tensor.contiguous();
     if (static_cast<int>(tensor.dim()) > kMaxDims)
       throw ConfigError(fmt::format("pipeline: a {}-dimensional activation is more than the {} dimensions a message "
@@ -59,12 +60,14 @@ class Channel {
     words[4] = header.microBatch;
     words[5] = static_cast<int64_t>(tensor.scalar_type());
     words[6] = tensor.dim();
-    for (int64_t d = 0; d < tensor.dim(); ++d) words[7 + d] = tensor.size(d);
+    words[7] = run_;
+    for (int64_t d = 0; d < tensor.dim(); ++d) words[kDims + d] = tensor.size(d);
     at::Tensor head = at::tensor(words, at::kLong).to(pp_.device());
     const std::string label = fmt::format("stage {} micro-batch {} {}", header.fromStage, header.microBatch,
                                           header.direction == Forward ? "forward" : "backward");
-    pending_.push_back({pp_.send(head, peer, {.deadline = options_.deadline, .label = label + " header"}), head});
-    pending_.push_back({pp_.send(tensor, peer, {.deadline = options_.deadline, .label = label}), tensor});
+    // The Work keeps its tensor until the send completes (the communicator's contract).
+    pending_.push_back(pp_.send(head, peer, {.deadline = deadline(), .label = label + " header"}));
+    pending_.push_back(pp_.send(tensor, peer, {.deadline = deadline(), .label = label}));
   }
 
   // The tensor of `key` from `peer`, reading the peer's messages until it comes.
@@ -79,13 +82,36 @@ class Channel {
     }
   }
 
-  // Waits for every send of this run.
+  // Waits for every send of this run; a message nobody took is a desync.
   void finish() {
-    for (auto& [work, tensor] : pending_) work->wait(options_.deadline);
+    for (auto& work : pending_) work->wait();
     pending_.clear();
+    if (!mailbox_.empty()) {
+      auto [direction, chunk, microBatch] = mailbox_.begin()->first;
+      throw DesyncError(fmt::format("pipeline: {} message(s) arrived that no step of this run took, the first "
+                                    "micro-batch {}'s {} for chunk {}: the stages run different schedules",
+                                    mailbox_.size(), microBatch, describe(static_cast<Direction>(direction)),
+                                    chunk),
+                        {.rank = pp_.rank(), .group = pp_.name(), .expected = "the same schedule on every stage"});
+    }
   }
 
  private:
+  std::optional<Deadline> deadline() const {
+    if (!options_.timeoutSeconds) return std::nullopt;
+    return Deadline::afterSeconds(*options_.timeoutSeconds);
+  }
+
+  // Lets go of completed sends (raising the error one ended with).
+  void prune() {
+    std::vector<WorkPtr> still;
+    for (auto& work : pending_) {
+      if (!work->isCompleted()) still.push_back(std::move(work));
+      else if (work->exception()) std::rethrow_exception(work->exception());
+    }
+    pending_ = std::move(still);
+  }
+
   void receiveNext(int peer, const Key& key, int myStage, int fromStage) {
     auto [direction, chunk, microBatch] = key;
     auto expecting = [&] {
@@ -96,7 +122,7 @@ class Channel {
         fmt::format("stage {} micro-batch {} {}", myStage, microBatch, direction == Forward ? "forward" : "backward");
     auto received = [&](const at::Tensor& tensor, const std::string& what) {
       try {
-        pp_.recv(tensor, peer, {.deadline = options_.deadline, .label = what})->wait(options_.deadline);
+        pp_.recv(tensor, peer, {.deadline = deadline(), .label = what})->wait();
       } catch (const TimeoutError& e) {
         const std::string last = lastFrom_.count(peer) ? lastFrom_[peer] : "none";
         throw TimeoutError(fmt::format("{}: stage {} never sent it (its last message to stage {}: {}). {}", expecting(),
@@ -121,13 +147,24 @@ class Channel {
                                     expecting(), peer),
                         {.rank = pp_.rank(), .group = pp_.name()});
     Header h{.direction = static_cast<Direction>(w[1]), .fromStage = w[2], .toChunk = w[3], .microBatch = w[4],
-             .dtype = static_cast<at::ScalarType>(w[5]), .shape = std::vector<int64_t>(w + 7, w + 7 + w[6])};
+             .run = w[7], .dtype = static_cast<at::ScalarType>(w[5]),
+             .shape = std::vector<int64_t>(w + kDims, w + kDims + w[6])};
+    const Key arrived{h.direction, h.toChunk, h.microBatch};
+    // The stage that feeds (direction, chunk) here: the previous one forward, the next one backward.
+    const int64_t receiver = h.toChunk * pp_.size() + pp_.rank();
+    const int64_t sender = h.direction == Forward ? receiver - 1 : receiver + 1;
+    if (h.run != run_ || h.fromStage != sender || mailbox_.count(arrived))
+      throw DesyncError(fmt::format("{}, but rank {} sent micro-batch {}'s {} from stage {} of run {} (this is run "
+                                    "{}{}): the stages run different schedules, or a run was repeated after an error",
+                                    expecting(), peer, h.microBatch, describe(h.direction), h.fromStage, h.run, run_,
+                                    mailbox_.count(arrived) ? ", and that message came twice" : ""),
+                        {.rank = pp_.rank(), .group = pp_.name()});
     if (h.direction == Forward) checkActivation(h, myStage);
     at::Tensor tensor = at::empty(h.shape, at::TensorOptions(h.dtype).device(pp_.device()));
     received(tensor, fmt::format("from stage {} micro-batch {} {}", h.fromStage, h.microBatch,
                                  h.direction == Forward ? "forward" : "backward"));
     lastFrom_[peer] = fmt::format("micro-batch {}'s {}", h.microBatch, describe(h.direction));
-    mailbox_[{h.direction, h.toChunk, h.microBatch}] = std::move(tensor);
+    mailbox_[arrived] = std::move(tensor);
   }
 
   void checkActivation(const Header& h, int myStage) {
@@ -146,8 +183,9 @@ class Channel {
   Communicator& pp_;
   const PipelineOptions& options_;
   std::map<Key, at::Tensor> mailbox_;
+  int64_t run_;
   std::map<int, std::string> lastFrom_;
-  std::vector<std::pair<WorkPtr, at::Tensor>> pending_;
+  std::vector<WorkPtr> pending_;
 };
 
 // What one micro-batch of one chunk keeps between its forward and backward.
@@ -176,7 +214,7 @@ PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {
   const auto steps = pipelineSteps(options_.schedule, {.stages = P, .rank = r, .virtualStages = V, .microBatches = M});
   const int lastStage = P * V - 1, next = (r + 1) % P, previous = (r + P - 1) % P;
   const double scale = options_.lossScale > 0 ? options_.lossScale : 1.0 / M;
-  Channel channel(*pp_, options_);
+  Channel channel(*pp_, options_, runs_++);
   std::map<std::pair<int, int>, Held> held;  // (chunk, micro-batch)
   PipelineResult result;
   std::vector<double> losses(M, 0.0);

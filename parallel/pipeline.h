@@ -21,9 +21,12 @@
 //   micro-batch's loss and auxiliary losses scaled by lossScale (default 1 / M,
 //   so the gradients are those of the mean loss).
 // - Every activation and gradient goes with a header (direction, stage,
-//   micro-batch, dtype, shape) ahead of it, so any shape can travel and the
-//   receiver allocates exactly what comes. Messages between two ranks are
-//   read in the order they were sent and kept until their step needs them.
+//   micro-batch, the run's number, dtype, shape) ahead of it, so any shape
+//   can travel and the receiver allocates exactly what comes. Messages
+//   between two ranks are read in the order they were sent and kept until
+//   their step needs them; one from another stage or another run, or one
+//   left over at the end of a run, is a DesyncError. A sent tensor is let go
+//   of as soon as its send completes.
 //   With activationShape or activationDtype set, a forward activation of
 //   another shape or dtype is a DesyncError naming both stages and the
 //   micro-batch.
@@ -64,8 +67,9 @@ struct PipelineOptions {
   // Optional checks of the forward activations a stage receives.
   std::function<std::vector<int64_t>(int microBatch)> activationShape;
   std::optional<at::ScalarType> activationDtype;
-  // Each send and receive; unset: the communicator's default timeout from each call.
-  std::optional<Deadline> deadline;
+  // Seconds each send and receive may take, from its call; unset: the
+  // communicator's default timeout.
+  std::optional<double> timeoutSeconds;
 };
 
 struct PipelineResult {
@@ -83,6 +87,7 @@ class Pipeline {
  private:
   CommunicatorPtr pp_;
   PipelineOptions options_;
+  int64_t runs_ = 0;  // run() calls so far: a message of another run is a DesyncError
 };
 
 }  // namespace bulkhead::parallel

@@ -5,14 +5,18 @@
 // the V chunks r, P + r, 2P + r, ... (Megatron-LM's interleaved layout), so
 // stage g = chunk * P + r. Activations of micro-batch m flow from stage g to
 // g + 1 and their gradients back. Schedules, each a list per rank:
-//   AllForwardAllBackward  every forward, then every backward: the simple
-//                          reference; keeps all M micro-batches' activations.
+//   AllForwardAllBackward  every forward (chunk by chunk), then every backward:
+//                          the simple reference; keeps all M micro-batches'
+//                          activations. Any V.
 //   OneFOneB               (V = 1) P - r - 1 warm-up forwards, then one forward
 //                          and one backward in turn, then the remaining
 //                          backwards: the first stage keeps at most P
 //                          micro-batches' activations.
-//   Interleaved            (V > 1) 1F1B over virtual micro-batches (Megatron-LM's
-//                          interleaved schedule); M must be a multiple of P.
+//   Interleaved            1F1B over virtual micro-batches (Megatron-LM's
+//                          interleaved schedule: (P - r - 1) * 2 + (V - 1) * P
+//                          warm-up steps, every forward first when M == P); M
+//                          must be a multiple of P. Meant for V > 1; at V = 1
+//                          it runs, with more warm-up than OneFOneB.
 // Backwards of one chunk run in micro-batch order, so gradients accumulate in
 // the same order under every schedule.
 
@@ -39,7 +43,7 @@ struct PipelineShape {
 };
 
 // This rank's steps under `schedule`; ConfigError for shapes it cannot run
-// (V > 1 outside Interleaved, M not a multiple of P when interleaving).
+// (OneFOneB with V > 1, M not a multiple of P when interleaving).
 std::vector<PipelineStep> pipelineSteps(PipelineSchedule schedule, const PipelineShape& shape);
 
 }  // namespace bulkhead::parallel

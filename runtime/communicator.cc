@@ -15,12 +15,10 @@ Communicator::Injected Communicator::injectFault(Fingerprint& fingerprint) {
   if (!fault::armed()) return Injected::None;
   // Point-to-point operations are numbered on their own (Ledger::issue).
   const LedgerHeads heads = ledger_->heads();
-  auto action = fault::inject(*this, (isPointToPoint(fingerprint.op) ? heads.lastIssuedP2P : heads.lastIssued) + 1);
+  const bool pointToPoint = isPointToPoint(fingerprint.op);
+  auto action = fault::inject(*this, (pointToPoint ? heads.lastIssuedP2P : heads.lastIssued) + 1, pointToPoint);
   if (!action) return Injected::None;
   if (*action == fault::Action::Skip) return Injected::Skip;
-  // A send or receive has no fingerprint its peer compares: the mismatches
-  // apply to collectives only (skip, delay and exit apply to both).
-  if (isPointToPoint(fingerprint.op)) return Injected::None;
   fingerprint = fault::mismatch(fingerprint, *action);
   return Injected::Stall;
 }

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -84,10 +85,15 @@ bool armed() {
   return set;
 }
 
-std::optional<Action> inject(const Communicator& comm, uint64_t seq) {
+std::optional<Action> inject(const Communicator& comm, uint64_t seq, bool pointToPoint) {
   const auto& fault = configured();
   if (!fault || fault->seq != seq || fault->group != comm.name()) return std::nullopt;
   if (comm.members().at(comm.rank()) != fault->rank) return std::nullopt;
+  const bool mismatch = fault->action == Action::MismatchOp || fault->action == Action::MismatchSize;
+  if (pointToPoint && mismatch) return std::nullopt;  // a send or receive has nothing to mismatch
+  // One operation: a skipped one is not numbered, so the next would carry its seq again.
+  static std::atomic<bool> fired{false};
+  if (fired.exchange(true)) return std::nullopt;
   log::warn("fault", "injecting a fault at group {} seq {} ({})", comm.name(), seq, env::kFault.text());
   if (fault->action == Action::Delay) {
     std::this_thread::sleep_for(std::chrono::duration<double>(fault->delaySeconds));

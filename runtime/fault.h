@@ -39,10 +39,11 @@ Fault parse(const std::string& text);
 // Whether BULKHEAD_FAULT is set at all: one load on the hot path otherwise.
 bool armed();
 
-// The fault configured for collective `seq` of `comm` on this rank, if any.
-// Delay and exit are carried out here; skip and the mismatches are returned
-// for the backend to apply.
-std::optional<Action> inject(const Communicator& comm, uint64_t seq);
+// The fault configured for operation `seq` of `comm` on this rank, if any
+// (the mismatches only for collectives), once per process. Delay and exit are
+// carried out here; skip and the mismatches are returned for the backend to
+// apply.
+std::optional<Action> inject(const Communicator& comm, uint64_t seq, bool pointToPoint = false);
 
 // The fingerprint a mismatching rank issues instead of `fingerprint`.
 Fingerprint mismatch(const Fingerprint& fingerprint, Action action);

@@ -24,6 +24,10 @@ StagedModel::StagedModel(const ModelConfig& config, const parallel::ProcessGroup
     throw ConfigError(fmt::format("model: {} layers do not divide over {} pipeline stages (pp {} x vpp {})",
                                   config.layers, stages, pp, options.virtualStages),
                       {.rank = groups.world()->rank(), .expected = fmt::format("layers a multiple of {}", stages)});
+  // The schedule's own checks (micro-batches a multiple of pp when interleaving) before any work.
+  parallel::pipelineSteps(pipelineOptions(options).schedule, {.stages = pp, .rank = rank,
+                                                               .virtualStages = options.virtualStages,
+                                                               .microBatches = options.microBatches});
   const int perStage = config.layers / stages;
   for (int chunk = 0; chunk < options.virtualStages; ++chunk) {
     const int stage = chunk * pp + rank;
