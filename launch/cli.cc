@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
-#include <map>
 
 #ifndef BULKHEAD_VERSION
 #error "BULKHEAD_VERSION is set by launch/CMakeLists.txt"
@@ -111,7 +110,6 @@ CLI::Validator nonNegative() { return atLeast(0, true, "NONNEGATIVE", "a number 
 
 namespace {
 
-const std::map<std::string, Backend> kBackends{{"auto", Backend::Auto}, {"mpi", Backend::Mpi}, {"nccl", Backend::Nccl}};
 constexpr const char* kBackendHelp =
     "communication backend: auto (nccl when every rank has a GPU of its own), mpi or nccl";
 
@@ -120,7 +118,7 @@ constexpr const char* kBackendHelp =
 CLI::Option* addBackend(CLI::App& app, Backend& backend) {
   return app
       .add_option_function<std::string>(
-          "--backend", [&backend](const std::string& name) { backend = kBackends.at(name); }, kBackendHelp)
+          "--backend", [&backend](const std::string& name) { backend = parseBackend(name); }, kBackendHelp)
       ->check(CLI::IsMember({"auto", "mpi", "nccl"}))
       ->default_str(toString(backend));
 }
@@ -128,7 +126,7 @@ CLI::Option* addBackend(CLI::App& app, Backend& backend) {
 CLI::Option* addBackend(CLI::App& app, std::optional<Backend>& backend) {
   return app
       .add_option_function<std::string>(
-          "--backend", [&backend](const std::string& name) { backend = kBackends.at(name); },
+          "--backend", [&backend](const std::string& name) { backend = parseBackend(name); },
           std::string(kBackendHelp) + " (default: BULKHEAD_BACKEND)")
       ->check(CLI::IsMember({"auto", "mpi", "nccl"}));
 }

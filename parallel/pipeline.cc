@@ -217,7 +217,7 @@ PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {
   Channel channel(*pp_, options_, runs_++);
   std::map<std::pair<int, int>, Held> held;  // (chunk, micro-batch)
   PipelineResult result;
-  std::vector<double> losses(M, 0.0);
+  std::vector<at::Tensor> losses(M);
 
   for (const PipelineStep& step : steps) {
     const int stage = step.chunk * P + r, m = step.microBatch;
@@ -234,7 +234,7 @@ PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {
                                         "not its loss",
                                         output.numel(), m),
                             {.rank = r, .group = pp_->name(), .expected = "a scalar loss"});
-        losses[m] = output.detach().to(at::kDouble).item<double>();
+        losses[m] = output.detach().to(at::kDouble).reshape({});
       } else {
         const int toChunk = r == P - 1 ? step.chunk + 1 : step.chunk;
         channel.send(next, {.direction = Forward, .fromStage = stage, .toChunk = toChunk, .microBatch = m},
@@ -263,8 +263,7 @@ PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {
   }
   channel.finish();
   if (r == P - 1) {  // the last stage lives on the last rank
-    result.losses = losses;
-    for (double loss : losses) result.meanLoss += loss / M;
+    result.losses = at::stack(losses);
   }
   return result;
 }

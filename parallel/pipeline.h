@@ -73,8 +73,10 @@ struct PipelineOptions {
 };
 
 struct PipelineResult {
-  std::vector<double> losses;    // the last stage's per micro-batch loss (unscaled); empty on other ranks
-  double meanLoss = 0;           // their mean, on the last stage
+  // The last stage's loss of each micro-batch (unscaled), float64 [M] on the
+  // communicator's device, read by nothing here (no host sync in the step);
+  // undefined on other ranks.
+  at::Tensor losses;
   int maxLiveActivations = 0;    // most micro-batches (over this rank's chunks) held for backward at once
 };
 

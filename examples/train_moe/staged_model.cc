@@ -56,8 +56,8 @@ double StagedModel::forwardBackward(const std::vector<at::Tensor>& idsOf, const 
   // The loss lives on the last stage (the same on every tp rank there): one
   // contribution per data-parallel replica, summed over the world.
   const bool counts = groups_.pp()->rank() == groups_.pp()->size() - 1 && groups_.tp()->rank() == 0;
-  at::Tensor loss = at::full({1}, counts ? result.meanLoss : 0.0,
-                             at::TensorOptions(at::kDouble).device(groups_.world()->device()));
+  at::Tensor loss = counts ? result.losses.mean().reshape({1})
+                           : at::zeros({1}, at::TensorOptions(at::kDouble).device(groups_.world()->device()));
   groups_.world()->allReduce(loss)->wait();
   return loss.item<double>() / groups_.dpCp()->size();
 }

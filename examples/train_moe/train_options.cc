@@ -6,16 +6,10 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <map>
 
+#include "checkpoint/dtype.h"
 
 namespace bulkhead::examples {
-namespace {
-
-const std::map<std::string, at::ScalarType> kDtypes{
-    {"float32", at::kFloat}, {"float64", at::kDouble}, {"bfloat16", at::kBFloat16}};
-
-}  // namespace
 
 void addTrainFlags(CLI::App& app, TrainOptions& o) {
   auto& m = o.model;
@@ -39,15 +33,15 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   app.add_option("--experts", m.experts, "experts per MoE layer")->check(positive)->group("Model");
   app.add_option("--topk", m.topK, "experts each token goes to")->check(positive)->group("Model");
   app.add_option("--shared-ffn", m.sharedFfn, "a shared expert of this hidden size (0: none)")
-      ->check(cli::nonNegative())->group("Model");
+      ->check(count)->group("Model");
   app.add_option("--aux-coeff", m.auxLossCoeff, "load-balancing loss coefficient")
-      ->check(cli::nonNegative())->group("Model");
-  app.add_option("--z-coeff", m.zLossCoeff, "router z-loss coefficient")->check(cli::nonNegative())->group("Model");
+      ->check(count)->group("Model");
+  app.add_option("--z-coeff", m.zLossCoeff, "router z-loss coefficient")->check(count)->group("Model");
   app.add_option("--capacity", m.capacityFactor, "expert capacity factor (0: dropless)")
-      ->check(cli::nonNegative())->group("Model");
+      ->check(count)->group("Model");
   app.add_flag_callback("--per-slot", [&m] { m.oncePerRank = false; },
                         "dispatch once per selected expert, not once per destination rank")->group("Model");
-  app.add_option_function<std::string>("--dtype", [&m](const std::string& name) { m.dtype = kDtypes.at(name); },
+  app.add_option_function<std::string>("--dtype", [&m](const std::string& name) { m.dtype = *checkpoint::parseDtype(name); },
                                        "parameter and activation dtype")
       ->check(CLI::IsMember({"float32", "float64", "bfloat16"}))->default_str("float32")->group("Model");
   app.add_option("--seed", m.seed, "seed of the weights and the data")->group("Model");
@@ -58,16 +52,17 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   app.add_option("--steps", o.steps, "length of the schedule")->check(positive)->group("Training");
   app.add_option("--stop-after", o.stopAfter, "stop (and save) after this step, as a job time limit would; 0: never")
       ->check(count)->group("Training");
-  app.add_option("--lr", o.lr, "peak learning rate")->check(cli::positive())->group("Training");
+  app.add_option("--lr", o.lr, "peak learning rate")->check(positive)->group("Training");
   app.add_option("--warmup", o.warmup, "warm-up steps")->check(count)->group("Training");
-  app.add_option("--clip", o.clip, "global gradient-norm clip (0: none)")->check(cli::nonNegative())
+  app.add_option("--clip", o.clip, "global gradient-norm clip (0: none)")->check(count)
       ->group("Training");
   app.add_option("--log-interval", o.logInterval, "steps between log lines")->check(positive)->group("Training");
   // Checkpoints.
   app.add_option("--ckpt-dir", o.checkpointDir, "checkpoint folder (empty: no checkpoints)")->group("Checkpoints");
   app.add_option("--ckpt-interval", o.checkpointInterval, "steps between saves (0: only at the end)")
       ->check(count)->group("Checkpoints");
-  app.add_option("--keep", o.keep, "committed checkpoints kept (0: all)")->check(cli::nonNegative())->group("Checkpoints");
+  app.add_option("--keep", o.keep, "committed checkpoints kept (0: all)")->check(count)
+      ->group("Checkpoints");
   app.add_option("--resume", o.resume, "latest or a step number")->group("Checkpoints");
   // Tests.
   app.add_option("--loss-log", o.lossLog, "rank 0 appends 'step loss grad_norm' per step to this file")

@@ -72,9 +72,10 @@ const char* checkName(GroupKind kind) {
   return kind == GroupKind::Ep ? "all_to_all" : kind == GroupKind::Pp ? "send/recv" : "all_reduce";
 }
 
-double medianOf(std::vector<double> times) {
-  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-  return times[times.size() / 2];
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  size_t n = values.size();
+  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
 // Pipeline neighbours: a message to the next stage and one back to the
@@ -108,7 +109,7 @@ Measured measureNeighbours(Communicator& comm, int64_t numel, int iterations, De
     exchange();
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
-  result.medianMs = medianOf(std::move(times));
+  result.medianMs = median(std::move(times));
   return result;
 }
 
@@ -150,7 +151,7 @@ Measured measure(Communicator& comm, GroupKind kind, int64_t bytes, int iteratio
     run();
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
-  result.medianMs = medianOf(std::move(times));
+  result.medianMs = median(std::move(times));
   return result;
 }
 
@@ -165,11 +166,6 @@ struct Row {
   const char* check = "all_reduce";
 };
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  size_t n = values.size();
-  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
 
 }  // namespace
 

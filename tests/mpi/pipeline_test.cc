@@ -76,11 +76,13 @@ Run runPipeline(PipelineSchedule schedule, int stages, int virtualStages) {
 Run reference() {
   Run run;
   for (int l = 0; l < kLayers; ++l) run.layers.push_back(l);
+  std::vector<at::Tensor> losses;
   for (int m = 0; m < kMicroBatches; ++m) {
     at::Tensor loss = (run.chain.layers(inputOf(m), 0, kLayers) - targetOf(m)).pow(2).mean();
-    run.result.losses.push_back(loss.item<double>());
+    losses.push_back(loss.detach());
     (loss / kMicroBatches).backward();
   }
+  run.result.losses = at::stack(losses);
   return run;
 }
 
@@ -93,11 +95,14 @@ void checkAgainst(const Run& run, const Run& ref, int stages) {
     CHECK(at::allclose(run.chain.biases[l].grad(), ref.chain.biases[l].grad(), 1e-12, 0));
   }
   if (world().rank() % stages == stages - 1) {  // the last stage
-    REQUIRE(run.result.losses.size() == ref.result.losses.size());
-    for (size_t m = 0; m < ref.result.losses.size(); ++m)
-      CHECK(std::abs(run.result.losses[m] - ref.result.losses[m]) <= 1e-12 * std::abs(ref.result.losses[m]));
+    REQUIRE(run.result.losses.defined());
+    REQUIRE(run.result.losses.numel() == ref.result.losses.numel());
+    for (int64_t m = 0; m < ref.result.losses.numel(); ++m) {
+      const double got = run.result.losses[m].item<double>(), want = ref.result.losses[m].item<double>();
+      CHECK(std::abs(got - want) <= 1e-12 * std::abs(want));
+    }
   } else {
-    CHECK(run.result.losses.empty());
+    CHECK(!run.result.losses.defined());
   }
 }
 
