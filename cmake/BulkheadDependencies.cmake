@@ -37,3 +37,40 @@ if(BULKHEAD_WITH_NCCL)
 else()
   message(STATUS "Bulkhead: no CUDA Toolkit or NCCL found: building the CPU (mpi) backend only")
 endif()
+
+# Gloo (the CPU backend of jobs started without MPI): the distribution's
+# (libgloo-dev), else the copy libtorch carries (PyTorch's wheels ship its
+# headers and export its symbols from libtorch_cpu).
+set(BULKHEAD_GLOO AUTO CACHE STRING "Build the gloo backend: AUTO, ON or OFF")
+set(BULKHEAD_WITH_GLOO OFF)
+if(NOT BULKHEAD_GLOO STREQUAL "OFF")
+  find_package(Gloo CONFIG QUIET)
+  if(TARGET gloo)
+    set(BULKHEAD_WITH_GLOO ON)
+    message(STATUS "Bulkhead: Gloo ${GLOO_VERSION} found: the gloo backend is on")
+  else()
+    find_path(BULKHEAD_TORCH_GLOO_INCLUDE gloo/rendezvous/context.h HINTS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
+    if(BULKHEAD_TORCH_GLOO_INCLUDE)
+      include(CheckCXXSourceCompiles)
+      set(CMAKE_REQUIRED_INCLUDES ${BULKHEAD_TORCH_GLOO_INCLUDE})
+      set(CMAKE_REQUIRED_LIBRARIES ${TORCH_LIBRARIES})
+      check_cxx_source_compiles([=[
+        #include <gloo/transport/tcp/device.h>
+        #include <gloo/rendezvous/context.h>
+        int main() { auto d = gloo::transport::tcp::CreateDevice(gloo::transport::tcp::attr("127.0.0.1"));
+                     gloo::rendezvous::Context c(0, 1); return d ? 0 : 1; }]=] BULKHEAD_TORCH_GLOO_LINKS)
+      unset(CMAKE_REQUIRED_INCLUDES)
+      unset(CMAKE_REQUIRED_LIBRARIES)
+      if(BULKHEAD_TORCH_GLOO_LINKS)
+        set(BULKHEAD_WITH_GLOO ON)
+        message(STATUS "Bulkhead: using the Gloo inside libtorch: the gloo backend is on")
+      endif()
+    endif()
+  endif()
+  if(NOT BULKHEAD_WITH_GLOO AND BULKHEAD_GLOO STREQUAL "ON")
+    message(FATAL_ERROR "BULKHEAD_GLOO=ON but Gloo was not found (install libgloo-dev)")
+  endif()
+endif()
+if(NOT BULKHEAD_WITH_GLOO)
+  message(STATUS "Bulkhead: no Gloo found: jobs need mpirun (install libgloo-dev for the gloo backend)")
+endif()

@@ -111,7 +111,8 @@ CLI::Validator nonNegative() { return atLeast(0, true, "NONNEGATIVE", "a number 
 namespace {
 
 constexpr const char* kBackendHelp =
-    "communication backend: auto (nccl when every rank has a GPU of its own), mpi or nccl";
+    "communication backend: auto (nccl when every rank has a GPU of its own; else mpi under an MPI launcher, "
+    "gloo under any other), mpi, gloo or nccl";
 
 }  // namespace
 
@@ -119,7 +120,7 @@ CLI::Option* addBackend(CLI::App& app, Backend& backend) {
   return app
       .add_option_function<std::string>(
           "--backend", [&backend](const std::string& name) { backend = parseBackend(name); }, kBackendHelp)
-      ->check(CLI::IsMember({"auto", "mpi", "nccl"}))
+      ->check(CLI::IsMember({"auto", "mpi", "gloo", "nccl"}))
       ->default_str(toString(backend));
 }
 
@@ -128,7 +129,7 @@ CLI::Option* addBackend(CLI::App& app, std::optional<Backend>& backend) {
       .add_option_function<std::string>(
           "--backend", [&backend](const std::string& name) { backend = parseBackend(name); },
           std::string(kBackendHelp) + " (default: BULKHEAD_BACKEND)")
-      ->check(CLI::IsMember({"auto", "mpi", "nccl"}));
+      ->check(CLI::IsMember({"auto", "mpi", "gloo", "nccl"}));
 }
 
 void addLayout(CLI::App& app, parallel::LayoutOptions& layout) {

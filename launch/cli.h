@@ -43,7 +43,7 @@ std::optional<int> parse(CLI::App& app, int argc, char** argv);
 CLI::Validator positive();     // a number above 0
 CLI::Validator nonNegative();  // a number of at least 0
 
-// "--backend auto|mpi|nccl" into `backend`.
+// "--backend auto|mpi|gloo|nccl" into `backend`.
 CLI::Option* addBackend(CLI::App& app, Backend& backend);
 CLI::Option* addBackend(CLI::App& app, std::optional<Backend>& backend);
 

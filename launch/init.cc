@@ -4,6 +4,7 @@
 
 #include "runtime/env.h"
 #include "runtime/errors.h"
+#include "runtime/gloo/gloo_backend.h"
 #include "runtime/log.h"
 #include "runtime/mpi/mpi_backend.h"
 #include "runtime/nccl/nccl_backend.h"
@@ -15,6 +16,7 @@ const char* toString(Backend backend) {
     case Backend::Auto: return "auto";
     case Backend::Mpi: return "mpi";
     case Backend::Nccl: return "nccl";
+    case Backend::Gloo: return "gloo";
   }
   return "?";
 }
@@ -23,8 +25,9 @@ Backend parseBackend(std::string_view text) {
   if (text == "auto") return Backend::Auto;
   if (text == "mpi") return Backend::Mpi;
   if (text == "nccl") return Backend::Nccl;
-  throw ConfigError(fmt::format("{}='{}' is not a backend; use auto, mpi or nccl", env::kBackend.name(), text),
-                    {.expected = "auto, mpi or nccl"});
+  if (text == "gloo") return Backend::Gloo;
+  throw ConfigError(fmt::format("{}='{}' is not a backend; use auto, mpi, gloo or nccl", env::kBackend.name(), text),
+                    {.expected = "auto, mpi, gloo or nccl"});
 }
 
 namespace {
@@ -35,8 +38,16 @@ bool enoughGpus(const std::optional<launch::WorldInfo>& found) {
   return nccl::available() && localRanks <= nccl::deviceCount();
 }
 
-Backend resolve(Backend wanted, const std::optional<launch::WorldInfo>& found) {
-  if (wanted == Backend::Auto) return enoughGpus(found) ? Backend::Nccl : Backend::Mpi;
+Backend resolve(Backend wanted, const std::optional<launch::WorldInfo>& found, launch::Bootstrap bootstrap) {
+  if (wanted == Backend::Auto) {
+    if (enoughGpus(found)) return Backend::Nccl;
+    return bootstrap == launch::Bootstrap::Mpi ? Backend::Mpi : Backend::Gloo;
+  }
+  if (wanted == Backend::Mpi && bootstrap == launch::Bootstrap::Store)
+    throw ConfigError(fmt::format("the mpi backend needs a job started by mpirun or srun with PMIx, but this one "
+                                  "starts through the store ({} launcher); use BULKHEAD_BACKEND=gloo (or auto)",
+                                  found ? launch::toString(found->source) : "no"),
+                      {.rank = found ? found->rank : -1, .expected = "an MPI launcher for the mpi backend"});
   if (wanted == Backend::Nccl && nccl::available() && !enoughGpus(found))
     throw ConfigError(fmt::format("{} ranks share this node's {} GPUs, but the nccl backend needs one GPU per rank; "
                                   "start at most {} ranks per node, or use BULKHEAD_BACKEND=mpi",
@@ -69,41 +80,80 @@ void Runtime::shutdown(std::optional<Deadline> deadline) {
   down_ = true;
   Deadline until = deadline.value_or(Deadline::afterSeconds(env::kShutdownTimeout.seconds()));
   monitor_->stop();  // heartbeats end (and dumps are written) while the store still serves
+  // Without MPI the final barrier is the CPU world's: every rank is done with
+  // the store after it, so rank 0 may stop serving.
+  if (std::string_view(cpuWorld_->backend()) != "mpi" && !cpuWorld_->isAborted()) {
+    try {
+      cpuWorld_->barrier({.deadline = until})->wait();
+    } catch (const Error& e) {
+      log::error("launch", "the final world barrier failed: {}", e.what());
+    }
+  }
   world_.reset();
   cpuWorld_.reset();
-  mpi::finalize(until);  // a final barrier: every rank is done with the store after it
+  mpi::finalize(until);  // with MPI, a final barrier: every rank is done with the store after it
   if (rendezvous_.server) rendezvous_.server->stop(Deadline::afterSeconds(2));
 }
 
-std::unique_ptr<Runtime> init(InitOptions options) {
-  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
-  std::optional<launch::WorldInfo> found = launch::findWorld();
-  Backend backend = resolve(options.backend.value_or(parseBackend(env::kBackend.text())), found);
+namespace {
 
+// The address this rank's Gloo device listens on: loopback when every rank
+// shares this node, else GLOO_SOCKET_IFNAME's interface or the host's name.
+std::string glooHost(const launch::WorldInfo& info) {
+  bool oneNode = info.size == 1 || (info.localSize > 0 && info.localSize == info.size);
+  return oneNode ? "127.0.0.1" : "";
+}
+
+// With MPI: the MPI world, checked against the launcher's variables.
+CommunicatorPtr mpiWorld(const std::optional<launch::WorldInfo>& found, launch::WorldInfo& info, Deadline deadline) {
   CommunicatorPtr world = mpi::initWorld({.deadline = deadline});
-  launch::WorldInfo info = found.value_or(launch::WorldInfo{.source = launch::WorldSource::Generic});
   if (!found) {
     info.size = world->size();
     info.rank = world->rank();
   }
   if (info.rank != world->rank() || info.size != world->size())
-    throw ConfigError(fmt::format("the {} launcher says rank {} of {}, but MPI sees rank {} of {}; the mpi backend "
-                                  "needs a job started by mpirun or srun (with PMIx)",
-                                  launch::toString(info.source), info.rank, info.size, world->rank(), world->size()),
+    throw ConfigError(fmt::format("the {} launcher says rank {} of {}, but MPI sees rank {} of {}; the mpi bootstrap "
+                                  "needs a job started by mpirun or srun with PMIx (set {}=store for other launchers)",
+                                  launch::toString(info.source), info.rank, info.size, world->rank(), world->size(),
+                                  env::kBootstrap.name()),
                       {.rank = world->rank(), .group = "world", .expected = "the launcher and MPI to agree"});
-  log::setRank(info.rank, info.size);
-  if (!found) log::info("launch", "no launcher variables found: running as a single process");
-  log::debug("launch", "world of {} ranks from {}, backend {}", info.size, launch::toString(info.source),
-             toString(backend));
-  launch::Rendezvous rendezvous = launch::startRendezvous(*world, info, deadline);
+  return world;
+}
+
+}  // namespace
+
+std::unique_ptr<Runtime> init(InitOptions options) {
+  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
+  std::optional<launch::WorldInfo> found = launch::findWorld();
+  launch::Bootstrap bootstrap = launch::resolveBootstrap(found);
+  Backend backend = resolve(options.backend.value_or(parseBackend(env::kBackend.text())), found, bootstrap);
+  launch::WorldInfo info = found.value_or(launch::WorldInfo{.source = launch::WorldSource::Generic});
+  if (found) log::setRank(info.rank, info.size);
+
+  CommunicatorPtr cpuWorld;
+  launch::Rendezvous rendezvous;
+  if (bootstrap == launch::Bootstrap::Mpi) {
+    cpuWorld = mpiWorld(found, info, deadline);
+    log::setRank(info.rank, info.size);
+    if (!found) log::info("launch", "no launcher variables found: running as a single process");
+    rendezvous = launch::startRendezvous(*cpuWorld, info, deadline);
+  } else {
+    rendezvous = launch::joinStore(info, deadline);
+  }
+  log::debug("launch", "world of {} ranks from {}, bootstrap {}, backend {}", info.size, launch::toString(info.source),
+             launch::toString(bootstrap), toString(backend));
   auto monitor = std::make_shared<Monitor>(rendezvous.store, info.rank);
-  monitor->watch(world);
-  CommunicatorPtr backendWorld = world;
+  // Gloo carries the CPU world when it is the backend, and whenever MPI did
+  // not start the job (the nccl backend's CPU world included).
+  if (backend == Backend::Gloo || bootstrap == launch::Bootstrap::Store)
+    cpuWorld = gloo::initWorld(rendezvous.store, info.rank, info.size, {.deadline = deadline, .host = glooHost(info)});
+  monitor->watch(cpuWorld);
+  CommunicatorPtr backendWorld = cpuWorld;
   if (backend == Backend::Nccl) {
-    backendWorld = nccl::initWorld(*world, {.deadline = deadline, .localRank = info.localRank});
+    backendWorld = nccl::initWorld(*cpuWorld, {.deadline = deadline, .localRank = info.localRank});
     monitor->watch(backendWorld);
   }
-  return std::make_unique<Runtime>(std::move(info), backend, std::move(backendWorld), std::move(world),
+  return std::make_unique<Runtime>(std::move(info), backend, std::move(backendWorld), std::move(cpuWorld),
                                    std::move(rendezvous), std::move(monitor));
 }
 

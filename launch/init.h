@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 
+#include "launch/bootstrap.h"
 #include "launch/rendezvous.h"
 #include "launch/world.h"
 #include "runtime/communicator.h"
@@ -22,10 +23,11 @@
 
 namespace bulkhead {
 
-// auto: nccl when this build has it and a GPU is visible, else mpi.
-enum class Backend { Auto, Mpi, Nccl };
+// auto: nccl when this build has it and every rank of a node has a GPU; else
+// mpi when an MPI launcher started the job, else gloo (see launch/bootstrap.h).
+enum class Backend { Auto, Mpi, Nccl, Gloo };
 const char* toString(Backend backend);
-// "auto", "mpi", "nccl"; anything else is a ConfigError.
+// "auto", "mpi", "nccl", "gloo"; anything else is a ConfigError.
 Backend parseBackend(std::string_view text);
 
 struct InitOptions {
@@ -35,8 +37,9 @@ struct InitOptions {
 
 class Runtime {
  public:
-  // `world` runs the backend's operations; `cpuWorld` is the MPI world that
-  // bootstrapped it (the same communicator when the backend is mpi).
+  // `world` runs the backend's operations; `cpuWorld` is the CPU world beside
+  // it (MPI's, or Gloo's in a job started without MPI; the same communicator
+  // when the backend is mpi or gloo).
   Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world, CommunicatorPtr cpuWorld,
           launch::Rendezvous rendezvous, std::shared_ptr<Monitor> monitor);
   Runtime(const Runtime&) = delete;
@@ -55,10 +58,11 @@ class Runtime {
   // publishes every communicator's ledger through it.
   const std::shared_ptr<Store>& store() const { return rendezvous_.store; }
   const std::shared_ptr<Monitor>& monitor() const { return monitor_; }
-  // The device of the backend's tensors: cuda:<n> for nccl, cpu for mpi.
+  // The device of the backend's tensors: cuda:<n> for nccl, cpu for mpi and gloo.
   c10::Device device() const { return world_->device(); }
 
-  // A final world barrier under the deadline, then the backend's finalize.
+  // A final world barrier under the deadline (every rank is then done with
+  // the store), then the backend's finalize.
   // With MPI, a process whose collective timed out exits here with code 3
   // (see runtime/mpi/mpi_backend.h).
   void shutdown(std::optional<Deadline> deadline = std::nullopt);

@@ -96,6 +96,9 @@ std::optional<WorldInfo> findWorld(const EnvLookup& lookup) {
     world.rank = env.required("SLURM_PROCID", world.source);
     world.size = env.required("SLURM_NTASKS", world.source);
     world.localRank = env.integer("SLURM_LOCALID").value_or(0);
+    // One node: every task is local (the store and Gloo then use loopback).
+    if (env.integer("SLURM_STEP_NUM_NODES").value_or(env.integer("SLURM_NNODES").value_or(0)) == 1)
+      world.localSize = world.size;
     checkRange(world, "SLURM_PROCID", "SLURM_NTASKS");
   } else if (env.integer("RANK")) {
     world.source = WorldSource::Generic;

@@ -16,7 +16,12 @@ namespace bulkhead::env {
 
 const Knob kLogLevel{"BULKHEAD_LOG_LEVEL", "info", "log level: error, warn, info, debug or trace"};
 const Knob kBackend{"BULKHEAD_BACKEND", "auto",
-                    "communication backend: auto (nccl where a GPU and NCCL are present, else mpi), mpi or nccl"};
+                    "communication backend: auto (nccl where a GPU and NCCL are present; else mpi when MPI started the job, "
+                    "else gloo), mpi, gloo or nccl"};
+const Knob kBootstrap{"BULKHEAD_BOOTSTRAP", "auto",
+                      "how ranks find each other: mpi (mpirun, srun with PMIx), store (rank 0 hosts the store at "
+                      "MASTER_ADDR:MASTER_PORT; needs BULKHEAD_STORE_TOKEN), or auto (mpi when an MPI launcher "
+                      "started the job, else store)"};
 const Knob kInitTimeout{"BULKHEAD_INIT_TIMEOUT", "120",
                         "seconds for world init, communicator bootstrap, splits and warm-up"};
 const Knob kCollectiveTimeout{"BULKHEAD_COLLECTIVE_TIMEOUT", "300",
@@ -36,8 +41,8 @@ const Knob kAbortGrace{"BULKHEAD_ABORT_GRACE", "1",
 const Knob kLedgerCapacity{"BULKHEAD_LEDGER_CAPACITY", "1024",
                            "collectives each communicator remembers in its ledger (ring buffer)"};
 const Knob kStoreToken{"BULKHEAD_STORE_TOKEN", "",
-                       "the rendezvous store's per-job token; empty: the launcher generates one and shares it "
-                       "through MPI. Set the same value on every rank when ranks start without MPI"};
+                       "the rendezvous store's per-job token; empty: rank 0 generates one and shares it through MPI. "
+                       "Required, the same on every rank, when ranks start without MPI (BULKHEAD_BOOTSTRAP=store)"};
 const Knob kStoreMaxMessage{"BULKHEAD_STORE_MAX_MESSAGE", "16777216",
                             "bytes one rendezvous store message (a request or a reply) may hold"};
 const Knob kStoreHost{"BULKHEAD_STORE_HOST", "",
@@ -53,7 +58,7 @@ const Knob kFault{"BULKHEAD_FAULT", "",
                   "tests only: rank=R,group=G,seq=N,action=skip|mismatch-op|mismatch-size|delay:S|exit"};
 
 const std::vector<const Knob*>& all() {
-  static const std::vector<const Knob*> knobs = {&kLogLevel,         &kBackend,          &kInitTimeout,
+  static const std::vector<const Knob*> knobs = {&kLogLevel,         &kBackend,          &kBootstrap,          &kInitTimeout,
                                                  &kCollectiveTimeout, &kCheckpointTimeout, &kCheckpointThreads, &kCheckpointNice,
                                                  &kShutdownTimeout,
                                                  &kAbortGrace,       &kLedgerCapacity,   &kStoreToken,

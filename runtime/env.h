@@ -34,6 +34,7 @@ class Knob {
 
 extern const Knob kLogLevel;
 extern const Knob kBackend;
+extern const Knob kBootstrap;
 extern const Knob kInitTimeout;
 extern const Knob kCollectiveTimeout;
 extern const Knob kCheckpointTimeout;

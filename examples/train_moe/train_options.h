@@ -2,6 +2,7 @@
 // train_moe's command line, and the parameter digest its resume tests compare.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,7 +15,7 @@
 namespace bulkhead::examples {
 
 struct TrainOptions {
-  Backend backend = Backend::Auto;
+  std::optional<Backend> backend;  // unset: BULKHEAD_BACKEND
   int tp = 1, ep = 1, pp = 1;
   int virtualStages = 1;  // model chunks per pipeline rank (interleaved 1F1B when > 1)
   int microBatches = 1;   // per step, run through the pipeline schedule

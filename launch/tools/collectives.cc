@@ -23,11 +23,16 @@ using namespace bulkhead;
 namespace {
 
 struct Options {
+  std::optional<Backend> backend;  // a CPU backend; unset: mpi under an MPI launcher, else gloo
   int iterations = 10;
   std::vector<int64_t> bytes = {4 << 10, 256 << 10, 4 << 20};
 };
 
 void addFlags(CLI::App& app, Options& options) {
+  app.add_option_function<std::string>(
+         "--backend", [&options](const std::string& name) { options.backend = parseBackend(name); },
+         "CPU backend: mpi or gloo (default: mpi when an MPI launcher started the job, else gloo)")
+      ->check(CLI::IsMember({"mpi", "gloo"}));
   app.add_option("--iters", options.iterations, "timed iterations of each operation")->check(cli::positive());
   app.add_option_function<std::vector<std::string>>(
          "--sizes",
@@ -159,14 +164,16 @@ Row measure(Communicator& world, const Case& c, int64_t bytes, int iterations) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::App app("Runs every collective on seeded data over the world (mpi backend), checks each result against a "
+  cli::App app("Runs every collective on seeded data over the world (a CPU backend), checks each result against a "
                "reference and prints what it took.",
                "bulkhead-collectives");
   Options options;
   addFlags(app, options);
   if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    auto runtime = init({.backend = Backend::Mpi});
+    Backend backend = options.backend.value_or(
+        launch::resolveBootstrap(launch::findWorld()) == launch::Bootstrap::Mpi ? Backend::Mpi : Backend::Gloo);
+    auto runtime = init({.backend = backend});
     Communicator& world = runtime->world();
     std::vector<Row> rows;
     for (int64_t bytes : options.bytes) {

@@ -9,7 +9,7 @@
 // slow group).
 //
 //   mpirun -np 8 bulkhead-doctor --tp 2 --ep 2 [--pp 1 --cp 1 --etp 1 --order tp-cp-ep-dp-pp
-//                                 --backend auto|mpi|nccl --bytes 4M --iters 10 --deadline 30]
+//                                 --backend auto|mpi|gloo|nccl --bytes 4M --iters 10 --deadline 30]
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -39,7 +39,7 @@ constexpr size_t kRowsPerKind = 16;
 
 struct Options {
   LayoutOptions layout;
-  Backend backend = Backend::Auto;
+  std::optional<Backend> backend;  // unset: BULKHEAD_BACKEND
   int64_t bytes = 4 << 20;
   int iterations = 10;
   double deadlineSeconds = 30;

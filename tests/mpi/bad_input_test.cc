@@ -74,7 +74,8 @@ TEST_CASE("an unsupported dtype is rejected") {
 
 TEST_CASE("a tensor on the wrong device is rejected") {
   at::Tensor meta = at::empty({4}, at::TensorOptions().device(at::kMeta));
-  rejectsBeforeCommunicating([&] { world().allReduce(meta); }, "the mpi backend works on cpu tensors");
+  rejectsBeforeCommunicating([&] { world().allReduce(meta); },
+                             std::string("the ") + world().backend() + " backend works on cpu tensors");
   rejectsBeforeCommunicating([&] { world().send(meta, 0); }, "meta");
 }
 

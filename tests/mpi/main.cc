@@ -6,6 +6,8 @@
 #include "tests/catch_compat.h"
 #include "tests/mpi/helpers.h"
 
+#include <cstdlib>
+
 #include "launch/init.h"
 
 namespace bulkhead::testing {
@@ -20,7 +22,10 @@ CommunicatorPtr worldPtr() { return runtime->worldPtr(); }
 
 int main(int argc, char** argv) {
   return bulkhead::guardedMain([&] {
-    bulkhead::testing::runtime = bulkhead::init({.backend = bulkhead::Backend::Mpi});
+    // mpi unless BULKHEAD_BACKEND names another CPU backend (gloo).
+    const char* named = std::getenv("BULKHEAD_BACKEND");
+    bulkhead::testing::runtime = bulkhead::init(
+        {.backend = named && *named ? bulkhead::parseBackend(named) : bulkhead::Backend::Mpi});
     int failed = Catch::Session().run(argc, argv);
     // Every rank's verdict: the job fails if any rank failed.
     at::Tensor verdict = at::tensor({failed}, at::kInt);

@@ -1,0 +1,34 @@
+#pragma once
+// How the ranks of a job find each other.
+//
+//   mpi    an MPI launcher started the job (mpirun, or srun with PMIx): the MPI
+//          world carries rank 0's store address and token (rendezvous.h).
+//   store  any other launcher (torchrun, Kubernetes, srun without PMIx, a shell
+//          loop): rank 0 hosts the store at MASTER_ADDR:MASTER_PORT and every
+//          rank joins it with BULKHEAD_STORE_TOKEN. The roster is checked
+//          there: every rank must claim the same world size, no rank may be
+//          claimed twice (ConfigError on every rank that sees it), and a rank
+//          that has not joined by the init deadline is named (TimeoutError).
+//
+// BULKHEAD_BOOTSTRAP=auto picks mpi when Open MPI's or PMIx's variables are
+// set, or no launcher's at all (a single process), and store otherwise.
+
+#include <optional>
+
+#include "launch/rendezvous.h"
+#include "launch/world.h"
+
+namespace bulkhead::launch {
+
+enum class Bootstrap { Mpi, Store };
+const char* toString(Bootstrap bootstrap);
+
+// Reads BULKHEAD_BOOTSTRAP; ConfigError for a value it does not know, or for
+// store mode without a launcher's RANK and WORLD_SIZE.
+Bootstrap resolveBootstrap(const std::optional<WorldInfo>& found, const EnvLookup& lookup = processEnvironment());
+
+// Store mode: hosts (rank 0) or reaches the store, then waits under
+// `deadline` until every rank of the world has joined.
+Rendezvous joinStore(const WorldInfo& world, Deadline deadline);
+
+}  // namespace bulkhead::launch
