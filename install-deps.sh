@@ -29,6 +29,7 @@ need_package libfmt-dev
 need_package catch2
 need_package libcli11-dev        # command lines
 need_package nlohmann-json3-dev  # JSON output
+need_package libgloo-dev        # the gloo backend (jobs started without MPI)
 # libtorch: the distribution's libtorch-dev (CPU), unless a Python PyTorch that
 # ships libtorch's CMake files is installed (as on GPU machines, with CUDA).
 if [ -z "$(torch_cmake_prefix)" ]; then need_package libtorch-dev; fi

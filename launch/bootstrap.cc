@@ -40,11 +40,13 @@ std::string describe(const Arrival& a) {
                      a.process.substr(a.process.find(':') + 1, a.process.rfind(':') - a.process.find(':') - 1));
 }
 
-// Where the store is: MASTER_ADDR:MASTER_PORT (127.0.0.1 on one node).
+// Where the store is: MASTER_ADDR:MASTER_PORT (127.0.0.1 when every rank
+// shares one node; BULKHEAD_STORE_HOST overrides).
 std::pair<std::string, int> storeAddress(const WorldInfo& world) {
+  // Loopback when every rank shares this node, as with MPI.
   std::string host = env::kStoreHost.text();
-  if (host.empty()) host = world.masterAddr;
   if (host.empty() && (world.size == 1 || world.localSize == world.size)) host = "127.0.0.1";
+  if (host.empty()) host = world.masterAddr;
   if (host.empty())
     throw ConfigError("MASTER_ADDR is not set: ranks started without MPI meet at rank 0's store; export MASTER_ADDR "
                       "(rank 0's host) and MASTER_PORT on every rank",

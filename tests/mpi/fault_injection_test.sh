@@ -5,7 +5,7 @@
 # With strict=1, a mismatch is caught at the call itself, long before any
 # deadline. The job exits non-zero instead of hanging.
 # usage: fault_injection_test.sh <ranks> <skip|mismatch-op|mismatch-size|delay:5|exit> <strict 0|1> <program> <mpirun>
-#        [mpi|nccl]   (nccl: one rank per GPU; skipped with fewer GPUs than ranks)
+#        [mpi|gloo|nccl]   (nccl: one rank per GPU; skipped with fewer GPUs than ranks)
 set -u
 ranks=$1 action=$2 strict=$3 program=$4 mpirun=$5 backend=${6:-mpi}
 if [ "$backend" = nccl ]; then
