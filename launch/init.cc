@@ -5,6 +5,7 @@
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/gloo/gloo_backend.h"
+#include "runtime/host_staged.h"
 #include "runtime/log.h"
 #include "runtime/mpi/mpi_backend.h"
 #include "runtime/nccl/nccl_backend.h"
@@ -143,15 +144,27 @@ std::unique_ptr<Runtime> init(InitOptions options) {
   log::debug("launch", "world of {} ranks from {}, bootstrap {}, backend {}", info.size, launch::toString(info.source),
              launch::toString(bootstrap), toString(backend));
   auto monitor = std::make_shared<Monitor>(rendezvous.store, info.rank);
-  // Gloo carries the CPU world when it is the backend, and whenever MPI did
-  // not start the job (the nccl backend's CPU world included).
-  if (backend == Backend::Gloo || bootstrap == launch::Bootstrap::Store)
-    cpuWorld = gloo::initWorld(rendezvous.store, info.rank, info.size, {.deadline = deadline, .host = glooHost(info)});
-  monitor->watch(cpuWorld);
-  CommunicatorPtr backendWorld = cpuWorld;
-  if (backend == Backend::Nccl) {
-    backendWorld = nccl::initWorld(*cpuWorld, {.deadline = deadline, .localRank = info.localRank});
+  auto glooWorld = [&] {
+    return gloo::initWorld(rendezvous.store, info.rank, info.size, {.deadline = deadline, .host = glooHost(info)});
+  };
+  CommunicatorPtr backendWorld;
+  if (bootstrap == launch::Bootstrap::Store && backend == Backend::Nccl) {
+    // NCCL's unique id through the store; the CPU world is Gloo's, or (a build
+    // without Gloo) CPU tensors staged through the NCCL world.
+    backendWorld = nccl::initWorld(*rendezvous.store, info.rank, info.size,
+                                   {.deadline = deadline, .localRank = info.localRank});
     monitor->watch(backendWorld);
+    cpuWorld = gloo::available() ? glooWorld() : stagedOnHost(backendWorld);
+    if (gloo::available()) monitor->watch(cpuWorld);
+  } else {
+    // Gloo carries the CPU world when it is the backend or MPI did not start the job.
+    if (backend == Backend::Gloo || bootstrap == launch::Bootstrap::Store) cpuWorld = glooWorld();
+    monitor->watch(cpuWorld);
+    backendWorld = cpuWorld;
+    if (backend == Backend::Nccl) {
+      backendWorld = nccl::initWorld(*cpuWorld, {.deadline = deadline, .localRank = info.localRank});
+      monitor->watch(backendWorld);
+    }
   }
   return std::make_unique<Runtime>(std::move(info), backend, std::move(backendWorld), std::move(cpuWorld),
                                    std::move(rendezvous), std::move(monitor));

@@ -12,6 +12,7 @@
 // every pending Work fails with the error.
 
 #include "runtime/communicator.h"
+#include "runtime/store.h"
 
 namespace bulkhead::nccl {
 
@@ -34,5 +35,8 @@ struct WorldOptions {
 // Creates the world communicator over the ranks of `bootstrap` (a CPU
 // communicator, e.g. MPI's world), which carries NCCL's unique id.
 CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options = {});
+// The same over `size` ranks that share `store`: rank 0's unique id travels
+// through the store (jobs started without MPI).
+CommunicatorPtr initWorld(Store& store, int rank, int size, WorldOptions options = {});
 
 }  // namespace bulkhead::nccl

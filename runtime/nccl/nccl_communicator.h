@@ -79,9 +79,13 @@ std::optional<ncclResult_t> runBounded(std::function<ncclResult_t()> call, Deadl
 ncclComm_t splitBounded(ncclComm_t parent, int color, int key, Deadline deadline, const ErrorContext& context,
                         const std::string& what);
 
-// A blocking communicator over the ranks of `bootstrap` (a CPU communicator,
-// which carries NCCL's unique id) on the current CUDA device, bootstrapped
-// under the deadline; TimeoutError names `what` where a rank does not join.
+// NCCL's bootstrap from a unique id on the current CUDA device (non-blocking,
+// polled against the deadline), handing back a blocking communicator;
+// TimeoutError names `what` where a rank does not join.
+ncclComm_t initBounded(const ncclUniqueId& id, int rank, int size, Deadline deadline, const ErrorContext& context,
+                       const std::string& what);
+// initBounded over the ranks of `bootstrap` (a CPU communicator, which
+// carries NCCL's unique id).
 ncclComm_t bootstrapBounded(Communicator& bootstrap, Deadline deadline, const ErrorContext& context,
                             const std::string& what);
 

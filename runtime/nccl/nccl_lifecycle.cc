@@ -507,25 +507,28 @@ ncclComm_t bootstrapBounded(Communicator& bootstrap, Deadline deadline, const Er
   }
   bootstrap.broadcast(idBytes, 0, {.deadline = deadline})->wait();
   std::memcpy(&id, idBytes.data_ptr(), sizeof(id));
+  return initBounded(id, bootstrap.rank(), bootstrap.size(), deadline, context, what);
+}
 
+ncclComm_t initBounded(const ncclUniqueId& id, int rank, int size, Deadline deadline, const ErrorContext& context,
+                       const std::string& what) {
   auto started = Deadline::Clock::now();
   ncclComm_t boot = nullptr;
   ncclConfig_t config = configWithBlocking(0);
-  check(ncclCommInitRankConfig(&boot, bootstrap.size(), id, bootstrap.rank(), &config), "ncclCommInitRankConfig",
-        context);
+  check(ncclCommInitRankConfig(&boot, size, id, rank, &config), "ncclCommInitRankConfig", context);
   if (!waitReady(boot, deadline, context)) {
     abortBounded(boot);
     throw TimeoutError(fmt::format("NCCL bootstrap of {} ({} ranks) did not finish in {:.1f} s: some rank "
                                    "did not join init (crashed, stalled, or out of GPU memory). Check every rank's "
                                    "log, or raise {} if bootstrap is only slow.",
-                                   what, bootstrap.size(),
+                                   what, size,
                                    std::chrono::duration<double>(deadline.when() - started).count(),
                                    env::kInitTimeout.name()),
                        context);
   }
   // Bootstrap is non-blocking so that it can be bounded; the communicator
   // handed back is a blocking child of it (see splitBounded).
-  ncclComm_t comm = splitBounded(boot, 0, bootstrap.rank(), deadline, context, what + " communicator");
+  ncclComm_t comm = splitBounded(boot, 0, rank, deadline, context, what + " communicator");
   auto finalized = runBounded([boot] { return ncclCommFinalize(boot); }, deadline);
   if (finalized && waitReady(boot, deadline, context)) {
     ncclCommDestroy(boot);
@@ -547,6 +550,35 @@ CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
 
   ncclComm_t comm = bootstrapBounded(bootstrap, deadline, context, "the world");
   return std::make_shared<NcclCommunicator>(comm, device, "world", bootstrap.members());
+}
+
+CommunicatorPtr initWorld(Store& store, int rank, int size, WorldOptions options) {
+  ErrorContext context{.rank = rank, .group = "world"};
+  if (!available())
+    throw ConfigError("the nccl backend needs a GPU and a libtorch built with CUDA; use the gloo backend "
+                      "(BULKHEAD_BACKEND=gloo) on CPUs",
+                      context);
+  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
+  int device = options.device >= 0 ? options.device : options.localRank % deviceCount();
+  check(cudaSetDevice(device), "cudaSetDevice", context);
+  // Rank 0's unique id travels through the store.
+  const std::string key = "nccl/world/unique_id";
+  ncclUniqueId id;
+  if (rank == 0) {
+    check(ncclGetUniqueId(&id), "ncclGetUniqueId", context);
+    store.set(key, std::string(reinterpret_cast<const char*>(&id), sizeof(id)), deadline);
+  } else {
+    std::string bytes = store.get(key, deadline);
+    if (bytes.size() != sizeof(id))
+      throw CommError(fmt::format("the NCCL unique id in the store ('{}') has {} bytes, not {}", key, bytes.size(),
+                                  sizeof(id)),
+                      context);
+    std::memcpy(&id, bytes.data(), sizeof(id));
+  }
+  ncclComm_t comm = initBounded(id, rank, size, deadline, context, "the world");
+  std::vector<int> members(size);
+  for (int r = 0; r < size; ++r) members[r] = r;
+  return std::make_shared<NcclCommunicator>(comm, device, "world", std::move(members));
 }
 
 }  // namespace bulkhead::nccl

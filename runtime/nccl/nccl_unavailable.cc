@@ -8,9 +8,16 @@ bool available() { return false; }
 int deviceCount() { return 0; }
 bool peerAccess(int, int) { return false; }
 
-CommunicatorPtr initWorld(Communicator&, WorldOptions) {
+namespace {
+
+[[noreturn]] void refuse() {
   throw ConfigError("this build of Bulkhead has no NCCL backend (CMake found no CUDA Toolkit or NCCL); use the mpi "
                     "backend (BULKHEAD_BACKEND=mpi) or rebuild where CUDA and NCCL are installed");
 }
+
+}  // namespace
+
+CommunicatorPtr initWorld(Communicator&, WorldOptions) { refuse(); }
+CommunicatorPtr initWorld(Store&, int, int, WorldOptions) { refuse(); }
 
 }  // namespace bulkhead::nccl
