@@ -1,6 +1,7 @@
 #include <map>
 #include <string>
 
+#include "launch/bootstrap.h"
 #include "launch/world.h"
 #include "runtime/errors.h"
 #include "tests/catch_compat.h"
@@ -110,4 +111,42 @@ TEST_CASE("malformed or partial launcher variables are ConfigErrors") {
   CHECK(contains(messageOf({{"SLURM_PROCID", "0"}}), "SLURM_NTASKS"));
   CHECK(contains(messageOf({{"RANK", "0"}, {"WORLD_SIZE", "0"}}), "WORLD_SIZE=0"));
   CHECK(contains(messageOf({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}), "MASTER_PORT"));
+}
+
+TEST_CASE("the bootstrap is mpi under an MPI launcher or none, and the store under any other") {
+  auto pick = [](std::map<std::string, std::string> vars) {
+    EnvLookup env = fake(vars);
+    return resolveBootstrap(findWorld(env), env);
+  };
+  CHECK(pick({}) == Bootstrap::Mpi);  // a single process
+  CHECK(pick({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"}}) == Bootstrap::Mpi);
+  CHECK(pick({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "4"}, {"PMIX_RANK", "2"}}) == Bootstrap::Mpi);
+  // srun --mpi=none, torchrun, Kubernetes
+  CHECK(pick({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "2"}}) == Bootstrap::Store);
+  CHECK(pick({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"MASTER_ADDR", "node1"}, {"MASTER_PORT", "29500"}}) ==
+        Bootstrap::Store);
+  CHECK(pick({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"BULKHEAD_BOOTSTRAP", "mpi"}}) == Bootstrap::Mpi);
+  CHECK(pick({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"BULKHEAD_BOOTSTRAP", "store"}}) ==
+        Bootstrap::Store);
+}
+
+TEST_CASE("a bootstrap that cannot be is a ConfigError that says why") {
+  auto error = [](std::map<std::string, std::string> vars) -> std::string {
+    EnvLookup env = fake(vars);
+    try {
+      resolveBootstrap(findWorld(env), env);
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  CHECK(contains(error({{"BULKHEAD_BOOTSTRAP", "tcp"}}), "use auto, mpi or store"));
+  CHECK(contains(error({{"BULKHEAD_BOOTSTRAP", "store"}}), "needs the launcher's RANK and WORLD_SIZE"));
+}
+
+TEST_CASE("Slurm on one node makes every task local") {
+  auto world = discoverWorld(fake({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"SLURM_STEP_NUM_NODES", "1"}}));
+  CHECK(world.localSize == 4);
+  auto spread = discoverWorld(fake({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"SLURM_STEP_NUM_NODES", "2"}}));
+  CHECK(spread.localSize == -1);
 }
