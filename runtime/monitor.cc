@@ -109,6 +109,7 @@ std::string groupKey(const Communicator& comm) {
 
 Monitor::Monitor(std::shared_ptr<Store> store, int worldRank, MonitorOptions options)
     : store_(std::move(store)), worldRank_(worldRank), options_(std::move(options)), strict_(options_.strict) {
+  lastTick_ = storeAnswered_ = std::chrono::steady_clock::now();
   thread_ = std::thread([this] { heartbeat(); });
 }
 
@@ -146,6 +147,30 @@ void Monitor::publish(const std::string& key, const Ledger& ledger, Deadline dea
   store_->set(fmt::format("ledger/{}/{}", key, worldRank_), encode(ledger), deadline);
 }
 
+// One turn of the heartbeat thread: a gap since the last turn beyond one
+// interval and its store round trips means this process did not run.
+void Monitor::tick() {
+  auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mutex_);
+  double gap = std::chrono::duration<double>(now - lastTick_).count() - options_.heartbeatSeconds;
+  if (gap > options_.deadAfterSeconds) {
+    pauseSeconds_ = gap;
+    pauseEnd_ = now;
+    log::warn("monitor", "this rank was not running for {:.1f} s (stopped or starved)", gap);
+  }
+  lastTick_ = now;
+}
+
+double Monitor::pausedSeconds(std::chrono::steady_clock::time_point since) const {
+  auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mutex_);
+  // A pause still unseen by the heartbeat thread (this thread resumed first).
+  double current = std::chrono::duration<double>(now - lastTick_).count() - 2 * options_.heartbeatSeconds;
+  double recorded = pauseEnd_ >= since ? pauseSeconds_ : 0;
+  double paused = std::max(current, recorded);
+  return paused > options_.deadAfterSeconds ? paused : 0;
+}
+
 void Monitor::heartbeat() {
   auto interval = std::chrono::duration<double>(options_.heartbeatSeconds);
   bool warned = false;
@@ -154,9 +179,14 @@ void Monitor::heartbeat() {
       std::unique_lock<std::mutex> lock(mutex_);
       if (stopping_) return;
     }
+    tick();
     try {
       Deadline deadline = Deadline::afterSeconds(options_.heartbeatSeconds);
       store_->set(fmt::format("alive/{}", worldRank_), std::to_string(nowMs()), deadline);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        storeAnswered_ = std::chrono::steady_clock::now();
+      }
       for (const Group& group : groups())
         if (!group.comm.expired()) publish(group.key, *group.ledger, deadline);
       warned = false;
@@ -167,6 +197,25 @@ void Monitor::heartbeat() {
     std::unique_lock<std::mutex> lock(mutex_);
     wake_.wait_for(lock, interval, [this] { return stopping_; });
   }
+}
+
+std::string Monitor::storeSilence(const Error& error, double paused) const {
+  const int host = options_.storeHostRank;
+  if (paused > 0)
+    return fmt::format("this rank was not running for {:.1f} s (stopped or starved), and the store (on rank {}) no "
+                       "longer answers: the job most likely ended while this rank was paused ({})",
+                       paused, host, error.what());
+  double silent;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    silent = std::chrono::duration<double>(std::chrono::steady_clock::now() - storeAnswered_).count();
+  }
+  if (dynamic_cast<const TimeoutError*>(&error))
+    return fmt::format("rank {} hosts the store and has not answered for {:.1f} s: it is stalled or dead ({})", host,
+                       silent, error.what());
+  return fmt::format("rank {} hosts the store and no longer answers (its connections are closed or refused): it has "
+                     "exited or crashed ({})",
+                     host, error.what());
 }
 
 void Monitor::checkBeforeCollective(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
@@ -194,7 +243,14 @@ void Monitor::checkBeforeCollective(const Communicator& comm, uint64_t seq, cons
 Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
                             double waitedSeconds) {
   std::string local = describeTimeout(comm, fingerprint, seq, waitedSeconds, "");
-  if (isPointToPoint(fingerprint.op)) return {local, false};
+  const double paused = pausedSeconds(std::chrono::steady_clock::now() -
+                                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                          std::chrono::duration<double>(waitedSeconds + options_.heartbeatSeconds)));
+  if (isPointToPoint(fingerprint.op))
+    return {paused > 0 ? fmt::format("{} This rank was not running for {:.1f} s (stopped or starved) while it waited.",
+                                     local, paused)
+                       : local,
+            false};
   Deadline deadline = Deadline::afterSeconds(options_.diagnosisSeconds);
   std::string key = groupKey(comm);
   try {
@@ -214,7 +270,8 @@ Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Finger
       auto record = decodeRecord(values[2 * i]);
       auto alive = values[2 * i + 1] ? parseStoreInteger(*values[2 * i + 1]) : std::nullopt;
       double silentFor = alive ? (now - *alive) / 1000.0 : 0;
-      if (member != worldRank_ && alive && silentFor > options_.deadAfterSeconds) {
+      // A paused rank saw no heartbeats while it was stopped: no evidence.
+      if (member != worldRank_ && alive && silentFor > options_.deadAfterSeconds && paused == 0) {
         dead.push_back(record ? fmt::format("rank {} is dead (no heartbeat for {:.1f} s; it last completed seq {})",
                                             member, silentFor, record->heads.lastCompleted)
                               : fmt::format("rank {} is dead (no heartbeat for {:.1f} s)", member, silentFor));
@@ -231,6 +288,10 @@ Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Finger
       }
     }
     std::vector<std::string> parts;
+    if (paused > 0)
+      parts.push_back(fmt::format("this rank was not running for {:.1f} s (stopped or starved) while it waited, so "
+                                  "its peers' silence in that time is not evidence against them",
+                                  paused));
     for (const auto& [last, ranks] : lagging)
       parts.push_back(fmt::format("{} last completed seq {} and never issued seq {}", rankList(ranks), last, seq));
     parts.insert(parts.end(), dead.begin(), dead.end());
@@ -260,7 +321,7 @@ Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Finger
     if (!options_.dumpDirectory.empty()) dump();
     return diagnosis;
   } catch (const Error& e) {
-    return {fmt::format("{} (the cross-rank diagnosis failed: {})", local, e.what()), false};
+    return {fmt::format("{} {}.", local, storeSilence(e, paused)), false};
   }
 }
 

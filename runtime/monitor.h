@@ -11,6 +11,7 @@
 // "strict/<group key>/<seq>/<rank>", "report/<group key>/<seq>".
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "runtime/communicator.h"
+#include "runtime/errors.h"
 #include "runtime/store.h"
 
 namespace bulkhead {
@@ -31,6 +33,9 @@ struct MonitorOptions {
   double deadAfterSeconds = 1.5;
   // What the diagnosis of one timeout may take on top of the deadline.
   double diagnosisSeconds = 1.5;
+  // The rank that hosts the store: when the store stops answering, the
+  // diagnosis names it.
+  int storeHostRank = 0;
   static MonitorOptions fromEnvironment();
 };
 
@@ -75,6 +80,12 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   // trace: one track per group) for every watched communicator.
   void dump() const;
 
+  // How long this process was not running (SIGSTOP, a debugger, a swap storm,
+  // a starved host) in its longest pause since `since`, as the heartbeat
+  // thread's clock saw it; 0 when no pause exceeded deadAfterSeconds. A rank
+  // that was paused must not read its peers' silence in that time as death.
+  double pausedSeconds(std::chrono::steady_clock::time_point since) const;
+
  private:
   // What the monitor keeps of a group: enough to publish and dump its ledger
   // after the communicator itself is gone.
@@ -85,7 +96,10 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
     std::shared_ptr<const Ledger> ledger;
   };
   void heartbeat();
+  void tick();
   void publish(const std::string& key, const Ledger& ledger, Deadline deadline);
+  // What a diagnosis says when the store did not answer it.
+  std::string storeSilence(const Error& error, double paused) const;
   std::vector<Group> groups() const;
 
   std::shared_ptr<Store> store_;
@@ -96,6 +110,10 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   std::vector<Group> groups_;
   std::condition_variable wake_;
   bool stopping_ = false;
+  // The heartbeat thread's clock (under mutex_): its last turn, the longest
+  // pause it saw and when that pause ended, and the store's last answer.
+  std::chrono::steady_clock::time_point lastTick_, pauseEnd_, storeAnswered_;
+  double pauseSeconds_ = 0;
   std::thread thread_;
 };
 

@@ -2,7 +2,8 @@
 // The TCP rendezvous store: a server that rank 0 hosts in-process, and a
 // client (a Store, see store.h) on every rank, rank 0 included.
 //
-// Server: one thread runs a poll() loop over non-blocking sockets. It binds to
+// Server: one thread runs an epoll loop over non-blocking sockets (its work
+// per event does not grow with the number of connections). It binds to
 // the address it is given (port 0 picks a free port; port() reports it).
 // Every connection must open with a hello carrying the per-job token. A wrong
 // token, a frame over maxMessageBytes (refused from its header, never
@@ -51,8 +52,10 @@ struct TcpStoreOptions {
   std::optional<std::string> token;
   // Unset: BULKHEAD_STORE_MAX_MESSAGE. The largest request or reply body.
   std::optional<int64_t> maxMessageBytes;
-  // Server only: connections beyond this many are closed at once, with a warning.
-  int maxConnections = 4096;
+  // Server only: connections beyond this many are closed at once, with a
+  // warning; 0: no cap but the process's descriptor limit (which the server
+  // raises to its hard limit).
+  int maxConnections = 0;
   // This process's rank, carried by the errors this store raises.
   int rank = -1;
 };

@@ -1,12 +1,14 @@
-// The TCP store server: one thread, one poll() loop, non-blocking sockets.
+// The TCP store server: one thread, one epoll loop, non-blocking sockets.
 // Only the loop thread touches the data and the connections; other threads
 // reach it through the self-pipe (stop) and nothing else.
 #include <fmt/format.h>
 #include <netdb.h>
-#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <limits>
@@ -14,6 +16,7 @@
 #include <optional>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "runtime/env.h"
@@ -47,7 +50,8 @@ struct Connection {
   std::string input;   // bytes received and not yet handled
   std::string output;  // reply bytes not yet sent
   bool authenticated = false;
-  bool dead = false;  // closed at the end of this loop iteration
+  bool dead = false;     // closed at the end of this loop iteration
+  uint32_t events = 0;   // what epoll watches for on it
   std::optional<ParkedRequest> parked;
 };
 
@@ -62,6 +66,16 @@ std::string peerName(int fd) {
       return fmt::format("{}:{}", host, service);
   }
   return host;
+}
+
+// Every rank holds a few connections: the soft limit on descriptors (often
+// 1,024) goes up to the hard one, as far as the system allows.
+void raiseDescriptorLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  limit.rlim_cur = limit.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &limit) != 0)
+    log::debug("store", "could not raise the descriptor limit: {}", net::errorText(errno));
 }
 
 }  // namespace
@@ -80,6 +94,11 @@ class TcpStoreServer::Loop {
     wakeWrite_ = net::FileDescriptor(ends[1]);
     net::makeNonBlocking(wakeRead_.get());
     net::makeNonBlocking(wakeWrite_.get());
+    int epoll = ::epoll_create1(EPOLL_CLOEXEC);
+    if (epoll < 0) net::raiseSocketError("epoll_create1 for the store server", errno);
+    epoll_ = net::FileDescriptor(epoll);
+    watch(wakeRead_.get(), kWakeId, EPOLLIN);
+    watch(listener_.get(), kListenerId, EPOLLIN);
   }
 
   // Safe from any thread: one byte on the self-pipe wakes poll().
@@ -91,37 +110,31 @@ class TcpStoreServer::Loop {
 
   void run() {
     log::info("store", "store server listening on {}", endpoint_);
-    std::vector<pollfd> entries;
-    std::vector<uint64_t> ids;
+    std::vector<epoll_event> ready(1024);
     while (!stopping_) {
-      entries.assign({pollfd{wakeRead_.get(), POLLIN, 0}, pollfd{listener_.get(), POLLIN, 0}});
-      ids.clear();
-      for (auto& [id, connection] : connections_) {
-        short events = 0;
-        // A client that does not read its replies is not read from either:
-        // its output stays bounded.
-        if (connection->output.size() < maxMessageBytes_) events |= POLLIN;
-        if (!connection->output.empty()) events |= POLLOUT;
-        entries.push_back(pollfd{connection->fd.get(), events, 0});
-        ids.push_back(id);
-      }
-      int ready = ::poll(entries.data(), entries.size(), pollTimeoutMs());
-      if (ready < 0 && errno != EINTR) {
-        log::error("store", "store server {}: poll failed: {}; it stops serving", endpoint_, net::errorText(errno));
+      int count = ::epoll_wait(epoll_.get(), ready.data(), static_cast<int>(ready.size()), waitTimeoutMs());
+      if (count < 0 && errno != EINTR) {
+        log::error("store", "store server {}: epoll_wait failed: {}; it stops serving", endpoint_,
+                   net::errorText(errno));
         break;
       }
       if (stopping_) break;
-      if (ready > 0) {
-        if (entries[0].revents) drainWakePipe();
-        if (entries[1].revents) acceptAll();
-        for (size_t i = 0; i < ids.size(); ++i) {
-          short revents = entries[i + 2].revents;
-          auto it = connections_.find(ids[i]);
-          if (!revents || it == connections_.end() || it->second->dead) continue;
-          Connection& connection = *it->second;
-          if (revents & POLLOUT) flush(connection);
-          if (!connection.dead && (revents & (POLLIN | POLLHUP | POLLERR))) receive(connection);
+      for (int i = 0; i < count; ++i) {
+        const uint64_t id = ready[i].data.u64;
+        const uint32_t revents = ready[i].events;
+        if (id == kWakeId) {
+          drainWakePipe();
+          continue;
         }
+        if (id == kListenerId) {
+          acceptAll();
+          continue;
+        }
+        auto it = connections_.find(id);
+        if (it == connections_.end() || it->second->dead) continue;
+        Connection& connection = *it->second;
+        if (revents & EPOLLOUT) flush(connection);
+        if (!connection.dead && (revents & (EPOLLIN | EPOLLHUP | EPOLLERR))) receive(connection);
       }
       expireParkedRequests();
       closeDeadConnections();
@@ -133,14 +146,50 @@ class TcpStoreServer::Loop {
   }
 
  private:
-  int pollTimeoutMs() const {
+  static constexpr uint64_t kWakeId = ~uint64_t{0}, kListenerId = ~uint64_t{0} - 1;
+
+  void watch(int fd, uint64_t id, uint32_t events) {
+    epoll_event event{};
+    event.events = events;
+    event.data.u64 = id;
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &event) != 0)
+      net::raiseSocketError("epoll_ctl for the store server", errno);
+  }
+
+  // Reads while its pending replies are bounded (a client that does not read
+  // its replies is not read from either), writes while replies are pending.
+  void updateInterest(Connection& connection) {
+    if (connection.dead) return;
+    uint32_t wanted = (connection.output.size() < maxMessageBytes_ ? EPOLLIN : 0u) |
+                      (connection.output.empty() ? 0u : EPOLLOUT);
+    if (wanted == connection.events) return;
+    epoll_event event{};
+    event.events = wanted;
+    event.data.u64 = connection.id;
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, connection.fd.get(), &event) != 0) {
+      connection.dead = true;
+      return;
+    }
+    connection.events = wanted;
+  }
+
+  // Until the earliest parked request with a deadline expires; only those are
+  // looked at, not every connection.
+  int waitTimeoutMs() {
     std::optional<Deadline> earliest;
-    for (const auto& [id, connection] : connections_)
-      if (connection->parked && !connection->parked->expires.isNever())
-        earliest = earliest ? earliest->earliest(connection->parked->expires) : connection->parked->expires;
+    for (auto it = expiring_.begin(); it != expiring_.end();) {
+      auto found = connections_.find(*it);
+      if (found == connections_.end() || !found->second->parked || found->second->parked->expires.isNever()) {
+        it = expiring_.erase(it);
+        continue;
+      }
+      const Deadline& expires = found->second->parked->expires;
+      earliest = earliest ? earliest->earliest(expires) : expires;
+      ++it;
+    }
     if (!earliest) return -1;
     auto ms = std::chrono::ceil<std::chrono::milliseconds>(earliest->remaining()).count();
-    return static_cast<int>(std::min<int64_t>(ms, 60'000));
+    return static_cast<int>(std::clamp<int64_t>(ms, 0, 60'000));
   }
 
   void drainWakePipe() {
@@ -159,7 +208,7 @@ class TcpStoreServer::Loop {
         return;
       }
       net::FileDescriptor socket(fd);
-      if (connections_.size() >= static_cast<size_t>(options_.maxConnections)) {
+      if (options_.maxConnections > 0 && connections_.size() >= static_cast<size_t>(options_.maxConnections)) {
         log::warn("store", "store server {}: refusing {}: already {} connections (maxConnections)", endpoint_,
                   peerName(fd), connections_.size());
         continue;
@@ -174,6 +223,13 @@ class TcpStoreServer::Loop {
       connection->id = nextId_++;
       connection->peer = peerName(fd);
       connection->fd = std::move(socket);
+      connection->events = EPOLLIN;
+      try {
+        watch(fd, connection->id, EPOLLIN);
+      } catch (const Error& error) {
+        log::warn("store", "store server {}: dropping a new connection: {}", endpoint_, error.what());
+        continue;
+      }
       connections_.emplace(connection->id, std::move(connection));
     }
   }
@@ -191,6 +247,7 @@ class TcpStoreServer::Loop {
     }
     connection.input.append(chunk, static_cast<size_t>(received));
     handleBufferedFrames(connection);
+    updateInterest(connection);
   }
 
   // Handles every complete frame in the input, in order, until one parks.
@@ -266,7 +323,10 @@ class TcpStoreServer::Loop {
         for (uint32_t i = 0; i < keys; ++i) request.keys.push_back(reader.str());
         uint32_t timeoutMs = reader.u32();
         reader.expectEnd();
-        if (timeoutMs != kNoTimeout) request.expires = Deadline::after(std::chrono::milliseconds(timeoutMs));
+        if (timeoutMs != kNoTimeout) {
+          request.expires = Deadline::after(std::chrono::milliseconds(timeoutMs));
+          expiring_.insert(connection.id);
+        }
         connection.parked = std::move(request);
         return advanceParked(connection);
       }
@@ -368,17 +428,24 @@ class TcpStoreServer::Loop {
   }
 
   void expireParkedRequests() {
-    for (auto& [id, connection] : connections_) {
-      if (connection->dead || !connection->parked || !connection->parked->expires.expired()) continue;
+    std::vector<uint64_t> due;
+    for (uint64_t id : expiring_) {
+      auto it = connections_.find(id);
+      if (it != connections_.end() && !it->second->dead && it->second->parked && it->second->parked->expires.expired())
+        due.push_back(id);
+    }
+    for (uint64_t id : due) {
+      Connection& connection = *connections_.at(id);
+      expiring_.erase(id);
       std::vector<std::string> missing;
-      for (const std::string& key : connection->parked->keys)
+      for (const std::string& key : connection.parked->keys)
         if (!data_.count(key)) missing.push_back(key);
-      unpark(*connection);
+      unpark(connection);
       FrameWriter writer;
       writer.u8(uint8_t(Status::TimedOut)).u32(static_cast<uint32_t>(missing.size()));
       for (const std::string& key : missing) writer.str(key);
-      reply(*connection, writer.finish());
-      handleBufferedFrames(*connection);
+      reply(connection, writer.finish());
+      handleBufferedFrames(connection);
     }
   }
 
@@ -411,6 +478,7 @@ class TcpStoreServer::Loop {
       return;
     }
     connection.output.erase(0, static_cast<size_t>(sent));
+    updateInterest(connection);
   }
 
   // Tells the client why (best effort, one non-blocking send) and, for
@@ -426,6 +494,7 @@ class TcpStoreServer::Loop {
     for (auto it = connections_.begin(); it != connections_.end();) {
       if (it->second->dead) {
         unpark(*it->second);
+        expiring_.erase(it->first);
         it = connections_.erase(it);
       } else {
         ++it;
@@ -440,16 +509,19 @@ class TcpStoreServer::Loop {
   net::FileDescriptor listener_, wakeRead_, wakeWrite_;
   std::atomic<bool> stopping_{false};
   uint64_t nextId_ = 1;
-  std::map<uint64_t, std::unique_ptr<Connection>> connections_;
+  net::FileDescriptor epoll_;
+  std::unordered_map<uint64_t, std::unique_ptr<Connection>> connections_;
+  std::unordered_set<uint64_t> expiring_;  // connections whose parked request has a deadline
   std::unordered_map<std::string, std::string> data_;
   std::unordered_map<std::string, std::vector<uint64_t>> waiters_;  // key -> connections parked on it
 };
 
 TcpStoreServer::TcpStoreServer(TcpStoreOptions options) : host_(options.host) {
-  if (options.maxConnections < 1)
-    throw ConfigError(fmt::format("TcpStoreOptions.maxConnections is {}; it must be at least 1",
+  if (options.maxConnections < 0)
+    throw ConfigError(fmt::format("TcpStoreOptions.maxConnections is {}; it must be 0 (no cap) or more",
                                   options.maxConnections),
                       {.rank = options.rank});
+  raiseDescriptorLimit();
   net::FileDescriptor listener = net::listenOn(options.host, options.port, /*backlog=*/1024);
   port_ = net::localPort(listener.get());
   loop_ = std::make_shared<Loop>(std::move(options), endpoint(), std::move(listener));

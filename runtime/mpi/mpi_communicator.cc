@@ -404,10 +404,14 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     pending_.clear();
   }
 
-  // Operations nobody waited for get the shutdown timeout to finish; what is
-  // still in flight then is abandoned (and the process poisoned).
+  // Operations nobody waited for get the shutdown timeout to finish (none in a
+  // poisoned process); what is still in flight then is abandoned (and the
+  // process poisoned).
   void drainOnDestroy() {
     if (aborted_ || finalized) return;
+    // A process whose MPI operation timed out exits at shutdown: what is in
+    // flight elsewhere (perhaps with the same stalled peer) is abandoned now.
+    if (poisonedFlag) return markAborted("this process is poisoned by an earlier timeout");
     Deadline deadline = Deadline::afterSeconds(env::kShutdownTimeout.seconds());
     Backoff backoff;
     for (;;) {
