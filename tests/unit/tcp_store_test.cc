@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -264,4 +265,35 @@ TEST_CASE("a server asked for a port already in use raises CommError naming it")
   TcpHarness harness;
   auto [error, elapsed] = expectError<CommError>([&] { TcpStoreServer({.port = harness.server.port()}); });
   CHECK(std::string(error.what()).find(harness.server.endpoint()) != std::string::npos);
+}
+
+TEST_CASE("the server holds more connections than a poll loop's old cap of 4,096, each served") {
+  // Each connection a rank's: hello, then a set of its own key. 2 x 5,000
+  // descriptors in this process (client and server ends).
+  rlimit limit{};
+  REQUIRE(getrlimit(RLIMIT_NOFILE, &limit) == 0);
+  const int connections = 5000;
+  TcpHarness harness;  // raises the soft limit to the hard one
+  REQUIRE(getrlimit(RLIMIT_NOFILE, &limit) == 0);
+  if (limit.rlim_cur < static_cast<rlim_t>(2 * connections + 256)) {
+    WARN("descriptor limit " << limit.rlim_cur << " is too low for " << connections << " connections here");
+    return;
+  }
+  std::mt19937_64 rng(4097);
+  std::vector<net::FileDescriptor> sockets;
+  std::vector<std::string> keys, values;
+  for (int i = 0; i < connections; ++i) {
+    keys.push_back(fmt::format("alive/{}", i));
+    values.push_back(std::to_string(rng()));
+    sockets.push_back(rawConnect(harness.server.port()));
+    rawSend(sockets.back().get(),
+            hello(harness.token) +
+                wire::FrameWriter().u8(uint8_t(wire::Op::Set)).str(keys.back()).str(values.back()).finish());
+  }
+  auto reader = harness.client();
+  reader->wait(keys, seconds(30));
+  auto read = reader->multiGet(keys, seconds(30));
+  int served = 0;
+  for (int i = 0; i < connections; ++i) served += read[i] == values[i];
+  CHECK(served == connections);
 }
