@@ -1,0 +1,204 @@
+// The rendezvous store at job scale: N simulated ranks, each with a client
+// (and connection) of its own, publish what the monitor publishes (a
+// heartbeat and a ledger record) every heartbeat period, while one reader
+// does the diagnosis read of every rank's records in one request. The server
+// runs in a child process, so its CPU time is its own.
+//
+//   bulkhead-store-scale-bench [--ranks 1024,2048,4096,8192,16384] [--seconds 20]
+//
+// Per N: ranks connected, server connections, the server's CPU share, and the
+// p50/p99/max of a publish round (every rank publishes once) and of a
+// diagnosis read.
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "launch/cli.h"
+#include "runtime/tcp_store.h"
+
+namespace {
+
+using namespace bulkhead;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::vector<int> ranks = {1024, 2048, 4096, 8192, 16384};
+  double seconds = 20;
+  double heartbeat = 0.5;
+  int threads = 64;  // client threads; each drives ranks / threads simulated ranks
+  int maxConnections = 0;  // the server's cap; 0: none (its default)
+};
+
+struct Percentiles {
+  double p50 = 0, p99 = 0, max = 0;
+};
+
+Percentiles percentiles(std::vector<double> values) {
+  if (values.empty()) return {};
+  std::sort(values.begin(), values.end());
+  auto at = [&](double q) { return values[std::min(values.size() - 1, static_cast<size_t>(q * values.size()))]; };
+  return {at(0.5), at(0.99), values.back()};
+}
+
+// utime + stime of a process, in seconds.
+double cpuSeconds(pid_t pid) {
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  std::istringstream fields(text.substr(text.rfind(')') + 2));
+  std::string skip;
+  for (int i = 0; i < 11; ++i) fields >> skip;  // state .. cmajflt
+  double user = 0, system = 0;
+  fields >> user >> system;
+  return (user + system) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// The server in a child process, on a free port; returns its pid and port.
+std::pair<pid_t, uint16_t> startServer(const std::string& token, int maxConnections) {
+  int ends[2];
+  if (pipe(ends) != 0) throw std::runtime_error("pipe");
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(ends[0]);
+    TcpStoreServer server(
+        TcpStoreOptions{.host = "127.0.0.1", .port = 0, .token = token, .maxConnections = maxConnections});
+    uint16_t port = server.port();
+    [[maybe_unused]] ssize_t written = write(ends[1], &port, sizeof(port));
+    close(ends[1]);
+    pause();  // until the parent's SIGTERM
+    _exit(0);
+  }
+  close(ends[1]);
+  uint16_t port = 0;
+  if (read(ends[0], &port, sizeof(port)) != sizeof(port)) throw std::runtime_error("the server did not start");
+  close(ends[0]);
+  return {pid, port};
+}
+
+struct Row {
+  int ranks = 0, connected = 0;
+  double cpuShare = 0;
+  Percentiles publish, diagnosis;
+  int lateRounds = 0, rounds = 0;
+};
+
+Row run(int ranks, const Options& options) {
+  const std::string token = "scale-bench";
+  auto [server, port] = startServer(token, options.maxConnections);
+  Row row{.ranks = ranks};
+  std::vector<std::unique_ptr<TcpStoreClient>> clients(ranks);
+  std::vector<char> ok(ranks, 0);
+  const std::string record(256, 'r');  // a ledger record's size: heads and newest entries
+  auto forEach = [&](const std::function<void(int)>& body) {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < options.threads; ++t)
+      threads.emplace_back([&, t] {
+        for (int r = t; r < ranks; r += options.threads) body(r);
+      });
+    for (auto& thread : threads) thread.join();
+  };
+  forEach([&](int r) {
+    try {
+      clients[r] = std::make_unique<TcpStoreClient>(
+          TcpStoreOptions{.host = "127.0.0.1", .port = port, .token = token, .rank = r});
+      clients[r]->set(fmt::format("alive/{}", r), "0", Deadline::afterSeconds(30));
+      ok[r] = 1;
+    } catch (const std::exception&) {
+    }
+  });
+  row.connected = static_cast<int>(std::count(ok.begin(), ok.end(), 1));
+
+  std::vector<std::string> keys;
+  for (int r = 0; r < ranks; ++r) {
+    keys.push_back(fmt::format("alive/{}", r));
+    keys.push_back(fmt::format("ledger/world/{}", r));
+  }
+  std::atomic<bool> done{false};
+  std::vector<double> reads;
+  std::thread reader([&] {
+    TcpStoreClient client(TcpStoreOptions{.host = "127.0.0.1", .port = port, .token = token});
+    while (!done) {
+      auto start = Clock::now();
+      try {
+        client.multiGet(keys, Deadline::afterSeconds(30));
+        reads.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+      } catch (const std::exception&) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  });
+
+  const double cpuBefore = cpuSeconds(server);
+  const auto begin = Clock::now();
+  std::vector<double> rounds;
+  const auto period = std::chrono::duration<double>(options.heartbeat);
+  while (Clock::now() - begin < std::chrono::duration<double>(options.seconds)) {
+    auto start = Clock::now();
+    forEach([&](int r) {
+      if (!ok[r]) return;
+      try {
+        Deadline deadline = Deadline::afterSeconds(10);
+        clients[r]->set(fmt::format("alive/{}", r), std::to_string(r), deadline);
+        clients[r]->set(fmt::format("ledger/world/{}", r), record, deadline);
+      } catch (const std::exception&) {
+        ok[r] = 0;
+      }
+    });
+    double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    rounds.push_back(ms);
+    row.lateRounds += ms > options.heartbeat * 1e3;
+    std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(period));
+  }
+  const double elapsed = std::chrono::duration<double>(Clock::now() - begin).count();
+  row.cpuShare = (cpuSeconds(server) - cpuBefore) / elapsed;
+  done = true;
+  reader.join();
+  row.rounds = static_cast<int>(rounds.size());
+  row.publish = percentiles(rounds);
+  row.diagnosis = percentiles(reads);
+  clients.clear();
+  kill(server, SIGTERM);
+  waitpid(server, nullptr, 0);
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cli::App app("The rendezvous store at job scale: N simulated ranks publishing heartbeats and ledger records, and "
+               "a diagnosis read of all of them.",
+               "bulkhead-store-scale-bench");
+  Options options;
+  app.add_option("--ranks", options.ranks, "simulated ranks, comma-separated")->delimiter(',');
+  app.add_option("--seconds", options.seconds, "seconds of publishing per N")->check(cli::positive());
+  app.add_option("--heartbeat", options.heartbeat, "seconds between a rank's publications")->check(cli::positive());
+  app.add_option("--threads", options.threads, "client threads driving the simulated ranks")->check(cli::positive());
+  app.add_option("--max-connections", options.maxConnections, "the server's connection cap (0: none)")
+      ->check(cli::nonNegative());
+  if (auto code = cli::parse(app, argc, argv)) return *code;
+  fmt::print("store scale: {} s per N, a publish every {} s per rank (heartbeat + 256 B ledger record), {} client "
+             "threads, {} CPUs\n",
+             options.seconds, options.heartbeat, options.threads, std::thread::hardware_concurrency());
+  fmt::print("| ranks | connected | server CPU | publish round p50 / p99 / max ms | rounds over the period | "
+             "diagnosis read p50 / p99 / max ms |\n|---:|---:|---:|---|---:|---|\n");
+  for (int ranks : options.ranks) {
+    Row row = run(ranks, options);
+    fmt::print("| {} | {} | {:.0f}% | {:.1f} / {:.1f} / {:.1f} | {} of {} | {:.1f} / {:.1f} / {:.1f} |\n", row.ranks,
+               row.connected, 100 * row.cpuShare, row.publish.p50, row.publish.p99, row.publish.max, row.lateRounds,
+               row.rounds, row.diagnosis.p50, row.diagnosis.p99, row.diagnosis.max);
+    std::fflush(stdout);
+  }
+  return 0;
+}
