@@ -46,30 +46,24 @@ void guarded(const char* what, const ErrorContext& context, const std::function<
   }
 }
 
-bool isGlooTimeout(const std::exception_ptr& error) {
+namespace {
+
+// Whether `error` holds an exception of type T.
+template <typename T>
+bool holds(const std::exception_ptr& error) {
   if (!error) return false;
   try {
     std::rethrow_exception(error);
-  } catch (const GlooTimeout&) {
+  } catch (const T&) {
     return true;
   } catch (...) {
     return false;
   }
 }
 
-}  // namespace bulkhead::gloo
+}  // namespace
 
-namespace bulkhead::gloo {
-
-bool isGlooPeerLost(const std::exception_ptr& error) {
-  if (!error) return false;
-  try {
-    std::rethrow_exception(error);
-  } catch (const GlooPeerLost&) {
-    return true;
-  } catch (...) {
-    return false;
-  }
-}
+bool isGlooTimeout(const std::exception_ptr& error) { return holds<GlooTimeout>(error); }
+bool isGlooPeerLost(const std::exception_ptr& error) { return holds<GlooPeerLost>(error); }
 
 }  // namespace bulkhead::gloo

@@ -538,29 +538,33 @@ ncclComm_t initBounded(const ncclUniqueId& id, int rank, int size, Deadline dead
   return comm;
 }
 
-CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
-  ErrorContext context{.rank = bootstrap.members().at(bootstrap.rank()), .group = "world"};
+namespace {
+
+// The GPU of this rank's world, made current; ConfigError without one.
+int worldDevice(const WorldOptions& options, const ErrorContext& context) {
   if (!available())
-    throw ConfigError("the nccl backend needs a GPU and a libtorch built with CUDA; use the mpi backend "
-                      "(BULKHEAD_BACKEND=mpi) on CPUs",
+    throw ConfigError("the nccl backend needs a GPU and a libtorch built with CUDA; use the mpi or gloo backend "
+                      "(BULKHEAD_BACKEND=mpi or gloo) on CPUs",
                       context);
-  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
   int device = options.device >= 0 ? options.device : options.localRank % deviceCount();
   check(cudaSetDevice(device), "cudaSetDevice", context);
+  return device;
+}
 
+}  // namespace
+
+CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
+  ErrorContext context{.rank = bootstrap.members().at(bootstrap.rank()), .group = "world"};
+  int device = worldDevice(options, context);
+  Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
   ncclComm_t comm = bootstrapBounded(bootstrap, deadline, context, "the world");
   return std::make_shared<NcclCommunicator>(comm, device, "world", bootstrap.members());
 }
 
 CommunicatorPtr initWorld(Store& store, int rank, int size, WorldOptions options) {
   ErrorContext context{.rank = rank, .group = "world"};
-  if (!available())
-    throw ConfigError("the nccl backend needs a GPU and a libtorch built with CUDA; use the gloo backend "
-                      "(BULKHEAD_BACKEND=gloo) on CPUs",
-                      context);
+  int device = worldDevice(options, context);
   Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
-  int device = options.device >= 0 ? options.device : options.localRank % deviceCount();
-  check(cudaSetDevice(device), "cudaSetDevice", context);
   // Rank 0's unique id travels through the store.
   const std::string key = "nccl/world/unique_id";
   ncclUniqueId id;
