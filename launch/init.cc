@@ -8,6 +8,7 @@
 #include "runtime/host_staged.h"
 #include "runtime/log.h"
 #include "runtime/mpi/mpi_backend.h"
+#include "runtime/node_relay.h"
 #include "runtime/nccl/nccl_backend.h"
 
 namespace bulkhead {
@@ -144,6 +145,10 @@ std::unique_ptr<Runtime> init(InitOptions options) {
   log::debug("launch", "world of {} ranks from {}, bootstrap {}, backend {}", info.size, launch::toString(info.source),
              launch::toString(bootstrap), toString(backend));
   auto monitor = std::make_shared<Monitor>(rendezvous.store, info.rank);
+  monitor->relayThrough(joinNodeRelay(*rendezvous.store,
+                                      {.localRank = info.localRank, .localSize = info.localSize, .worldRank = info.rank},
+                                      deadline),
+                        info.localRank);
   auto glooWorld = [&] {
     return gloo::initWorld(rendezvous.store, info.rank, info.size, {.deadline = deadline, .host = glooHost(info)});
   };

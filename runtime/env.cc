@@ -50,6 +50,8 @@ const Knob kStoreHost{"BULKHEAD_STORE_HOST", "",
                       "MASTER_ADDR, else rank 0's host name"};
 const Knob kHeartbeat{"BULKHEAD_HEARTBEAT", "0.5",
                       "seconds between publications of each rank's ledger heads and heartbeat through the store"};
+const Knob kNodeRelay{"BULKHEAD_NODE_RELAY", "1",
+                      "relay the heartbeats of a node's ranks through its local rank 0, one store request per node"};
 const Knob kStrict{"BULKHEAD_STRICT", "0",
                    "check every collective's fingerprint across its group through the store before issuing it"};
 const Knob kLedgerDump{"BULKHEAD_LEDGER_DUMP", "",
@@ -62,7 +64,7 @@ const std::vector<const Knob*>& all() {
                                                  &kCollectiveTimeout, &kCheckpointTimeout, &kCheckpointThreads, &kCheckpointNice,
                                                  &kShutdownTimeout,
                                                  &kAbortGrace,       &kLedgerCapacity,   &kStoreToken,
-                                                 &kStoreMaxMessage,  &kStoreHost,        &kHeartbeat,
+                                                 &kStoreMaxMessage,  &kStoreHost,        &kHeartbeat,        &kNodeRelay,
                                                  &kStrict,           &kLedgerDump,       &kFault,
                                                  &kCheckpointFault};
   return knobs;

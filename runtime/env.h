@@ -44,6 +44,7 @@ extern const Knob kLedgerCapacity;
 extern const Knob kStoreToken;
 extern const Knob kStoreHost;
 extern const Knob kHeartbeat;
+extern const Knob kNodeRelay;
 extern const Knob kStrict;
 extern const Knob kLedgerDump;
 extern const Knob kFault;

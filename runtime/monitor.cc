@@ -11,80 +11,18 @@
 #include "runtime/diagnosis.h"
 #include "runtime/env.h"
 #include "runtime/log.h"
+#include "runtime/monitor_record.h"
+#include "runtime/node_relay.h"
 #include "runtime/op_checks.h"
 
 namespace bulkhead {
 namespace {
 
-constexpr size_t kPublishedEntries = 8;  // the newest collectives each record carries
+using monitor_record::stateKey;
 
 int64_t nowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-std::string encode(const Fingerprint& fp) {
-  std::string text = fmt::format("{} {} {} {} {} {}", static_cast<int>(fp.op), static_cast<int>(fp.dtype),
-                                 static_cast<int>(fp.reduce), fp.root, fp.numel, fp.shape.size());
-  for (int64_t d : fp.shape) text += fmt::format(" {}", d);
-  return text;
-}
-
-Fingerprint decodeFingerprint(std::istringstream& in) {
-  Fingerprint fp;
-  int op = 0, dtype = 0, reduce = 0;
-  size_t dims = 0;
-  in >> op >> dtype >> reduce >> fp.root >> fp.numel >> dims;
-  fp.op = static_cast<OpType>(op);
-  fp.dtype = static_cast<c10::ScalarType>(dtype);
-  fp.reduce = static_cast<ReduceOp>(reduce);
-  for (size_t i = 0; i < dims && in; ++i) {
-    int64_t d = 0;
-    in >> d;
-    fp.shape.push_back(d);
-  }
-  return fp;
-}
-
-// What one member published about one group.
-struct Record {
-  LedgerHeads heads;
-  std::map<uint64_t, Fingerprint> entries;  // seq -> what it issued there
-};
-
-std::string encode(const Ledger& ledger) {
-  LedgerHeads h = ledger.heads();
-  std::string text = fmt::format("heads {} {} {} {}\n", h.lastIssued, h.lastCompleted, h.lastIssuedP2P,
-                                 h.lastCompletedP2P);
-  auto entries = ledger.entries();
-  size_t written = 0;
-  for (auto it = entries.rbegin(); it != entries.rend() && written < kPublishedEntries; ++it) {
-    if (isPointToPoint(it->fingerprint.op)) continue;
-    text += fmt::format("e {} {}\n", it->seq, encode(it->fingerprint));
-    ++written;
-  }
-  return text;
-}
-
-std::optional<Record> decodeRecord(const std::optional<std::string>& value) {
-  if (!value) return std::nullopt;
-  Record record;
-  std::istringstream lines(*value);
-  std::string line;
-  while (std::getline(lines, line)) {
-    std::istringstream in(line);
-    std::string tag;
-    in >> tag;
-    if (tag == "heads") {
-      in >> record.heads.lastIssued >> record.heads.lastCompleted >> record.heads.lastIssuedP2P >>
-          record.heads.lastCompletedP2P;
-    } else if (tag == "e") {
-      uint64_t seq = 0;
-      in >> seq;
-      record.entries[seq] = decodeFingerprint(in);
-    }
-  }
-  return record;
 }
 
 std::string rankList(const std::vector<int>& ranks) {
@@ -143,8 +81,52 @@ std::vector<Monitor::Group> Monitor::groups() const {
   return groups_;
 }
 
-void Monitor::publish(const std::string& key, const Ledger& ledger, Deadline deadline) {
-  store_->set(fmt::format("ledger/{}/{}", key, worldRank_), encode(ledger), deadline);
+void Monitor::relayThrough(std::shared_ptr<NodeRelay> relay, int slot) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  relay_ = std::move(relay);
+  relaySlot_ = slot;
+}
+
+std::string Monitor::state() const {
+  auto watched = groups();
+  std::vector<std::pair<std::string, const Ledger*>> ledgers;
+  for (const Group& group : watched)
+    if (!group.comm.expired()) ledgers.emplace_back(group.key, group.ledger.get());
+  return monitor_record::encodeState(nowMs(), ledgers);
+}
+
+void Monitor::publishDirectly(const std::string& record, Deadline deadline) {
+  store_->set(stateKey(worldRank_), record, deadline);
+  std::lock_guard<std::mutex> lock(mutex_);
+  storeAnswered_ = std::chrono::steady_clock::now();
+}
+
+// Through the node's relay when there is one: the leader forwards every
+// changed slot in one request; a member publishes directly only while its
+// leader is late.
+void Monitor::publishState(Deadline deadline) {
+  std::shared_ptr<NodeRelay> relay;
+  int slot = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    relay = relay_;
+    slot = relaySlot_;
+  }
+  std::string record = state();
+  if (!relay || !relay->write(slot, worldRank_, record)) return publishDirectly(record, deadline);
+  if (!relay->leader()) {
+    if (relay->secondsSinceForwarded() > kRelayLateHeartbeats * options_.heartbeatSeconds)
+      publishDirectly(record, deadline);
+    return;
+  }
+  std::vector<std::pair<std::string, std::string>> pairs;
+  auto records = relay->changed(relaySeen_);
+  for (const NodeRelay::Record& r : records) pairs.emplace_back(stateKey(r.worldRank), r.text);
+  store_->multiSet(pairs, deadline);
+  for (const NodeRelay::Record& r : records) relay->markForwarded(r.slot, r.version);
+  relay->stampForwarded();
+  std::lock_guard<std::mutex> lock(mutex_);
+  storeAnswered_ = std::chrono::steady_clock::now();
 }
 
 // One turn of the heartbeat thread: a gap since the last turn beyond one
@@ -172,30 +154,27 @@ double Monitor::pausedSeconds(std::chrono::steady_clock::time_point since) const
 }
 
 void Monitor::heartbeat() {
-  auto interval = std::chrono::duration<double>(options_.heartbeatSeconds);
+  const auto interval = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(options_.heartbeatSeconds));
   bool warned = false;
   for (;;) {
+    const auto turn = std::chrono::steady_clock::now();
     {
       std::unique_lock<std::mutex> lock(mutex_);
       if (stopping_) return;
     }
     tick();
     try {
-      Deadline deadline = Deadline::afterSeconds(options_.heartbeatSeconds);
-      store_->set(fmt::format("alive/{}", worldRank_), std::to_string(nowMs()), deadline);
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        storeAnswered_ = std::chrono::steady_clock::now();
-      }
-      for (const Group& group : groups())
-        if (!group.comm.expired()) publish(group.key, *group.ledger, deadline);
+      publishState(Deadline::afterSeconds(options_.heartbeatSeconds));
       warned = false;
     } catch (const std::exception& e) {
       if (!warned) log::warn("monitor", "cannot publish the ledger through the store: {}", e.what());
       warned = true;
     }
+    // A fixed rate, so a relay's leader stamps its node's turn every period.
     std::unique_lock<std::mutex> lock(mutex_);
-    wake_.wait_for(lock, interval, [this] { return stopping_; });
+    wake_.wait_until(lock, std::max(turn + interval, std::chrono::steady_clock::now() + interval / 10),
+                     [this] { return stopping_; });
   }
 }
 
@@ -209,6 +188,8 @@ std::string Monitor::storeSilence(const Error& error, double paused) const {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     silent = std::chrono::duration<double>(std::chrono::steady_clock::now() - storeAnswered_).count();
+    // A relay member hears from the store through its leader's turns.
+    if (relay_ && !relay_->leader()) silent = std::min(silent, relay_->secondsSinceForwarded());
   }
   if (dynamic_cast<const TimeoutError*>(&error))
     return fmt::format("rank {} hosts the store and has not answered for {:.1f} s: it is stalled or dead ({})", host,
@@ -221,14 +202,14 @@ std::string Monitor::storeSilence(const Error& error, double paused) const {
 void Monitor::checkBeforeCollective(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
                                     Deadline deadline) {
   std::string prefix = fmt::format("strict/{}/{}/", groupKey(comm), seq);
-  store_->set(prefix + std::to_string(worldRank_), encode(fingerprint), deadline);
+  store_->set(prefix + std::to_string(worldRank_), monitor_record::encode(fingerprint), deadline);
   std::vector<std::string> keys;
   for (int member : comm.members()) keys.push_back(prefix + std::to_string(member));
   store_->wait(keys, deadline);
   auto values = store_->multiGet(keys, deadline);
   for (size_t i = 0; i < keys.size(); ++i) {
     std::istringstream in(values[i].value_or(""));
-    Fingerprint theirs = decodeFingerprint(in);
+    Fingerprint theirs = monitor_record::decodeFingerprint(in);
     if (!theirs.matches(fingerprint))
       throw DesyncError(fmt::format("group {} seq {}: this rank ({}) issues {} but rank {} issues {}; every rank of a "
                                     "group must issue the same collectives in the same order",
@@ -254,12 +235,9 @@ Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Finger
   Deadline deadline = Deadline::afterSeconds(options_.diagnosisSeconds);
   std::string key = groupKey(comm);
   try {
-    publish(key, comm.ledger(), deadline);
+    publishDirectly(state(), deadline);
     std::vector<std::string> keys;
-    for (int member : comm.members()) {
-      keys.push_back(fmt::format("ledger/{}/{}", key, member));
-      keys.push_back(fmt::format("alive/{}", member));
-    }
+    for (int member : comm.members()) keys.push_back(stateKey(member));
     auto values = store_->multiGet(keys, deadline);
     int64_t now = nowMs();
     std::vector<int> waiting, completed, silent;
@@ -267,8 +245,11 @@ Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Finger
     std::vector<std::string> dead, mismatched;
     for (size_t i = 0; i < comm.members().size(); ++i) {
       int member = comm.members()[i];
-      auto record = decodeRecord(values[2 * i]);
-      auto alive = values[2 * i + 1] ? parseStoreInteger(*values[2 * i + 1]) : std::nullopt;
+      auto state = monitor_record::decodeState(values[i]);
+      std::optional<int64_t> alive = state ? std::optional<int64_t>(state->wallMs) : std::nullopt;
+      std::optional<monitor_record::GroupRecord> record;
+      if (state)
+        if (auto it = state->groups.find(key); it != state->groups.end()) record = it->second;
       double silentFor = alive ? (now - *alive) / 1000.0 : 0;
       // A paused rank saw no heartbeats while it was stopped: no evidence.
       if (member != worldRank_ && alive && silentFor > options_.deadAfterSeconds && paused == 0) {

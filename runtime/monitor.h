@@ -6,9 +6,11 @@
 // the group before each collective in strict mode; and dumps the ledger as
 // JSON and as a Chrome trace.
 //
-// Keys, under the store given: "alive/<rank>" (wall-clock ms of the last
-// heartbeat), "ledger/<group key>/<rank>" (heads and newest entries),
-// "strict/<group key>/<seq>/<rank>", "report/<group key>/<seq>".
+// Keys, under the store given: "state/<rank>" (one record per heartbeat: its
+// wall-clock time and every watched group's heads and newest entries, see
+// monitor_record.h), "strict/<group key>/<seq>/<rank>",
+// "report/<group key>/<seq>". With a node relay (node_relay.h) a node's
+// records reach the store in one request per heartbeat from its leader.
 
 #include <atomic>
 #include <chrono>
@@ -45,6 +47,8 @@ struct Diagnosis {
   bool desync = false;  // members issued different collectives at that seq
 };
 
+class NodeRelay;
+
 class Monitor : public std::enable_shared_from_this<Monitor> {
  public:
   Monitor(std::shared_ptr<Store> store, int worldRank, MonitorOptions options = MonitorOptions::fromEnvironment());
@@ -55,6 +59,10 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   // Stops the heartbeat thread (bounded by one store round trip) and writes
   // the dumps if a directory is set. Idempotent.
   void stop();
+
+  // Publishes through `relay` (this rank's slot `slot`) from the next
+  // heartbeat on; null: directly, one request per heartbeat.
+  void relayThrough(std::shared_ptr<NodeRelay> relay, int slot);
 
   // Attaches this monitor to `comm` and publishes its ledger from now on.
   void watch(const std::shared_ptr<Communicator>& comm);
@@ -97,7 +105,10 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   };
   void heartbeat();
   void tick();
-  void publish(const std::string& key, const Ledger& ledger, Deadline deadline);
+  // This rank's record now, for every watched group.
+  std::string state() const;
+  void publishState(Deadline deadline);
+  void publishDirectly(const std::string& record, Deadline deadline);
   // What a diagnosis says when the store did not answer it.
   std::string storeSilence(const Error& error, double paused) const;
   std::vector<Group> groups() const;
@@ -114,6 +125,11 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   // pause it saw and when that pause ended, and the store's last answer.
   std::chrono::steady_clock::time_point lastTick_, pauseEnd_, storeAnswered_;
   double pauseSeconds_ = 0;
+  std::shared_ptr<NodeRelay> relay_;  // under mutex_
+  int relaySlot_ = 0;
+  std::vector<uint64_t> relaySeen_;  // the heartbeat thread's: slot versions forwarded
+  // A member publishes directly while its leader's last turn is older than this many heartbeats.
+  static constexpr double kRelayLateHeartbeats = 1.25;
   std::thread thread_;
 };
 

@@ -43,6 +43,13 @@ std::vector<std::optional<std::string>> PrefixStore::multiGet(const std::vector<
   return store_->multiGet(full(keys), deadline);
 }
 
+void PrefixStore::multiSet(const std::vector<std::pair<std::string, std::string>>& pairs, Deadline deadline) {
+  std::vector<std::pair<std::string, std::string>> prefixed;
+  prefixed.reserve(pairs.size());
+  for (const auto& [key, value] : pairs) prefixed.emplace_back(full(key), value);
+  store_->multiSet(prefixed, deadline);
+}
+
 int64_t PrefixStore::add(const std::string& key, int64_t delta, Deadline deadline) {
   return store_->add(full(key), delta, deadline);
 }

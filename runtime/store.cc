@@ -8,6 +8,10 @@
 
 namespace bulkhead {
 
+void Store::multiSet(const std::vector<std::pair<std::string, std::string>>& pairs, Deadline deadline) {
+  for (const auto& [key, value] : pairs) set(key, value, deadline);
+}
+
 void requireKey(const std::string& key, const Store& store, int rank) {
   if (key.empty())
     throw ConfigError(fmt::format("an empty key was passed to store {}; name every key", store.describe()),

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/deadline.h"
@@ -54,6 +55,12 @@ class Store {
   // (tcp: one request). Results are in the order of `keys`.
   virtual std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys,
                                                            Deadline deadline) = 0;
+
+  // Sets every (key, value) pair, in one round trip where the store allows
+  // (tcp: one request, applied in order). Each key is set as by set(); a
+  // timeout means some of them may have been applied. The default calls set()
+  // for each pair.
+  virtual void multiSet(const std::vector<std::pair<std::string, std::string>>& pairs, Deadline deadline);
 
   // Adds `delta` to the integer held by `key` (a missing key counts as 0) and
   // returns the new value. The value is stored as decimal text, so get()

@@ -37,6 +37,7 @@ const char* toString(Op op) {
     case Op::CompareSet: return "compareSet";
     case Op::Wait: return "wait";
     case Op::Erase: return "erase";
+    case Op::MultiSet: return "multiSet";
   }
   return "unknown";
 }

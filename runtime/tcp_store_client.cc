@@ -295,6 +295,23 @@ std::vector<std::optional<std::string>> TcpStoreClient::multiGet(const std::vect
   return values;
 }
 
+void TcpStoreClient::multiSet(const std::vector<std::pair<std::string, std::string>>& pairs, Deadline deadline) {
+  if (pairs.empty()) return;
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : pairs) {
+    requireKey(key, *this, options_.rank);
+    keys.push_back(key);
+  }
+  auto frame = [&] {
+    FrameWriter writer;
+    writer.u8(uint8_t(Op::MultiSet)).u32(static_cast<uint32_t>(pairs.size()));
+    for (const auto& [key, value] : pairs) writer.str(key).str(value);
+    return writer.finish();
+  };
+  std::string subject = fmt::format("multiSet({})", quoteKeys(keys, 4));
+  FrameReader(roundTrip(frame, subject, Call::Write, deadline)).expectEnd();
+}
+
 int64_t TcpStoreClient::add(const std::string& key, int64_t delta, Deadline deadline) {
   requireKey(key, *this, options_.rank);
   auto frame = [&] { return FrameWriter().u8(uint8_t(Op::Add)).str(key).i64(delta).finish(); };

@@ -316,6 +316,18 @@ class TcpStoreServer::Loop {
         store(key, std::move(value));
         return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
       }
+      case Op::MultiSet: {
+        uint32_t pairs = reader.count(8);
+        std::vector<std::pair<std::string, std::string>> items;
+        items.reserve(pairs);
+        for (uint32_t i = 0; i < pairs; ++i) {
+          std::string key = reader.str();
+          items.emplace_back(std::move(key), reader.str());
+        }
+        reader.expectEnd();  // a malformed request sets nothing
+        for (auto& [key, value] : items) store(key, std::move(value));
+        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
+      }
       case Op::Get:
       case Op::Wait: {
         ParkedRequest request{.op = op};

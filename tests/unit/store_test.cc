@@ -245,3 +245,28 @@ TEST_CASE("FileStore names key files safely: '/', '[', ']' and other bytes are e
   CHECK(FileStore::fileNameOf("a.b%") == "k.a%2Eb%25");
   CHECK(FileStore::fileNameOf("..") == "k.%2E%2E");
 }
+
+TEMPLATE_TEST_CASE("multiSet sets every pair, replaces values and wakes a waiter, through a prefix too", "[store]",
+                   TcpHarness, FileHarness) {
+  TestType harness;
+  auto writer = harness.client(), reader = harness.client();
+  std::mt19937_64 rng(21);
+  std::vector<std::pair<std::string, std::string>> pairs;
+  for (int i = 0; i < 37; ++i)
+    pairs.emplace_back(fmt::format("state/{}", randomWord(rng, 6)), randomBytes(rng, 1 + rng() % 3000));
+  std::vector<std::string> keys;
+  for (const auto& pair : pairs) keys.push_back(pair.first);
+  std::thread waiter([&] { reader->wait(keys, seconds(10)); });
+  writer->multiSet(pairs, seconds(5));
+  waiter.join();
+  auto values = reader->multiGet(keys, seconds(5));
+  for (size_t i = 0; i < pairs.size(); ++i) CHECK(values[i] == pairs[i].second);
+
+  pairs[5].second = randomBytes(rng, 77);
+  PrefixStore prefixed(writer, "job");
+  prefixed.multiSet({pairs[5], {"extra", "x"}}, seconds(5));
+  CHECK(reader->get("job/" + pairs[5].first, seconds(5)) == pairs[5].second);
+  CHECK(reader->get("job/extra", seconds(5)) == "x");
+  writer->multiSet({}, seconds(5));  // nothing to set: no request
+  CHECK_THROWS_AS(writer->multiSet({{"", "v"}}, seconds(5)), ConfigError);
+}

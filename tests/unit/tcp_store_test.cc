@@ -169,6 +169,11 @@ TEST_CASE("random bytes, a garbled body or a request before hello are refused an
        wire::Refusal::Unauthorized},
       {"a truncated set after hello", authenticated + wire::FrameWriter().u8(uint8_t(wire::Op::Set)).u32(50).finish(),
        1, wire::Refusal::Malformed},
+      {"a multiSet announcing 3 pairs and carrying 1 after hello",
+       authenticated + wire::FrameWriter().u8(uint8_t(wire::Op::MultiSet)).u32(3).str("k").str("v").finish(), 1,
+       wire::Refusal::Malformed},
+      {"a multiSet before hello", wire::FrameWriter().u8(uint8_t(wire::Op::MultiSet)).u32(1).str("k").str("v").finish(),
+       0, wire::Refusal::Unauthorized},
   };
   for (const Case& bad : cases) {
     INFO(bad.what);
