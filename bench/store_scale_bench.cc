@@ -1,13 +1,18 @@
 // The rendezvous store at job scale: N simulated ranks, each with a client
-// (and connection) of its own, publish what the monitor publishes (a
-// heartbeat and a ledger record) every heartbeat period, while one reader
-// does the diagnosis read of every rank's records in one request. The server
+// (and connection) of its own, publish what the monitor publishes (one record:
+// heartbeat time and ledger heads) every heartbeat period, while one reader
+// does the diagnosis read of every rank's record in one request. The server
 // runs in a child process, so its CPU time is its own.
 //
-//   bulkhead-store-scale-bench [--ranks 1024,2048,4096,8192,16384] [--seconds 20]
+// With --ranks-per-node K above 1 (8 by default) the ranks form nodes of K, as
+// the monitor does: each rank writes its record into its node's relay segment
+// (shared memory), and each node's leader forwards the node's records in one
+// multiSet. With K = 1 every rank sets its own record.
 //
-// Per N: ranks connected, server connections, the server's CPU share, and the
-// p50/p99/max of a publish round (every rank publishes once) and of a
+//   bulkhead-store-scale-bench [--ranks 1024,2048,4096,8192,16384] [--seconds 20] [--ranks-per-node 8]
+//
+// Per N: ranks connected, the server's CPU share, and the p50/p99/max of a
+// publish round (every rank's record reaches the store once) and of a
 // diagnosis read.
 
 #include <fmt/format.h>
@@ -27,6 +32,8 @@
 #include <vector>
 
 #include "launch/cli.h"
+#include "runtime/monitor_record.h"
+#include "runtime/node_relay.h"
 #include "runtime/tcp_store.h"
 
 namespace {
@@ -40,6 +47,8 @@ struct Options {
   double heartbeat = 0.5;
   int threads = 64;  // client threads; each drives ranks / threads simulated ranks
   int maxConnections = 0;  // the server's cap; 0: none (its default)
+  int ranksPerNode = 8;     // 1: no relay
+  int recordBytes = 256;    // a ledger record's size: heads and newest entries of one group
 };
 
 struct Percentiles {
@@ -87,6 +96,26 @@ std::pair<pid_t, uint16_t> startServer(const std::string& token, int maxConnecti
   return {pid, port};
 }
 
+// Nodes of `perNode` simulated ranks: each node's leader creates its relay
+// segment, and each rank maps it for itself, as the ranks of a node would.
+struct Relays {
+  std::vector<std::unique_ptr<NodeRelay>> leaders, members;
+  std::vector<std::vector<uint64_t>> seen;
+};
+
+Relays makeRelays(int ranks, int perNode) {
+  Relays relays;
+  if (perNode < 2) return relays;
+  for (int first = 0; first < ranks; first += perNode) {
+    relays.leaders.push_back(NodeRelay::create(std::min(perNode, ranks - first), 4096));
+    for (int r = first; r < std::min(first + perNode, ranks); ++r)
+      relays.members.push_back(NodeRelay::open(relays.leaders.back()->name()));
+    relays.leaders.back()->unlink();
+  }
+  relays.seen.resize(relays.leaders.size());
+  return relays;
+}
+
 struct Row {
   int ranks = 0, connected = 0;
   double cpuShare = 0;
@@ -100,31 +129,30 @@ Row run(int ranks, const Options& options) {
   Row row{.ranks = ranks};
   std::vector<std::unique_ptr<TcpStoreClient>> clients(ranks);
   std::vector<char> ok(ranks, 0);
-  const std::string record(256, 'r');  // a ledger record's size: heads and newest entries
-  auto forEach = [&](const std::function<void(int)>& body) {
+  const std::string record(options.recordBytes, 'r');
+  auto forEachOf = [&](int count, const std::function<void(int)>& body) {
     std::vector<std::thread> threads;
     for (int t = 0; t < options.threads; ++t)
       threads.emplace_back([&, t] {
-        for (int r = t; r < ranks; r += options.threads) body(r);
+        for (int i = t; i < count; i += options.threads) body(i);
       });
     for (auto& thread : threads) thread.join();
   };
+  auto forEach = [&](const std::function<void(int)>& body) { forEachOf(ranks, body); };
   forEach([&](int r) {
     try {
       clients[r] = std::make_unique<TcpStoreClient>(
           TcpStoreOptions{.host = "127.0.0.1", .port = port, .token = token, .rank = r});
-      clients[r]->set(fmt::format("alive/{}", r), "0", Deadline::afterSeconds(30));
+      clients[r]->set(monitor_record::stateKey(r), "t 0\n", Deadline::afterSeconds(30));
       ok[r] = 1;
     } catch (const std::exception&) {
     }
   });
   row.connected = static_cast<int>(std::count(ok.begin(), ok.end(), 1));
+  Relays relays = makeRelays(ranks, options.ranksPerNode);
 
   std::vector<std::string> keys;
-  for (int r = 0; r < ranks; ++r) {
-    keys.push_back(fmt::format("alive/{}", r));
-    keys.push_back(fmt::format("ledger/world/{}", r));
-  }
+  for (int r = 0; r < ranks; ++r) keys.push_back(monitor_record::stateKey(r));
   std::atomic<bool> done{false};
   std::vector<double> reads;
   std::thread reader([&] {
@@ -146,14 +174,29 @@ Row run(int ranks, const Options& options) {
   const auto period = std::chrono::duration<double>(options.heartbeat);
   while (Clock::now() - begin < std::chrono::duration<double>(options.seconds)) {
     auto start = Clock::now();
+    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::system_clock::now().time_since_epoch())
+                            .count();
+    const std::string text = fmt::format("t {}\ng world\n", now) + record;
     forEach([&](int r) {
       if (!ok[r]) return;
       try {
-        Deadline deadline = Deadline::afterSeconds(10);
-        clients[r]->set(fmt::format("alive/{}", r), std::to_string(r), deadline);
-        clients[r]->set(fmt::format("ledger/world/{}", r), record, deadline);
+        if (relays.members.empty()) return clients[r]->set(monitor_record::stateKey(r), text, Deadline::afterSeconds(10));
+        relays.members[r]->write(r % options.ranksPerNode, r, text);
       } catch (const std::exception&) {
         ok[r] = 0;
+      }
+    });
+    forEachOf(static_cast<int>(relays.leaders.size()), [&](int node) {
+      const int leader = node * options.ranksPerNode;
+      if (!ok[leader]) return;
+      try {
+        std::vector<std::pair<std::string, std::string>> pairs;
+        for (auto& changed : relays.leaders[node]->changed(relays.seen[node]))
+          pairs.emplace_back(monitor_record::stateKey(changed.worldRank), std::move(changed.text));
+        clients[leader]->multiSet(pairs, Deadline::afterSeconds(10));
+      } catch (const std::exception&) {
+        ok[leader] = 0;
       }
     });
     double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
@@ -185,12 +228,19 @@ int main(int argc, char** argv) {
   app.add_option("--seconds", options.seconds, "seconds of publishing per N")->check(cli::positive());
   app.add_option("--heartbeat", options.heartbeat, "seconds between a rank's publications")->check(cli::positive());
   app.add_option("--threads", options.threads, "client threads driving the simulated ranks")->check(cli::positive());
+  app.add_option("--ranks-per-node", options.ranksPerNode, "ranks per simulated node relay (1: none)")
+      ->check(cli::positive());
+  app.add_option("--record-bytes", options.recordBytes, "bytes of ledger state in each record")
+      ->check(cli::positive());
   app.add_option("--max-connections", options.maxConnections, "the server's connection cap (0: none)")
       ->check(cli::nonNegative());
   if (auto code = cli::parse(app, argc, argv)) return *code;
-  fmt::print("store scale: {} s per N, a publish every {} s per rank (heartbeat + 256 B ledger record), {} client "
-             "threads, {} CPUs\n",
-             options.seconds, options.heartbeat, options.threads, std::thread::hardware_concurrency());
+  fmt::print("store scale: {} s per N, a record every {} s per rank (heartbeat time + {} B of ledger state), {}, {} "
+             "client threads, {} CPUs\n",
+             options.seconds, options.heartbeat, options.recordBytes,
+             options.ranksPerNode > 1 ? fmt::format("relayed per node of {} ranks", options.ranksPerNode)
+                                      : std::string("one request per rank"),
+             options.threads, std::thread::hardware_concurrency());
   fmt::print("| ranks | connected | server CPU | publish round p50 / p99 / max ms | rounds over the period | "
              "diagnosis read p50 / p99 / max ms |\n|---:|---:|---:|---|---:|---|\n");
   for (int ranks : options.ranks) {
