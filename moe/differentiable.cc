@@ -91,6 +91,9 @@ std::shared_ptr<T> makeNode() {
 at::Tensor exchangeRows(Communicator& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
                         const std::vector<int64_t>& recvSplits, Timeout timeout) {
   at::Tensor send = input.contiguous();
+  // A group of one (ep 1) sends its rows to itself: no collective, no copy
+  // (every caller only reads what comes back).
+  if (group.size() == 1) return send;
   at::Tensor recv = at::empty(rowShape(send, total(recvSplits)), send.options());
   const Deadline deadline = parallel::collectiveDeadline(timeout);
   settle(group.allToAll(send, recv, sendSplits, recvSplits, {.deadline = deadline}), recv, deadline);
@@ -149,7 +152,9 @@ RoutedRows exchangeRouted(const CommunicatorPtr& group, const RoutedSend& send, 
 
 at::Tensor allToAll(const CommunicatorPtr& group, const at::Tensor& input, const std::vector<int64_t>& sendSplits,
                     const std::vector<int64_t>& recvSplits, Timeout timeout) {
-  at::Tensor output = exchangeRows(*group, input.detach(), sendSplits, recvSplits, timeout);
+  // A fresh tensor for the autograd history, also where the group of one returns its input.
+  at::Tensor output = group->size() == 1 ? input.detach().clone()
+                                         : exchangeRows(*group, input.detach(), sendSplits, recvSplits, timeout);
   auto node = makeNode<AllToAllBackward>();
   node->group = group;
   node->sendSplits = sendSplits;

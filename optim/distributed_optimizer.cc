@@ -12,6 +12,7 @@
 #include <numeric>
 
 #include "optim/clip.h"
+#include "optim/fused_update.h"
 #include "optim/parameter_checks.h"
 #include "parallel/grad_sync.h"
 #include "parallel/tensor_parallel.h"
@@ -188,6 +189,7 @@ void DistributedOptimizer::allGatherParameters(Deadline deadline) {
     works.push_back(bucket.comm->allGather(send, gathered[b], {.deadline = deadline}));
   }
   for (const WorkPtr& work : works) work->wait(deadline);
+  std::vector<at::Tensor> into, from;  // copies done together at the end
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     int ranks = bucket.layout.ranks(), me = bucket.comm->rank();
@@ -195,14 +197,14 @@ void DistributedOptimizer::allGatherParameters(Deadline deadline) {
       // This rank's own rows already hold the update when the parameter is the master.
       if (r == me && !bucket.distinctMaster()) continue;
       for (const auto& piece : bucket.pieces[r]) {
-        at::Tensor rows = paramRows(bucket, piece);
-        if (ranks == 1)
-          rows.copy_(masterPiece(bucket, piece));
-        else
-          rows.copy_(gathered[b].narrow(0, r * bucket.layout.shardMax + piece.shardOffset, piece.numel));
+        into.push_back(paramRows(bucket, piece));
+        from.push_back(ranks == 1 ? masterPiece(bucket, piece)
+                                  : gathered[b].narrow(0, r * bucket.layout.shardMax + piece.shardOffset, piece.numel));
       }
     }
   }
+  if (fused::available(groups_.world()->device())) return fused::copy(into, from);
+  for (size_t i = 0; i < into.size(); ++i) into[i].copy_(from[i]);
 }
 
 double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
@@ -210,13 +212,20 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
   Deadline deadline = stepOptions.deadline.value_or(parallel::collectiveDeadline(options_.timeout));
   reduceScatterGradients(deadline);
 
-  at::Tensor partial = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(groups_.world()->device()));
+  const auto device = groups_.world()->device();
+  const bool fusedKernels = fused::available(device);
+  const auto normOptions = at::TensorOptions().dtype(at::kDouble).device(device);
+  std::vector<at::Tensor> counted;  // the pieces of the gradient shards this rank counts
   for (const Bucket& bucket : buckets_) {
     if (bucket.instances && bucket.instances->rank() != 0) continue;  // the first instance counts the shard
     for (const auto& piece : bucket.pieces[bucket.comm->rank()])
       if (countsOnThisTpRank(params_[bucket.members[piece.param]], groups_))
-        addSquares(partial, bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
+        counted.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
   }
+  at::Tensor partial = at::zeros({1}, normOptions);
+  if (fusedKernels) partial = fused::sumOfSquares(counted, normOptions);
+  else
+    for (const at::Tensor& piece : counted) addSquares(partial, piece);
   double norm = worldNorm(partial, groups_, deadline);
   if (!std::isfinite(norm)) {
     // Every rank holds the same all-reduced norm, so all skip alike. An
@@ -231,17 +240,29 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
     return norm;
   }
   double scale = clipScale(norm, stepOptions.maxGradNorm);
-  if (scale < 1.0)
-    for (Bucket& bucket : buckets_) bucket.gradShard.mul_(scale);
-
   ++step_;
   stepTensor_.fill_(step_);
-  for (Bucket& bucket : buckets_)
-    for (const auto& piece : bucket.pieces[bucket.comm->rank()])
-      adamwUpdate(masterPiece(bucket, piece), bucket.gradShard.narrow(0, piece.shardOffset, piece.numel),
-                  bucket.expAvg.narrow(0, piece.shardOffset, piece.numel),
-                  bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel), step_, lr,
-                  decay_[bucket.members[piece.param]], options_.adamw);
+  if (fusedKernels) {
+    std::map<double, fused::AdamWPieces> groups;  // by weight decay
+    for (Bucket& bucket : buckets_)
+      for (const auto& piece : bucket.pieces[bucket.comm->rank()]) {
+        fused::AdamWPieces& group = groups[decay_[bucket.members[piece.param]]];
+        group.masters.push_back(masterPiece(bucket, piece));
+        group.grads.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
+        group.expAvg.push_back(bucket.expAvg.narrow(0, piece.shardOffset, piece.numel));
+        group.expAvgSq.push_back(bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel));
+      }
+    fused::adamw(groups, step_, lr, scale, options_.adamw);
+  } else {
+    if (scale < 1.0)
+      for (Bucket& bucket : buckets_) bucket.gradShard.mul_(scale);
+    for (Bucket& bucket : buckets_)
+      for (const auto& piece : bucket.pieces[bucket.comm->rank()])
+        adamwUpdate(masterPiece(bucket, piece), bucket.gradShard.narrow(0, piece.shardOffset, piece.numel),
+                    bucket.expAvg.narrow(0, piece.shardOffset, piece.numel),
+                    bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel), step_, lr,
+                    decay_[bucket.members[piece.param]], options_.adamw);
+  }
 
   allGatherParameters(deadline);
   for (Bucket& bucket : buckets_) bucket.gradShard = at::Tensor();  // not held between steps

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <fmt/format.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
@@ -87,6 +88,11 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
 at::Tensor MoETransformer::embeddingWeight() const { return embedding_ ? embedding_->weight() : at::Tensor(); }
 
 at::Tensor MoETransformer::norm(const Norm& n, const at::Tensor& x) const {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  // On a GPU: one fused kernel each way (statistics in float32) instead of
+  // five broadcasting passes. The CPU keeps the explicit form.
+  if (x.is_cuda()) return at::rms_norm(x, {x.size(-1)}, n.weight, 1e-6);
+#endif
   return x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-6) * n.weight;
 }
 
@@ -95,13 +101,22 @@ at::Tensor MoETransformer::attention(int layer, const at::Tensor& x) const {
   const int64_t localHeads = config_.heads / tp_.size(), headDim = config_.hidden / config_.heads;
   auto heads = [&](const at::Tensor& t) { return t.view({batch, sequence, localHeads, headDim}).transpose(1, 2); };
   at::Tensor q = heads(q_[layer].forward(x)), k = heads(k_[layer].forward(x)), v = heads(v_[layer].forward(x));
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
-  at::Tensor future = at::ones({sequence, sequence}, x.options().dtype(at::kBool)).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  const auto softmaxType = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor weights = at::softmax(scores, -1, softmaxType).to(x.scalar_type());
-  at::Tensor mixed = at::matmul(weights, v).transpose(1, 2).reshape({batch, sequence, localHeads * headDim});
-  return out_[layer].forward(mixed);
+  at::Tensor mixed;
+#if TORCH_VERSION_MAJOR >= 2
+  // On a GPU: fused causal attention (flash or memory-efficient kernels), no
+  // [sequence x sequence] scores in memory. The CPU keeps the explicit form,
+  // whose float64 results do not depend on the libtorch version.
+  if (x.is_cuda())
+    mixed = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#endif
+  if (!mixed.defined()) {
+    at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
+    at::Tensor future = at::ones({sequence, sequence}, x.options().dtype(at::kBool)).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+    const auto softmaxType = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    mixed = at::matmul(at::softmax(scores, -1, softmaxType).to(x.scalar_type()), v);
+  }
+  return out_[layer].forward(mixed.transpose(1, 2).reshape({batch, sequence, localHeads * headDim}));
 }
 
 ModelOutput MoETransformer::forward(const at::Tensor& ids, const at::Tensor& targets) {
@@ -113,8 +128,11 @@ ModelOutput MoETransformer::forwardPart(const at::Tensor& ids, const at::Tensor&
   if (part_.first) {
     // Token embeddings scaled up to unit size, positions kept smaller, so the
     // token identity is not drowned by the position signal after each norm.
-    x = embedding_->forward(ids) * std::sqrt(static_cast<double>(config_.hidden)) +
-        0.1 * positions(ids.size(1), config_.hidden, embedding_->weight().options());
+    const at::TensorOptions options = embedding_->weight().options();
+    if (!positions_.defined() || positions_.size(0) != ids.size(1) || positions_.options().dtype() != options.dtype() ||
+        positions_.device() != options.device())
+      positions_ = 0.1 * positions(ids.size(1), config_.hidden, options);
+    x = embedding_->forward(ids) * std::sqrt(static_cast<double>(config_.hidden)) + positions_;
   }
   at::Tensor aux = at::zeros({}, x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
   for (size_t i = 0; i < moe_.size(); ++i) {
@@ -127,6 +145,14 @@ ModelOutput MoETransformer::forwardPart(const at::Tensor& ids, const at::Tensor&
   at::Tensor logits = embedding_->logits(norm(finalNorm_, x));
   at::Tensor loss = parallel::vocabParallelCrossEntropy(logits, targets, embedding_->vocabRange().begin, tp_).mean();
   return {loss, aux};
+}
+
+double trainingFlopsPerToken(const ModelConfig& c, int64_t sequence) {
+  const double h = c.hidden, f = c.ffn, s = static_cast<double>(sequence);
+  const double attention = 8 * h * h + 2 * s * h;  // projections; QK^T and AV over half the sequence on average
+  const double moe = 2 * h * c.experts + c.topK * 6 * h * f + 6 * h * c.sharedFfn;
+  const double output = 2 * h * static_cast<double>(c.vocab);
+  return 3 * (c.layers * (attention + moe) + output);
 }
 
 std::vector<parallel::Parameter> MoETransformer::parameters() const {

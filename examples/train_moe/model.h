@@ -75,6 +75,7 @@ class MoETransformer {
   const std::vector<std::unique_ptr<moe::MoELayer>>& moeLayers() const { return moe_; }
 
  private:
+  at::Tensor positions_;  // 0.1 x the sinusoidal table of the last sequence length
   struct Norm {
     std::string name;
     at::Tensor weight;
@@ -92,5 +93,12 @@ class MoETransformer {
   Norm finalNorm_;
   std::vector<std::unique_ptr<moe::MoELayer>> moe_;
 };
+
+// Model FLOPs of one training step per token (forward and backward, 3x the
+// forward's matrix products): q, k, v and out projections, causal attention
+// (half of the full score and mix products), the router, top-k SwiGLU
+// experts, a shared expert, and the output layer. The same count as
+// bench/torch_train_moe.py's, so MFU compares like with like.
+double trainingFlopsPerToken(const ModelConfig& config, int64_t sequence);
 
 }  // namespace bulkhead::examples

@@ -26,6 +26,7 @@
 #include "examples/train_moe/data.h"
 #include "examples/train_moe/model.h"
 #include "examples/train_moe/staged_model.h"
+#include "examples/train_moe/step_profile.h"
 #include "examples/train_moe/train_options.h"
 #include "launch/init.h"
 #include "optim/distributed_optimizer.h"
@@ -34,6 +35,7 @@
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
+#include "runtime/nccl/nccl_backend.h"
 
 using namespace bulkhead;
 using examples::TrainOptions;
@@ -80,6 +82,24 @@ struct Reporter {
     std::fflush(stdout);
   }
 };
+
+// Dense bf16 peak of the GPUs whose figure is known, in FLOP/s; 0 otherwise.
+double peakFlops(const c10::Device& device) {
+  if (!device.is_cuda()) return 0;
+  const std::string name = nccl::deviceName(device.index());
+  for (const auto& [model, tflops] : {std::pair<const char*, double>{"H100", 989}, {"H200", 989}, {"H800", 989},
+                                      {"H20", 148}, {"A100", 312}, {"A800", 312}, {"B200", 2250}})
+    if (name.find(model) != std::string::npos) return tflops * 1e12;
+  return 0;
+}
+
+// "| 212.4 TFLOP/s | MFU 21.5%" of the model FLOPs per second (MFU where the GPU's peak is known).
+std::string throughput(double tokensPerSecond, double flopsPerToken, double peak, int ranks) {
+  const double flops = tokensPerSecond * flopsPerToken / ranks;  // per GPU
+  std::string text = fmt::format(" | {:.1f} TFLOP/s", flops / 1e12);
+  if (peak > 0) text += fmt::format(" | MFU {:.1f}%", 100 * flops / peak);
+  return text;
+}
 
 }  // namespace
 
@@ -162,9 +182,16 @@ int main(int argc, char** argv) {
     };
 
     const auto& dp = groups.dpCp();
+    const double flopsPerToken = examples::trainingFlopsPerToken(options.model, options.sequence);
+    const double peak = peakFlops(device);
     double windowSeconds = 0;
     int64_t windowSteps = 0;
+    examples::StepProfile profile(options.profile);
+    const int64_t profileFrom = step + 10, profileTo = step + 15;
     for (; step < lastStep; ++step) {
+      if (profile.enabled() && step == profileFrom) profile.start();
+      if (profile.enabled() && step == profileTo) profile.stop(rank);
+      examples::StepRange range(profile.enabled() && step >= profileFrom && step < profileTo);
       auto start = std::chrono::steady_clock::now();
       // Micro-batch m of every dp rank together is the same slice of the global batch in
       // any layout (rows [m B / M, (m + 1) B / M)), so the MoE losses, which are not
@@ -188,9 +215,12 @@ int main(int argc, char** argv) {
         const moe::MoELayer* layer = model.firstMoeLayer();
         const moe::MoEStats stats = layer ? layer->stats() : moe::MoEStats{};
         reporter.line(fmt::format(
-            "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms | grad norm {:.3f} | imbalance {:.2f} | "
+            "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms{} | grad norm {:.3f} | imbalance {:.2f} | "
             "dropped {}{}",
             step + 1, meanLoss, batches.tokensPerStep() * windowSteps / windowSeconds, 1e3 * windowSeconds / windowSteps,
+            device.is_cuda() ? throughput(batches.tokensPerStep() * windowSteps / windowSeconds, flopsPerToken, peak,
+                                          runtime->world().size())
+                             : "",
             gradNorm, stats.imbalance, stats.droppedSlots,
             // Updates not taken for a gradient norm that was not finite (the optimizer logs each).
             optimizer.skippedSteps() > 0 ? fmt::format(" | skipped updates {}", optimizer.skippedSteps()) : ""));
@@ -207,6 +237,7 @@ int main(int argc, char** argv) {
         break;
       }
     }
+    profile.stop(rank);
     if (checkpointer) {
       save(step);
       auto result = checkpointer->wait(Deadline::afterSeconds(env::kCheckpointTimeout.seconds() + 10));

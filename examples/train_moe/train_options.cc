@@ -67,6 +67,9 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   // Tests.
   app.add_option("--loss-log", o.lossLog, "rank 0 appends 'step loss grad_norm' per step to this file")
       ->group("Tests");
+  app.add_option("--profile", o.profile,
+                 "Chrome trace of 5 steps after 10 of warm-up (GPU builds; see bench/profile_summary.py)")
+      ->group("Training");
   app.add_flag("--digest", o.printDigest, "print a digest of every rank's parameters at the end")->group("Tests");
 }
 

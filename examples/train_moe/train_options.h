@@ -34,6 +34,7 @@ struct TrainOptions {
   std::string resume;              // "latest", a step number, or empty
   std::string lossLog;             // rank 0 appends "step loss grad_norm" per step
   bool printDigest = false;
+  std::string profile;             // Chrome trace of 5 steps after 10 of warm-up; empty: none
 };
 
 // train_moe's flags, writing into `options` (parse with cli::parse).

@@ -11,6 +11,8 @@
 // ncclCommAbort on a helper thread, abandoned after BULKHEAD_ABORT_GRACE, and
 // every pending Work fails with the error.
 
+#include <string>
+
 #include "runtime/communicator.h"
 #include "runtime/store.h"
 
@@ -20,6 +22,8 @@ namespace bulkhead::nccl {
 bool available();
 // GPUs visible to this process (0 without a driver).
 int deviceCount();
+// GPU `index`'s product name ("NVIDIA H100 80GB HBM3"); empty without one.
+std::string deviceName(int index);
 // Whether GPU `a` can reach GPU `b` directly (cudaDeviceCanAccessPeer: NVLink,
 // or PCIe peer-to-peer); false without a driver.
 bool peerAccess(int a, int b);

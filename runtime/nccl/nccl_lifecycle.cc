@@ -128,6 +128,15 @@ int deviceCount() {
   return count;
 }
 
+std::string deviceName(int index) {
+  cudaDeviceProp properties{};
+  if (cudaGetDeviceProperties(&properties, index) != cudaSuccess) {
+    cudaGetLastError();
+    return "";
+  }
+  return properties.name;
+}
+
 bool peerAccess(int a, int b) {
   if (a == b) return true;
   int can = 0;

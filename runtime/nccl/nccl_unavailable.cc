@@ -6,6 +6,7 @@ namespace bulkhead::nccl {
 
 bool available() { return false; }
 int deviceCount() { return 0; }
+std::string deviceName(int) { return ""; }
 bool peerAccess(int, int) { return false; }
 
 namespace {

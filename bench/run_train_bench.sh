@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# train_moe end to end on one GPU beside the same model in PyTorch (bench/torch_train_moe.py), eager and
+# torch.compile, in one command. bf16, hidden 1024, 8 heads, 16 experts top-2, expert hidden 512, 16,384
+# tokens a step; one row per (layers, sequence length).
+#   bench/run_train_bench.sh [build-dir] [out-file] [layers, default "4 8"] [sequence lengths, default "256 1024 4096"]
+# Env: STEPS (default 40; the second half is measured), MODES (default "eager,compiled").
+set -euo pipefail
+build=${1:-build}
+out=${2:-bench/results/train_moe_$(date +%Y%m%d).md}
+layer_counts=${3:-4 8}
+sequences=${4:-256 1024 4096}
+steps=${STEPS:-40}
+modes=${MODES:-eager,compiled}
+export NCCL_NVLS_ENABLE=0
+if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+gpu=$(nvidia-smi -L | head -1 | sed 's/^GPU 0: //; s/ (UUID.*//')
+case "$gpu" in
+  *H100* | *H200* | *H800*) peak=989 ;;
+  *A100* | *A800*) peak=312 ;;
+  *B200*) peak=2250 ;;
+  *) peak=0 ;;
+esac
+tokens=16384
+# The model FLOPs per token of examples/train_moe/model.cc's trainingFlopsPerToken.
+flops() { awk -v l="$1" -v s="$2" 'BEGIN { h = 1024; f = 512; printf "%.0f", 3 * (l * (8*h*h + 2*s*h + 2*h*16 + 2*6*h*f) + 2*h*256) }'; }
+tflops() { awk -v t="$1" -v f="$2" 'BEGIN { printf "%.1f", t * f / 1e12 }'; }
+mfu() { awk -v t="$1" -v f="$2" -v p="$peak" 'BEGIN { if (p > 0) printf "%.1f%%", 100 * t * f / (p * 1e12); else printf "-" }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else printf "-" }'; }
+rows=()
+for layers in $layer_counts; do
+  for seq in $sequences; do
+    batch=$((tokens / seq))
+    shape="--layers $layers --hidden 1024 --heads 8 --ffn 512 --experts 16 --topk 2 --seq $seq --batch $batch"
+    log=$("$build/bin/train_moe" $shape --dtype bfloat16 --steps "$steps" --warmup 10 \
+      --log-interval $((steps / 2)) 2>&1) || { echo "train_moe failed:"; echo "$log" | tail -20; exit 1; }
+    ours=$(grep -o '[0-9.]* tok/s' <<<"$log" | tail -1 | cut -d' ' -f1)
+    ref=$(python3 bench/torch_train_moe.py $shape --steps "$steps" --modes "$modes" 2>&1) ||
+      { echo "PyTorch reference failed:"; echo "$ref" | tail -20; exit 1; }
+    eager=$(grep -o 'TORCH_TRAIN eager tokens_per_s=[0-9]*' <<<"$ref" | cut -d= -f2 || true)
+    compiled=$(grep -o 'TORCH_TRAIN compiled tokens_per_s=[0-9]*' <<<"$ref" | cut -d= -f2 || true)
+    f=$(flops "$layers" "$seq")
+    rows+=("| $layers | $seq | $batch | ${ours} | $(tflops "$ours" "$f") | $(mfu "$ours" "$f") | ${eager:--} | $(mfu "${eager:-0}" "$f") | ${compiled:--} | $(mfu "${compiled:-0}" "$f") | $(ratio "$ours" "${eager:-0}") | $(ratio "$ours" "${compiled:-0}") |")
+    echo "${rows[-1]}"
+  done
+done
+{
+  echo "# train_moe beside the same model in PyTorch, one GPU"
+  echo
+  echo "- Command: \`bench/run_train_bench.sh $build $out \"$layer_counts\" \"$sequences\"\` (STEPS=$steps; the second half measured)"
+  echo "- Machine: $gpu ($(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1) driver), PyTorch $(python3 -c 'import torch; print(torch.__version__)')"
+  echo "- Date: $(date -u +%Y-%m-%d)"
+  echo "- Commit: \`$(git rev-parse --short HEAD 2>/dev/null || echo unknown)\`"
+  echo "- Model: bf16, hidden 1024, 8 heads, 16 experts top-2, expert hidden 512, $tokens tokens a step. Model FLOPs"
+  echo "  per token counted alike for both (examples/train_moe/model.cc, trainingFlopsPerToken); MFU against $peak TFLOP/s."
+  echo
+  echo "| layers | seq | batch | train_moe tok/s | TFLOP/s | MFU | PyTorch eager tok/s | MFU | PyTorch compiled tok/s | MFU | vs eager | vs compiled |"
+  echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+  printf '%s\n' "${rows[@]}"
+} >"$out"
+echo "wrote $out"

@@ -1,0 +1,57 @@
+#include "examples/train_moe/step_profile.h"
+
+#include <fmt/format.h>
+
+#include "runtime/errors.h"
+
+#if BULKHEAD_TRAIN_PROFILE
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+
+#include <set>
+#endif
+
+namespace bulkhead::examples {
+
+#if BULKHEAD_TRAIN_PROFILE
+namespace {
+const torch::profiler::impl::ProfilerConfig& config() {
+  static const torch::profiler::impl::ProfilerConfig value(torch::profiler::impl::ProfilerState::KINETO);
+  return value;
+}
+const std::set<torch::profiler::impl::ActivityType> kActivities{torch::profiler::impl::ActivityType::CPU,
+                                                                torch::profiler::impl::ActivityType::CUDA};
+}  // namespace
+
+void StepProfile::start() {
+  torch::autograd::profiler::prepareProfiler(config(), kActivities);
+  torch::autograd::profiler::enableProfiler(config(), kActivities);
+  running_ = true;
+}
+
+void StepProfile::stop(int rank) {
+  if (!running_) return;
+  running_ = false;
+  auto trace = torch::autograd::profiler::disableProfiler();
+  trace->save(rank == 0 ? path_ : fmt::format("{}.rank{}", path_, rank));
+}
+
+StepRange::StepRange(bool on) {
+  if (!on) return;
+  auto* guard = new at::RecordFunction(at::RecordScope::USER_SCOPE);
+  if (guard->isActive()) guard->before("step");
+  guard_ = guard;
+}
+
+StepRange::~StepRange() { delete static_cast<at::RecordFunction*>(guard_); }
+#else
+void StepProfile::start() {
+  throw ConfigError("--profile needs libtorch with CUDA and its Kineto profiler, which this build does not have",
+                    {.expected = "a build against a CUDA libtorch (see docs/performance.md)"});
+}
+void StepProfile::stop(int) {}
+StepRange::StepRange(bool) {}
+StepRange::~StepRange() = default;
+#endif
+
+}  // namespace bulkhead::examples

@@ -1,0 +1,35 @@
+#pragma once
+// train_moe --profile FILE: a Chrome trace (ATen ops and GPU kernels) of a few
+// steps, each a "step" range, for bench/profile_summary.py. Needs libtorch
+// with CUDA and its Kineto profiler; elsewhere start() raises ConfigError.
+
+#include <string>
+
+namespace bulkhead::examples {
+
+class StepProfile {
+ public:
+  explicit StepProfile(std::string path) : path_(std::move(path)) {}
+  bool enabled() const { return !path_.empty(); }
+  void start();
+  // Writes the trace to the path given (and ".rank<r>" on ranks above 0).
+  void stop(int rank);
+
+ private:
+  std::string path_;
+  bool running_ = false;
+};
+
+// A "step" range in the trace while it lives (nothing when not profiling).
+class StepRange {
+ public:
+  explicit StepRange(bool on);
+  ~StepRange();
+  StepRange(const StepRange&) = delete;
+  StepRange& operator=(const StepRange&) = delete;
+
+ private:
+  void* guard_ = nullptr;
+};
+
+}  // namespace bulkhead::examples
