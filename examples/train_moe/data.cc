@@ -61,7 +61,9 @@ std::pair<at::Tensor, at::Tensor> Batches::batch(int64_t step, int rank, int ran
                       {.rank = rank, .expected = "global batch a multiple of dp"});
   }
   const int local = globalBatch_ / ranks;
-  at::Tensor window = at::empty({local, sequence_ + 1}, at::kLong);
+  // Page-locked on the way to a GPU, so the copy does not wait for the work
+  // queued before it: the host goes on queueing the step meanwhile.
+  at::Tensor window = at::empty({local, sequence_ + 1}, at::TensorOptions(at::kLong).pinned_memory(device.is_cuda()));
   auto data = window.accessor<int64_t, 2>();
   const uint64_t span = text_.size() - sequence_ - 1;
   for (int row = 0; row < local; ++row) {
@@ -70,7 +72,7 @@ std::pair<at::Tensor, at::Tensor> Batches::batch(int64_t step, int rank, int ran
     for (int position = 0; position <= sequence_; ++position)
       data[row][position] = static_cast<unsigned char>(text_[start + position]);
   }
-  window = window.to(device);
+  window = window.to(device, /*non_blocking=*/true);
   return {window.narrow(1, 0, sequence_).contiguous(), window.narrow(1, 1, sequence_).contiguous()};
 }
 
