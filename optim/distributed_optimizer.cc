@@ -226,6 +226,17 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
   if (fusedKernels) partial = fused::sumOfSquares(counted, normOptions);
   else
     for (const at::Tensor& piece : counted) addSquares(partial, piece);
+  // The update's views are built while the device still sums the squares.
+  std::map<double, fused::AdamWPieces> groups;  // by weight decay
+  if (fusedKernels)
+    for (Bucket& bucket : buckets_)
+      for (const auto& piece : bucket.pieces[bucket.comm->rank()]) {
+        fused::AdamWPieces& group = groups[decay_[bucket.members[piece.param]]];
+        group.masters.push_back(masterPiece(bucket, piece));
+        group.grads.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
+        group.expAvg.push_back(bucket.expAvg.narrow(0, piece.shardOffset, piece.numel));
+        group.expAvgSq.push_back(bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel));
+      }
   double norm = worldNorm(partial, groups_, deadline);
   if (!std::isfinite(norm)) {
     // Every rank holds the same all-reduced norm, so all skip alike. An
@@ -243,15 +254,6 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
   ++step_;
   stepTensor_.fill_(step_);
   if (fusedKernels) {
-    std::map<double, fused::AdamWPieces> groups;  // by weight decay
-    for (Bucket& bucket : buckets_)
-      for (const auto& piece : bucket.pieces[bucket.comm->rank()]) {
-        fused::AdamWPieces& group = groups[decay_[bucket.members[piece.param]]];
-        group.masters.push_back(masterPiece(bucket, piece));
-        group.grads.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
-        group.expAvg.push_back(bucket.expAvg.narrow(0, piece.shardOffset, piece.numel));
-        group.expAvgSq.push_back(bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel));
-      }
     fused::adamw(groups, step_, lr, scale, options_.adamw);
   } else {
     if (scale < 1.0)
