@@ -171,11 +171,33 @@ void Monitor::heartbeat() {
       if (!warned) log::warn("monitor", "cannot publish the ledger through the store: {}", e.what());
       warned = true;
     }
-    // A fixed rate, so a relay's leader stamps its node's turn every period.
     std::unique_lock<std::mutex> lock(mutex_);
+    // A relay member looks at its leader again half a period on, so a
+    // stopped leader leaves its node's records stale for less than the dead
+    // threshold (at most 1.25 + 0.5 heartbeats since the newest forwarded one).
+    if (relay_ && !relay_->leader() &&
+        !wake_.wait_until(lock, turn + interval / 2, [this] { return stopping_; })) {
+      lock.unlock();
+      try {
+        publishIfLeaderLate(Deadline::afterSeconds(options_.heartbeatSeconds / 2));
+      } catch (const std::exception&) {  // reported by the next turn's publish
+      }
+      lock.lock();
+    }
+    // A fixed rate, so a relay's leader stamps its node's turn every period.
     wake_.wait_until(lock, std::max(turn + interval, std::chrono::steady_clock::now() + interval / 10),
                      [this] { return stopping_; });
   }
+}
+
+void Monitor::publishIfLeaderLate(Deadline deadline) {
+  std::shared_ptr<NodeRelay> relay;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    relay = relay_;
+  }
+  if (relay && relay->secondsSinceForwarded() > kRelayLateHeartbeats * options_.heartbeatSeconds)
+    publishDirectly(state(), deadline);
 }
 
 std::string Monitor::storeSilence(const Error& error, double paused) const {
