@@ -19,11 +19,7 @@ namespace bulkhead {
 namespace {
 
 using monitor_record::stateKey;
-
-int64_t nowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
+using monitor_record::wallClockMs;
 
 std::string rankList(const std::vector<int>& ranks) {
   return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","));
@@ -92,7 +88,7 @@ std::string Monitor::state() const {
   std::vector<std::pair<std::string, const Ledger*>> ledgers;
   for (const Group& group : watched)
     if (!group.comm.expired()) ledgers.emplace_back(group.key, group.ledger.get());
-  return monitor_record::encodeState(nowMs(), ledgers);
+  return monitor_record::encodeState(wallClockMs(), ledgers);
 }
 
 void Monitor::publishDirectly(const std::string& record, Deadline deadline) {
@@ -115,8 +111,7 @@ void Monitor::publishState(Deadline deadline) {
   std::string record = state();
   if (!relay || !relay->write(slot, worldRank_, record)) return publishDirectly(record, deadline);
   if (!relay->leader()) {
-    if (relay->secondsSinceForwarded() > kRelayLateHeartbeats * options_.heartbeatSeconds)
-      publishDirectly(record, deadline);
+    if (leaderLate(*relay)) publishDirectly(record, deadline);
     return;
   }
   std::vector<std::pair<std::string, std::string>> pairs;
@@ -196,8 +191,11 @@ void Monitor::publishIfLeaderLate(Deadline deadline) {
     std::lock_guard<std::mutex> lock(mutex_);
     relay = relay_;
   }
-  if (relay && relay->secondsSinceForwarded() > kRelayLateHeartbeats * options_.heartbeatSeconds)
-    publishDirectly(state(), deadline);
+  if (relay && leaderLate(*relay)) publishDirectly(state(), deadline);
+}
+
+bool Monitor::leaderLate(const NodeRelay& relay) const {
+  return relay.secondsSinceForwarded() > kRelayLateHeartbeats * options_.heartbeatSeconds;
 }
 
 std::string Monitor::storeSilence(const Error& error, double paused) const {
@@ -261,7 +259,7 @@ Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Finger
     std::vector<std::string> keys;
     for (int member : comm.members()) keys.push_back(stateKey(member));
     auto values = store_->multiGet(keys, deadline);
-    int64_t now = nowMs();
+    int64_t now = wallClockMs();
     std::vector<int> waiting, completed, silent;
     std::map<uint64_t, std::vector<int>> lagging;  // last completed seq -> ranks that never issued `seq`
     std::vector<std::string> dead, mismatched;

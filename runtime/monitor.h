@@ -111,6 +111,8 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   void publishDirectly(const std::string& record, Deadline deadline);
   // A relay member's record, directly, when its leader has not forwarded lately.
   void publishIfLeaderLate(Deadline deadline);
+  // Whether this member's relay leader has not forwarded for kRelayLateHeartbeats.
+  bool leaderLate(const NodeRelay& relay) const;
   // What a diagnosis says when the store did not answer it.
   std::string storeSilence(const Error& error, double paused) const;
   std::vector<Group> groups() const;

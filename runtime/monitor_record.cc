@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <chrono>
+
 namespace bulkhead::monitor_record {
 namespace {
 
@@ -24,6 +26,11 @@ std::string encodeGroup(const Ledger& ledger) {
 }  // namespace
 
 std::string stateKey(int rank) { return fmt::format("state/{}", rank); }
+
+int64_t wallClockMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 std::string encode(const Fingerprint& fp) {
   std::string text = fmt::format("{} {} {} {} {} {}", static_cast<int>(fp.op), static_cast<int>(fp.dtype),

@@ -17,6 +17,7 @@
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
+#include "runtime/monitor_record.h"
 
 namespace bulkhead {
 
@@ -44,11 +45,6 @@ namespace {
 constexpr uint64_t kMagic = 0x42'4b'52'45'4c'41'59'31;  // "BKRELAY1"
 constexpr size_t kHeaderBytes = 64;
 static_assert(sizeof(NodeRelay::Header) <= kHeaderBytes);
-
-int64_t wallMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 size_t strideFor(size_t slotBytes) { return (offsetof(NodeRelay::Slot, data) + slotBytes + 63) / 64 * 64; }
 
@@ -108,7 +104,7 @@ std::unique_ptr<NodeRelay> NodeRelay::create(int slots, size_t slotBytes) {
   auto* header = new (base) Header{};
   header->slots = static_cast<uint32_t>(slots);
   header->stride = static_cast<uint32_t>(stride);
-  header->forwardedMs.store(wallMs());
+  header->forwardedMs.store(monitor_record::wallClockMs());
   std::atomic_thread_fence(std::memory_order_release);
   header->magic = kMagic;
   return std::unique_ptr<NodeRelay>(new NodeRelay(std::move(name), base, bytes, true));
@@ -190,10 +186,10 @@ std::vector<NodeRelay::Record> NodeRelay::changed(std::vector<uint64_t>& seen) c
   return records;
 }
 
-void NodeRelay::stampForwarded() { static_cast<Header*>(base_)->forwardedMs.store(wallMs()); }
+void NodeRelay::stampForwarded() { static_cast<Header*>(base_)->forwardedMs.store(monitor_record::wallClockMs()); }
 
 double NodeRelay::secondsSinceForwarded() const {
-  return (wallMs() - static_cast<const Header*>(base_)->forwardedMs.load()) / 1000.0;
+  return (monitor_record::wallClockMs() - static_cast<const Header*>(base_)->forwardedMs.load()) / 1000.0;
 }
 
 void NodeRelay::markForwarded(int index, uint64_t version) { slot(index)->forwarded.store(version); }

@@ -1,11 +1,11 @@
 #include "examples/train_moe/step_profile.h"
 
+#include <ATen/record_function.h>
 #include <fmt/format.h>
 
 #include "runtime/errors.h"
 
 #if BULKHEAD_TRAIN_PROFILE
-#include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <set>
@@ -38,12 +38,11 @@ void StepProfile::stop(int rank) {
 
 StepRange::StepRange(bool on) {
   if (!on) return;
-  auto* guard = new at::RecordFunction(at::RecordScope::USER_SCOPE);
-  if (guard->isActive()) guard->before("step");
-  guard_ = guard;
+  guard_ = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (guard_->isActive()) guard_->before("step");
 }
 
-StepRange::~StepRange() { delete static_cast<at::RecordFunction*>(guard_); }
+StepRange::~StepRange() = default;
 #else
 void StepProfile::start() {
   throw ConfigError("--profile needs libtorch with CUDA and its Kineto profiler, which this build does not have",

@@ -3,7 +3,12 @@
 // steps, each a "step" range, for bench/profile_summary.py. Needs libtorch
 // with CUDA and its Kineto profiler; elsewhere start() raises ConfigError.
 
+#include <memory>
 #include <string>
+
+namespace at {
+struct RecordFunction;
+}
 
 namespace bulkhead::examples {
 
@@ -29,7 +34,7 @@ class StepRange {
   StepRange& operator=(const StepRange&) = delete;
 
  private:
-  void* guard_ = nullptr;
+  std::unique_ptr<at::RecordFunction> guard_;
 };
 
 }  // namespace bulkhead::examples

@@ -63,9 +63,7 @@ std::vector<double> ages(Store& store, int ranks) {
   std::vector<std::string> keys;
   for (int r = 0; r < ranks; ++r) keys.push_back(monitor_record::stateKey(r));
   auto values = store.multiGet(keys, seconds(5));
-  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  const int64_t now = monitor_record::wallClockMs();
   std::vector<double> result;
   for (const auto& value : values) {
     auto state = monitor_record::decodeState(value);
