@@ -66,7 +66,7 @@ std::string Fingerprint::describe() const {
   if (op == OpType::Broadcast) text += fmt::format(" root {}", root);
   if (isPointToPoint(op)) text += fmt::format(" peer {}", root);
   if (!label.empty()) text += fmt::format(" ({})", label);
-  if (op == OpType::AllToAll)
+  if (op == OpType::AllToAll && (!sendSplits.empty() || !recvSplits.empty()))
     text += fmt::format(" send [{}] recv [{}]", fmt::join(sendSplits, ","), fmt::join(recvSplits, ","));
   return text;
 }
@@ -90,7 +90,19 @@ uint64_t Ledger::issue(const Fingerprint& fingerprint) {
   uint64_t seq = p2p ? ++heads_.lastIssuedP2P : ++heads_.lastIssued;
   if (ring_.size() == capacity_) ring_.pop_front();
   ring_.push_back({.seq = seq, .fingerprint = fingerprint, .issuedAt = std::chrono::system_clock::now()});
+  if (!p2p)
+    for (const auto& recording : recordings_) recording->collectives.emplace_back(seq, fingerprint);
   return seq;
+}
+
+void Ledger::attach(const std::shared_ptr<Recording>& recording) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  recordings_.push_back(recording);
+}
+
+void Ledger::detach(const std::shared_ptr<Recording>& recording) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  recordings_.erase(std::remove(recordings_.begin(), recordings_.end(), recording), recordings_.end());
 }
 
 LedgerEntry* Ledger::find(OpType op, uint64_t seq) {

@@ -10,8 +10,10 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace bulkhead {
@@ -73,6 +75,16 @@ class Ledger {
   std::vector<LedgerEntry> entries() const;
   size_t capacity() const { return capacity_; }
 
+  // A checked region's record (runtime/checked_region.h): while attached, every
+  // collective issued here is appended to it with its sequence number, however
+  // many the ring keeps. Point-to-point operations are not recorded. Attaching
+  // observes the ledger without changing it, hence const.
+  struct Recording {
+    std::vector<std::pair<uint64_t, Fingerprint>> collectives;  // (seq, fingerprint), in issue order
+  };
+  void attach(const std::shared_ptr<Recording>& recording) const;
+  void detach(const std::shared_ptr<Recording>& recording) const;
+
  private:
   LedgerEntry* find(OpType op, uint64_t seq);
   void end(OpType op, uint64_t seq, OpState state);
@@ -81,6 +93,7 @@ class Ledger {
   size_t capacity_;
   std::deque<LedgerEntry> ring_;
   LedgerHeads heads_;
+  mutable std::vector<std::shared_ptr<Recording>> recordings_;
 };
 
 }  // namespace bulkhead

@@ -50,6 +50,13 @@ void PrefixStore::multiSet(const std::vector<std::pair<std::string, std::string>
   store_->multiSet(prefixed, deadline);
 }
 
+std::vector<std::string> PrefixStore::setAndGather(const SetAndGather& round, Deadline deadline) {
+  SetAndGather prefixed{.key = full(round.key), .value = round.value,
+                        .erase = round.erase.empty() ? "" : full(round.erase)};
+  for (const std::string& key : round.keys) prefixed.keys.push_back(full(key));
+  return store_->setAndGather(prefixed, deadline);
+}
+
 int64_t PrefixStore::add(const std::string& key, int64_t delta, Deadline deadline) {
   return store_->add(full(key), delta, deadline);
 }

@@ -12,6 +12,22 @@ void Store::multiSet(const std::vector<std::pair<std::string, std::string>>& pai
   for (const auto& [key, value] : pairs) set(key, value, deadline);
 }
 
+std::vector<std::string> Store::setAndGather(const SetAndGather& round, Deadline deadline) {
+  set(round.key, round.value, deadline);
+  if (!round.erase.empty()) erase(round.erase, deadline);
+  wait(round.keys, deadline);
+  std::vector<std::string> values;
+  auto found = multiGet(round.keys, deadline);
+  for (size_t i = 0; i < found.size(); ++i) {
+    if (!found[i])
+      throw CommError(fmt::format("setAndGather on store {}: key '{}' was erased while the round gathered it",
+                                  describe(), round.keys[i]),
+                      {.expected = "keys of a round kept until every rank has read them"});
+    values.push_back(std::move(*found[i]));
+  }
+  return values;
+}
+
 void requireKey(const std::string& key, const Store& store, int rank) {
   if (key.empty())
     throw ConfigError(fmt::format("an empty key was passed to store {}; name every key", store.describe()),

@@ -62,6 +62,17 @@ class Store {
   // for each pair.
   virtual void multiSet(const std::vector<std::pair<std::string, std::string>>& pairs, Deadline deadline);
 
+  // One round of an all-gather through the store: sets `key` to `value`,
+  // removes `erase` when it is not empty (this rank's key of an earlier
+  // round), then waits until every key of `keys` exists and returns their
+  // values, in order. One request where the store allows (tcp); the default
+  // calls set, erase, wait and multiGet. TimeoutError names the keys still
+  // missing at the deadline.
+  struct SetAndGather {
+    std::string key, value, erase;
+    std::vector<std::string> keys;
+  };
+  virtual std::vector<std::string> setAndGather(const SetAndGather& round, Deadline deadline);
   // Adds `delta` to the integer held by `key` (a missing key counts as 0) and
   // returns the new value. The value is stored as decimal text, so get()
   // returns e.g. "42". ConfigError when the key holds something else.

@@ -38,6 +38,7 @@ const char* toString(Op op) {
     case Op::Wait: return "wait";
     case Op::Erase: return "erase";
     case Op::MultiSet: return "multiSet";
+    case Op::SetAndGather: return "setAndGather";
   }
   return "unknown";
 }

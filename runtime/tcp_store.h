@@ -108,6 +108,7 @@ class TcpStoreClient final : public Store {
   std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys,
                                                    Deadline deadline) override;
   void multiSet(const std::vector<std::pair<std::string, std::string>>& pairs, Deadline deadline) override;
+  std::vector<std::string> setAndGather(const SetAndGather& round, Deadline deadline) override;
   int64_t add(const std::string& key, int64_t delta, Deadline deadline) override;
   std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired,
                          Deadline deadline) override;

@@ -335,6 +335,30 @@ std::string TcpStoreClient::compareSet(const std::string& key, const std::string
   return value;
 }
 
+std::vector<std::string> TcpStoreClient::setAndGather(const SetAndGather& round, Deadline deadline) {
+  requireKey(round.key, *this, options_.rank);
+  for (const std::string& key : round.keys) requireKey(key, *this, options_.rank);
+  // Resent whole after a dropped connection: setting, erasing and waiting again is harmless.
+  auto frame = [&] {
+    FrameWriter writer;
+    writer.u8(uint8_t(Op::SetAndGather)).str(round.key).str(round.value).str(round.erase);
+    writer.u32(static_cast<uint32_t>(round.keys.size()));
+    for (const std::string& key : round.keys) writer.str(key);
+    return writer.u32(timeoutMsFor(deadline)).finish();
+  };
+  std::string subject = fmt::format("setAndGather('{}', {})", round.key, quoteKeys(round.keys, 4));
+  std::string body = roundTrip(frame, subject, Call::WaitForKeys, deadline);  // the reader views it
+  FrameReader reader(body);
+  if (reader.count(4) != round.keys.size())
+    throw CommError(fmt::format("{} on store {}: the reply holds a different number of values than keys asked",
+                                subject, describe()),
+                    {.rank = options_.rank});
+  std::vector<std::string> values(round.keys.size());
+  for (std::string& value : values) value = reader.str();
+  reader.expectEnd();
+  return values;
+}
+
 void TcpStoreClient::wait(const std::vector<std::string>& keys, Deadline deadline) {
   if (keys.empty()) return;
   for (const std::string& key : keys) requireKey(key, *this, options_.rank);

@@ -329,12 +329,26 @@ class TcpStoreServer::Loop {
         return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
       }
       case Op::Get:
-      case Op::Wait: {
+      case Op::Wait:
+      case Op::SetAndGather: {
         ParkedRequest request{.op = op};
+        std::optional<std::pair<std::string, std::string>> set;
+        std::string erase;
+        if (op == Op::SetAndGather) {
+          std::string key = reader.str();
+          set.emplace(std::move(key), reader.str());
+          erase = reader.str();
+        }
         uint32_t keys = op == Op::Get ? 1 : reader.count(4);
         for (uint32_t i = 0; i < keys; ++i) request.keys.push_back(reader.str());
         uint32_t timeoutMs = reader.u32();
-        reader.expectEnd();
+        reader.expectEnd();  // a malformed request sets and erases nothing
+        if (set) {
+          if (set->first.empty() || request.keys.end() != std::find(request.keys.begin(), request.keys.end(), ""))
+            return refuse(connection, Refusal::BadRequest, "setAndGather with an empty key", false);
+          if (!erase.empty()) data_.erase(erase);
+          store(set->first, std::move(set->second));
+        }
         if (timeoutMs != kNoTimeout) {
           request.expires = Deadline::after(std::chrono::milliseconds(timeoutMs));
           expiring_.insert(connection.id);
@@ -435,7 +449,18 @@ class TcpStoreServer::Loop {
     FrameWriter writer;
     writer.u8(uint8_t(Status::Ok));
     if (request.op == Op::Get) writer.str(data_.at(request.keys.front()));
+    if (request.op == Op::SetAndGather) {
+      writer.u32(static_cast<uint32_t>(request.keys.size()));
+      for (const std::string& key : request.keys) writer.str(data_.at(key));
+    }
+    const size_t keys = request.keys.size();
     connection.parked.reset();
+    if (writer.bodySize() > maxMessageBytes_)
+      return refuse(connection, Refusal::TooLarge,
+                    fmt::format("the values of these {} keys exceed the store's message limit of {} bytes; gather "
+                                "fewer keys at once",
+                                keys, maxMessageBytes_),
+                    false);
     reply(connection, writer.finish());
   }
 

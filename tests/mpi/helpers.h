@@ -7,11 +7,14 @@
 #include <vector>
 
 #include "runtime/communicator.h"
+#include "runtime/store.h"
 #include "tests/support/inputs.h"
 
 namespace bulkhead::testing {
 
 Communicator& world();
 CommunicatorPtr worldPtr();
+// The job's rendezvous store (hosted by rank 0).
+std::shared_ptr<Store> store();
 
 }  // namespace bulkhead::testing

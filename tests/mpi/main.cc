@@ -17,6 +17,7 @@ std::unique_ptr<Runtime> runtime;
 
 Communicator& world() { return runtime->world(); }
 CommunicatorPtr worldPtr() { return runtime->worldPtr(); }
+std::shared_ptr<Store> store() { return runtime->store(); }
 
 }  // namespace bulkhead::testing
 

@@ -270,3 +270,41 @@ TEMPLATE_TEST_CASE("multiSet sets every pair, replaces values and wakes a waiter
   writer->multiSet({}, seconds(5));  // nothing to set: no request
   CHECK_THROWS_AS(writer->multiSet({{"", "v"}}, seconds(5)), ConfigError);
 }
+
+TEMPLATE_TEST_CASE("setAndGather: every thread gets every thread's value, erases its older key, and is named when late",
+                   "[store]", TcpHarness, FileHarness) {
+  TestType harness;
+  constexpr int kThreads = 5;
+  std::mt19937_64 rng(31);
+  std::vector<std::string> values;
+  for (int i = 0; i < kThreads; ++i) values.push_back(randomBytes(rng, 1 + rng() % 5000));
+  for (int round = 1; round <= 3; ++round) {
+    std::vector<std::string> keys;
+    for (int i = 0; i < kThreads; ++i) keys.push_back(fmt::format("round/{}/{}", round, i));
+    std::vector<std::vector<std::string>> gathered(kThreads);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kThreads; ++i)
+      threads.emplace_back([&, i] {
+        PrefixStore prefixed(harness.client(), "job");
+        gathered[i] = prefixed.setAndGather(
+            {.key = keys[i], .value = values[i] + std::to_string(round),
+             .erase = round > 1 ? fmt::format("round/{}/{}", round - 1, i) : "", .keys = keys},
+            seconds(10));
+      });
+    for (auto& thread : threads) thread.join();
+    for (int i = 0; i < kThreads; ++i) {
+      REQUIRE(gathered[i].size() == static_cast<size_t>(kThreads));
+      for (int j = 0; j < kThreads; ++j) CHECK(gathered[i][j] == values[j] + std::to_string(round));
+    }
+  }
+  auto store = harness.client();
+  CHECK_FALSE(store->tryGet("job/round/2/0", seconds(5)));  // erased by round 3
+  CHECK(store->tryGet("job/round/3/0", seconds(5)));
+  // A round one key of which never comes: TimeoutError names it, soon after the deadline.
+  auto [error, took] = expectError<TimeoutError>(
+      [&] { store->setAndGather({.key = "late/0", .value = "v", .keys = {"late/0", "late/1"}}, seconds(1)); });
+  CHECK(std::string(error.what()).find("late/1") != std::string::npos);
+  CHECK(took < 3.0);
+  CHECK(store->tryGet("late/0", seconds(5)) == std::optional<std::string>("v"));
+  CHECK_THROWS_AS(store->setAndGather({.key = "", .value = "v", .keys = {"a"}}, seconds(1)), ConfigError);
+}
