@@ -2,10 +2,12 @@
 // and the bandwidth of its dispatch + combine beside raw NCCL all-to-alls of
 // exactly the same rows (same splits, same GPUs, same run). Printed as
 // "KEY value" lines for bench/run_moe_bench.sh, which puts them beside the
-// PyTorch reference (bench/torch_moe.py).
+// PyTorch reference (bench/torch_moe.py). It also times the step's own floor:
+// the layer's grouped expert products alone on the same rows (forward and
+// backward), and prints the step over that floor and both in TFLOP/s.
 //
 //   mpirun -np 2 bulkhead-moe-bench [--tokens 4096] [--hidden 2048] [--experts 64]
-//                                   [--topk 8] [--ffn 768] [--iters 20] [--per-slot]
+//                                   [--topk 8] [--ffn 768] [--iters 20] [--per-slot] [--capacity 0]
 //                                   [--shared-ffn 0] [--shared-in-line] [--shared-rounds 0]
 //                                   [--profile trace.json] [--step-only]
 //
@@ -57,6 +59,7 @@ namespace {
 
 struct Options {
   int tokens = 4096, hidden = 2048, experts = 64, topK = 8, ffn = 768, iterations = 20;
+  double capacity = 0;        // expert capacity factor (0: dropless)
   int sharedFfn = 0;          // a shared expert of this hidden size (0: none)
   bool sharedInLine = false;  // run it on the layer's stream, not beside it
   int sharedRounds = 0;       // beside against in line, alternating rounds
@@ -74,6 +77,7 @@ void addFlags(CLI::App& app, Options& o) {
   app.add_option("--topk", o.topK, "experts per token")->check(positive);
   app.add_option("--ffn", o.ffn, "expert hidden size")->check(positive);
   app.add_option("--iters", o.iterations, "timed steps")->check(positive);
+  app.add_option("--capacity", o.capacity, "expert capacity factor (0: dropless)")->check(CLI::NonNegativeNumber);
   app.add_option("--shared-ffn", o.sharedFfn, "a shared expert of this hidden size (0: none)")
       ->check(cli::nonNegative());
   app.add_flag("--shared-in-line", o.sharedInLine, "run the shared expert on the layer's stream");
@@ -160,7 +164,9 @@ int main(int argc, char** argv) {
     const auto tensorOptions = at::TensorOptions().dtype(at::kBFloat16).device(runtime->device());
     moe::MoEOptions layerOptions{.hidden = options.hidden,
                                  .ffnHidden = options.ffn,
-                                 .router = {.numExperts = options.experts, .topK = options.topK},
+                                 .router = {.numExperts = options.experts,
+                                            .topK = options.topK,
+                                            .capacityFactor = options.capacity},
                                  .oncePerRank = !options.perSlot,
                                  .sharedExpertHidden = options.sharedFfn,
                                  .overlapSharedExpert = !options.sharedInLine};
@@ -321,6 +327,21 @@ int main(int argc, char** argv) {
     // unless it overlaps them with the exchanges. Approximate: received rows
     // fresh from the exchange may still sit in L2, which the copy's do not.
     const int64_t expertRows = plan.expertInput.size(0);
+    // The step's own floor: the layer's grouped expert products alone (the
+    // same kernels, rows and counts, forward and backward: input and weight
+    // gradients), and the model FLOPs of both (router and experts, x3 for the
+    // backward).
+    at::Tensor floorRows = plan.expertInput.detach().clone().requires_grad_(true);
+    at::Tensor floorGrad = at::randn({expertRows, options.hidden}, tensorOptions);
+    auto products = [&] {
+      at::Tensor out = layer.experts().forward(floorRows, plan.tokensPerLocalExpert, plan.expertRowEnds);
+      torch::autograd::backward({out}, {floorGrad});
+    };
+    for (int i = 0; i < 3; ++i) products();
+    const double floorMs = medianMs(options.iterations, products);
+    const double expertFlops = 3.0 * 6.0 * static_cast<double>(expertRows) * options.hidden * options.ffn;
+    const double stepFlops =
+        expertFlops + 3.0 * 2.0 * static_cast<double>(options.tokens) * options.hidden * options.experts;
     at::Tensor copyFrom = at::randn({expertRows + received, options.hidden}, tensorOptions);
     at::Tensor copyTo = at::empty_like(copyFrom);
     const double localFloorMs = medianEventMs(options.iterations, [&] { copyTo.copy_(copyFrom); });
@@ -336,6 +357,11 @@ int main(int argc, char** argv) {
     const double bytes = static_cast<double>(sent + received) * options.hidden * 2;
     if (me == 0) {
       fmt::print("MODE {}\n", options.perSlot ? "per-slot" : "once-per-rank");
+      fmt::print("CAPACITY {}\n", options.capacity > 0 ? fmt::format("{:g}", options.capacity) : "dropless");
+      fmt::print("EXPERT_PRODUCTS_MS {:.3f}\n", floorMs);
+      fmt::print("STEP_OVER_PRODUCTS {:.2f}\n", stepMs / floorMs);
+      fmt::print("STEP_TFLOPS {:.1f}\n", stepFlops / stepMs / 1e9);
+      fmt::print("PRODUCTS_TFLOPS {:.1f}\n", expertFlops / floorMs / 1e9);
       fmt::print("STEP_MS {:.3f}\n", stepMs);
       fmt::print("PEAK_ALLOCATED_MB {:.1f}\n", peakMb);
       fmt::print("ROWS_SENT {}\n", sent);

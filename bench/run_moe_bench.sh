@@ -4,7 +4,9 @@
 # NCCL all-to-alls of the same rows. bf16, E=64 experts, top-8, H=2048, F=768.
 #   bench/run_moe_bench.sh [build-dir] [out-file] [token counts, default "4096 16384"]
 # Env: NP (ranks = ep, default: every GPU); MPIRUN_ARGS (extra mpirun flags, such as a
-# binding, given to Bulkhead and the PyTorch reference alike).
+# binding, given to Bulkhead and the PyTorch reference alike); CAPACITY (the capacity
+# factor of one more once-per-rank run per token count, default 1.25; 0: none).
+# Every run also times its own floor: the layer's grouped expert products alone.
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench/results/moe_$(date +%Y%m%d).md}
@@ -19,6 +21,11 @@ value() { awk -v key="$1" '$1 == key {print $2}' <<<"$2"; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
 rows=()
 phases=()
+floors=()
+capacity=${CAPACITY:-1.25}
+floor_row() {  # floor_row <tokens> <bench output>
+  floors+=("| $1 | $(value MODE "$2") | $(value CAPACITY "$2") | $(value STEP_MS "$2") | $(value EXPERT_PRODUCTS_MS "$2") | $(value STEP_OVER_PRODUCTS "$2") | $(value STEP_TFLOPS "$2") | $(value PRODUCTS_TFLOPS "$2") |")
+}
 for tokens in $token_counts; do
   once=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes 2>&1 || true)
   slot=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --per-slot 2>&1 || true)
@@ -26,13 +33,19 @@ for tokens in $token_counts; do
     python3 bench/torch_moe.py --tokens "$tokens" $sizes 2>&1 || true)
   t=$(value TORCH_STEP_MS "$torch")
   [ -n "$t" ] || { echo "PyTorch reference failed:"; echo "$torch" | tail -20; exit 1; }
+  if [ "$capacity" != 0 ]; then
+    capped=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --capacity "$capacity" 2>&1 || true)
+    [ -n "$(value STEP_MS "$capped")" ] || { echo "bulkhead-moe-bench --capacity failed:"; echo "$capped" | tail -20; exit 1; }
+  fi
   for run in once slot; do
     r=${!run}
+    floor_row "$tokens" "$r"
     s=$(value STEP_MS "$r")
     [ -n "$s" ] || { echo "bulkhead-moe-bench failed:"; echo "$r" | tail -20; exit 1; }
     phases+=("$tokens $(value MODE "$r"): $(grep PHASES_MS <<<"$r"); exchanges (ms each): $(grep DISPATCHER_EXCHANGES <<<"$r" | grep -v _MS | cut -d' ' -f2-)")
     rows+=("| $tokens | $(value MODE "$r") | $s | $t | $(ratio "$t" "$s") | $(value ROWS_SENT "$r") | $(value DISPATCH_COMBINE_MS "$r") | $(value RAW_ALLTOALL_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value DISPATCH_COMBINE_MS "$r")") | $(value DISPATCHER_EXCHANGES_MS "$r") | $(value RAW_ALLTOALL_EVENTS_MS "$r") | $(ratio "$(value RAW_ALLTOALL_EVENTS_MS "$r")" "$(value DISPATCHER_EXCHANGES_MS "$r")") | $(value EXCHANGE_ONLY_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value EXCHANGE_ONLY_MS "$r")") | $(value LOCAL_PASSES_FLOOR_MS "$r") | $(value BW_RATIO_BOUND "$r") | $(value MAX_REL_DIFF_VS_EP1 "$r") |")
   done
+  [ "$capacity" = 0 ] || floor_row "$tokens" "$capped"
 done
 {
   echo "# MoE layer: Bulkhead vs a PyTorch reference, and dispatch + combine vs raw NCCL"
@@ -56,6 +69,14 @@ done
   echo "| tokens/rank | dispatch | Bulkhead step ms | PyTorch step ms | speed-up | rows sent/rank | dispatch+combine ms | raw NCCL ms | bw ratio | dispatcher exchanges ms | raw NCCL ms (events) | exchange ratio | exchange only ms | transport ratio | local passes floor ms | bound | max rel diff |"
   echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   printf '%s\n' "${rows[@]}"
+  echo
+  echo "The step beside its own floor: the layer's grouped expert products alone, on the same rows with the same"
+  echo "kernels, forward and backward (input and weight gradients), median of 20. TFLOP/s count the router and the"
+  echo "experts' products (6 x rows x H x F forward, x3 with the backward); rows: the expert rows after any drops."
+  echo
+  echo "| tokens/rank | dispatch | capacity | step ms | grouped products ms | step / products | step TFLOP/s | products TFLOP/s |"
+  echo "|---:|---|---|---:|---:|---:|---:|---:|"
+  printf '%s\n' "${floors[@]}"
   echo
   echo "Where a step's time goes (each phase alone, synced, ms):"
   echo
