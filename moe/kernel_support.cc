@@ -1,5 +1,9 @@
 #include "moe/kernel_support.h"
 
+#if BULKHEAD_MOE_KERNELS
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
+
 namespace bulkhead::moe {
 
 std::optional<cuda::Dtype> kernelDtype(c10::ScalarType type) {
@@ -10,6 +14,14 @@ std::optional<cuda::Dtype> kernelDtype(c10::ScalarType type) {
     case c10::kHalf: return cuda::Dtype::Float16;
     default: return std::nullopt;
   }
+}
+
+bool streamCapturing(const at::Tensor& on) {
+#if BULKHEAD_MOE_KERNELS
+  if (on.is_cuda()) return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#endif
+  (void)on;
+  return false;
 }
 
 }  // namespace bulkhead::moe

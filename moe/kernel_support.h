@@ -3,6 +3,7 @@
 // for dtypes. (Their nodes refuse a double backward with
 // parallel::refuseDoubleBackward, as the exchanges' do.)
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <optional>
@@ -13,5 +14,9 @@ namespace bulkhead::moe {
 
 // The kernels' name for `type`; nullopt for a dtype they do not take.
 std::optional<cuda::Dtype> kernelDtype(c10::ScalarType type);
+
+// Whether the current stream of `on`'s device is being captured into a CUDA
+// graph (false on the CPU, and in builds without the kernels).
+bool streamCapturing(const at::Tensor& on);
 
 }  // namespace bulkhead::moe

@@ -14,6 +14,8 @@
 #include <numeric>
 #include <optional>
 
+#include "moe/kernel_support.h"
+#include "moe/static_dispatch.h"
 #include "moe/swiglu.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
@@ -38,6 +40,12 @@ const parallel::ProcessGroups& checkedGroups(const MoEOptions& options, const pa
                     options.name, groups.tp()->name(), fmt::join(groups.tp()->members(), ","),
                     groups.expertTp()->name(), fmt::join(groups.expertTp()->members(), ",")),
         {.rank = groups.world()->rank(), .group = groups.tp()->name(), .expected = "etp == tp"});
+  }
+  if (options.staticShapes && (options.router.capacityFactor <= 0 || layout.ep() > 1)) {
+    throw ConfigError(fmt::format("MoE layer {}: static shapes need a capacity factor and ep 1, not capacity {} at "
+                                  "ep {}",
+                                  options.name, options.router.capacityFactor, layout.ep()),
+                      {.rank = groups.world()->rank(), .expected = "router.capacityFactor > 0 and ep 1"});
   }
   if (options.router.numExperts % layout.ep() != 0) {
     throw ConfigError(fmt::format("MoE layer {}: {} experts do not divide over ep {}", options.name,
@@ -137,23 +145,13 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   std::optional<BesideStream> shared;
   if (sharedW13_.defined())
     shared.emplace(tokens, sharedExpertStreamFor(tokens.device()), [&] { return sharedExpert(tokens); });
-  Routing routing = router_.select(tokens);
-  DispatchPlan plan = dispatcher_.dispatch(tokens, routing);
-  at::Tensor expertOutput = experts_.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.expertRowEnds);
-  router_.addLosses(routing);  // launched while the experts run (see Router::select)
-  if (options_.globalAuxLoss && options_.router.auxLossCoeff != 0) {
-    // Slot counts and the token count, summed over every replica's batch.
-    at::Tensor counts = at::cat({routing.tokensPerExpert, at::full({1}, tokens.size(0), routing.tokensPerExpert.options())});
-    const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
-    auto work = dpCp_->allReduce(counts, {.deadline = deadline});
-    if (!counts.is_cuda()) work->wait(deadline);
-    at::Tensor slots = counts.narrow(0, 0, options_.router.numExperts);
-    at::Tensor total = counts.narrow(0, options_.router.numExperts, 1).to(routing.meanProb.scalar_type()) *
-                       options_.router.topK;
-    // An empty batch on every replica has no balance to measure: 0, not 0/0.
-    routing.auxLoss = router_.switchLoss(slots, 1.0, routing.meanProb) / total.squeeze(0).clamp_min(1);
-  }
-  at::Tensor output = dispatcher_.combine(plan, expertOutput);
+  if (!options_.staticShapes && streamCapturing(tokens))
+    throw ConfigError(fmt::format("MoE layer {}: dropless dispatch reads its counts on the host and cannot be "
+                                  "captured by a CUDA graph; set a capacity factor and MoEOptions::staticShapes",
+                                  options_.name),
+                      {.rank = worldRank_, .expected = "static shapes under CUDA-graph capture"});
+  Routing routing = router_.select(tokens, /*hostCounts=*/!options_.staticShapes);
+  at::Tensor output = routed(tokens, routing);
   if (shared) output = output + shared->join();
 
   lastLoads_ = routing.tokensPerExpert;
@@ -162,7 +160,43 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   lastAux_ = routing.auxLoss.detach();
   lastZ_ = routing.zLoss.detach();
   lastDropped_ = routing.droppedSlots;
+  lastDroppedOnDevice_ = options_.staticShapes ? routing.dropped : at::Tensor();
   return {output.view(input.sizes()), routing.auxLoss, routing.zLoss};
+}
+
+at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing) {
+  std::optional<DispatchPlan> plan;
+  std::optional<StaticPlan> fixed;
+  at::Tensor expertOutput;
+  if (options_.staticShapes) {
+    fixed = staticDispatch(tokens, routing, options_.router.numExperts,
+                           staticCapacity(options_.router, tokens.size(0)));
+    expertOutput = experts_.forward(fixed->expertInput, fixed->rowsPerExpert, fixed->rowEnds);
+  } else {
+    plan = dispatcher_.dispatch(tokens, routing);
+    expertOutput = experts_.forward(plan->expertInput, plan->tokensPerLocalExpert, plan->expertRowEnds);
+  }
+  router_.addLosses(routing);  // launched while the experts run (see Router::select)
+  if (options_.globalAuxLoss && options_.router.auxLossCoeff != 0) {
+    if (streamCapturing(tokens) && dpCp_->size() > 1)
+      throw ConfigError(fmt::format("MoE layer {}: the global aux loss sums counts over {} with an all-reduce, "
+                                    "which a CUDA graph of this layer does not capture; set globalAuxLoss = false",
+                                    options_.name, dpCp_->name()),
+                        {.rank = worldRank_, .group = dpCp_->name(), .expected = "globalAuxLoss off when capturing"});
+    // Slot counts and the token count, summed over every replica's batch.
+    at::Tensor counts = at::cat({routing.tokensPerExpert, at::full({1}, tokens.size(0), routing.tokensPerExpert.options())});
+    if (dpCp_->size() > 1 || !streamCapturing(tokens)) {  // under capture at dp 1 the sum is the counts
+      const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
+      auto work = dpCp_->allReduce(counts, {.deadline = deadline});
+      if (!counts.is_cuda()) work->wait(deadline);
+    }
+    at::Tensor slots = counts.narrow(0, 0, options_.router.numExperts);
+    at::Tensor total = counts.narrow(0, options_.router.numExperts, 1).to(routing.meanProb.scalar_type()) *
+                       options_.router.topK;
+    // An empty batch on every replica has no balance to measure: 0, not 0/0.
+    routing.auxLoss = router_.switchLoss(slots, 1.0, routing.meanProb) / total.squeeze(0).clamp_min(1);
+  }
+  return fixed ? staticCombine(*fixed, routing, expertOutput) : dispatcher_.combine(*plan, expertOutput);
 }
 
 std::optional<c10::Stream> MoELayer::sharedExpertStreamFor(c10::Device device) {
@@ -192,7 +226,7 @@ MoEStats MoELayer::stats() const {
   const double total = std::accumulate(stats.tokensPerExpert.begin(), stats.tokensPerExpert.end(), 0.0);
   const auto most = static_cast<double>(*std::max_element(stats.tokensPerExpert.begin(), stats.tokensPerExpert.end()));
   stats.imbalance = total > 0 ? most / (total / static_cast<double>(stats.tokensPerExpert.size())) : 0;
-  stats.droppedSlots = lastDropped_;
+  stats.droppedSlots = lastDroppedOnDevice_.defined() ? lastDroppedOnDevice_.item<int64_t>() : lastDropped_;
   stats.auxLoss = values[experts];
   stats.zLoss = values[experts + 1];
   return stats;

@@ -61,6 +61,12 @@ struct MoEOptions {
   double initStd = 0.02;
   uint64_t seed = 1234;
   bool groupedMm = true;
+  // Fixed shapes (moe/static_dispatch.h): every expert gets exactly its
+  // capacity of rows and nothing is read back to the host, so a CUDA graph can
+  // capture the layer. Needs a capacity factor and ep 1 (ConfigError
+  // otherwise). Without it, a forward under CUDA-graph capture is a
+  // ConfigError: dropless dispatch reads its counts on the host.
+  bool staticShapes = false;
   // Each collective of the layer, forward and backward (dispatch, combine,
   // expert-tp, the aux-loss counts); unset: BULKHEAD_COLLECTIVE_TIMEOUT.
   std::optional<std::chrono::milliseconds> timeout;
@@ -110,6 +116,10 @@ class MoELayer {
   at::Tensor sharedExpert(const at::Tensor& tokens) const;
   // Where the shared expert runs beside the routed path: none on the CPU or when not asked to.
   std::optional<c10::Stream> sharedExpertStreamFor(c10::Device device);
+  // The routed experts' output combined per token: the dispatcher's way, or
+  // with static shapes the fixed-capacity way; the routing's losses are added
+  // while the experts run.
+  at::Tensor routed(const at::Tensor& tokens, Routing& routing);
 
   MoEOptions options_;
   CommunicatorPtr dpCp_;  // every dense replica of this layer but the tp ones
@@ -126,6 +136,7 @@ class MoELayer {
   at::Tensor lastLoads_, lastAux_, lastZ_;
   at::Tensor pendingLoads_;  // with expertBias: loads since the last updateExpertBias
   int64_t lastDropped_ = 0;
+  at::Tensor lastDroppedOnDevice_;  // static shapes: the count, read by stats()
 };
 
 }  // namespace bulkhead::moe

@@ -37,7 +37,7 @@ Routing Router::route(const at::Tensor& tokens) const {
   return routing;
 }
 
-Routing Router::select(const at::Tensor& tokens) const {
+Routing Router::select(const at::Tensor& tokens, bool hostCounts) const {
   const int64_t numTokens = tokens.size(0);
   const int64_t numExperts = options_.numExperts;
   // Scores in at least float32: bf16 softmax over many experts loses the ranking.
@@ -65,8 +65,10 @@ Routing Router::select(const at::Tensor& tokens) const {
   if (options_.capacityFactor > 0) {
     const auto capacity = static_cast<int64_t>(
         std::ceil(options_.capacityFactor * static_cast<double>(numTokens * options_.topK) / numExperts));
-    routing.keep = capacityKeep(routing.indices, routing.weights.detach(), options_.numExperts, capacity);
-    routing.droppedSlots = routing.keep.numel() - routing.keep.sum().item<int64_t>();
+    routing.position = capacityPosition(routing.indices, routing.weights.detach(), options_.numExperts);
+    routing.keep = routing.position < capacity;
+    routing.dropped = routing.keep.numel() - routing.keep.sum();
+    if (hostCounts) routing.droppedSlots = routing.dropped.item<int64_t>();
   } else if (!routing.keep.defined()) {
     routing.keep = at::ones_like(routing.indices, routing.indices.options().dtype(at::kBool));
   }
@@ -117,6 +119,10 @@ at::Tensor countValues(const at::Tensor& values, int64_t bins) {
 }
 
 at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, int numExperts, int64_t capacity) {
+  return capacityPosition(indices, weights, numExperts) < capacity;
+}
+
+at::Tensor capacityPosition(const at::Tensor& indices, const at::Tensor& weights, int numExperts) {
   const int64_t slots = indices.numel();
   at::Tensor flatExperts = indices.reshape(-1);
   // Rank slots by weight (descending, ties by slot order), then group by
@@ -129,9 +135,9 @@ at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, in
   at::Tensor groupStart = at::cumsum(counts, 0) - counts;
   at::Tensor sortedExperts = flatExperts.index_select(0, order);
   at::Tensor position = at::arange(slots, indices.options()) - groupStart.index_select(0, sortedExperts);
-  at::Tensor keep = at::zeros({slots}, indices.options().dtype(at::kBool));
-  keep.index_put_({order}, position < capacity);
-  return keep.view(indices.sizes());
+  at::Tensor placed = at::empty({slots}, indices.options());
+  placed.index_put_({order}, position);
+  return placed.view(indices.sizes());
 }
 
 }  // namespace bulkhead::moe

@@ -48,11 +48,15 @@ struct Routing {
   at::Tensor indices;    // [T, k] int64 global expert ids
   at::Tensor weights;    // [T, k] combine weights (autograd), dtype of the scores
   at::Tensor keep;       // [T, k] bool; false where capacity dropped the slot
+  // With a capacity: [T, k] int64, each slot's place among its expert's slots
+  // (best weight first, ties by slot order); kept where it is below the capacity.
+  at::Tensor position;
   at::Tensor auxLoss;    // scalar, coefficient applied
   at::Tensor zLoss;      // scalar, coefficient applied
   at::Tensor tokensPerExpert;  // [E] int64: slots selected per expert, before dropping
   at::Tensor meanProb;         // [E] P_i over this rank's tokens (autograd; zeros without tokens)
-  int64_t droppedSlots = 0;
+  int64_t droppedSlots = 0;   // counted on the host, unless select() was told not to
+  at::Tensor dropped;          // with a capacity: the same count, a 0-dim int64 tensor on the device
   at::Tensor logits;           // [T, E] in the score dtype (autograd)
   // addLosses' inputs, not for callers: scores [T, E] may be undefined (the
   // GPU's fused path keeps only their sums probSum and lseSquaredSum); read
@@ -72,7 +76,9 @@ class Router {
   // select() returned, unchanged (the fused path's sums come with it). The
   // layer adds the losses after the dispatch, so their small kernels are
   // launched while the experts run rather than before the dispatch's sync.
-  Routing select(const at::Tensor& tokens) const;
+  // hostCounts = false: no read back to the host (droppedSlots stays 0; read
+  // `dropped`), so a CUDA graph can capture the selection.
+  Routing select(const at::Tensor& tokens, bool hostCounts = true) const;
   void addLosses(Routing& routing) const;
 
   // coeff * E * sum_i (slots_i / totalSlots) * meanProb_i: the aux loss from
@@ -94,8 +100,10 @@ class Router {
 // 0..bins-1. Unlike at::bincount, no device sync on CUDA.
 at::Tensor countValues(const at::Tensor& values, int64_t bins);
 
-// The capacity policy on its own (exposed for tests): keep flags for the
-// slots of `indices` ranked by `weights`, at most `capacity` per expert.
+// The capacity policy on its own (exposed for tests): each slot's place among
+// its expert's slots of `indices` ranked by `weights` (descending, ties by slot
+// order), and keep flags: at most `capacity` per expert.
+at::Tensor capacityPosition(const at::Tensor& indices, const at::Tensor& weights, int numExperts);
 at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, int numExperts, int64_t capacity);
 
 }  // namespace bulkhead::moe

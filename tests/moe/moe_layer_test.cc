@@ -443,3 +443,60 @@ TEST_CASE("a kept slot naming no expert makes every ep rank raise together, and 
 
 }  // namespace
 }  // namespace bulkhead::moe
+
+namespace bulkhead::moe {
+namespace {
+
+// Forward and backward of `layer` on `tokens`: the output, the input's
+// gradient and every parameter's gradient, in parameter order.
+std::vector<at::Tensor> stepOf(MoELayer& layer, const at::Tensor& tokens, const at::Tensor& projection) {
+  at::Tensor input = tokens.clone().requires_grad_(true);
+  MoEOutput out = layer.forward(input);
+  torch::autograd::backward({(out.output * projection).sum() + out.auxLoss + out.zLoss});
+  std::vector<at::Tensor> results{out.output.detach(), input.grad()};
+  for (auto& parameter : layer.parameters()) {
+    results.push_back(parameter.tensor.grad().clone());
+    parameter.tensor.mutable_grad().reset();
+  }
+  return results;
+}
+
+}  // namespace
+
+TEST_CASE("static shapes compute what the dispatcher computes with the same capacity, gradients included",
+          "[moe][layer]") {
+  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  for (double capacity : {0.5, 1.0, 2.5}) {
+    MoEOptions options = layerOptions(true, capacity, true);
+    options.router.expertBias = false;
+    MoELayer dispatched(options, groups, at::kDouble);
+    options.staticShapes = true;
+    MoELayer fixed(options, groups, at::kDouble);
+    for (int shard : {0, 5}) {
+      auto ours = stepOf(fixed, shardTokens(shard), shardProjection(shard));
+      auto theirs = stepOf(dispatched, shardTokens(shard), shardProjection(shard));
+      REQUIRE(ours.size() == theirs.size());
+      for (size_t i = 0; i < ours.size(); ++i) {
+        INFO("capacity " << capacity << " shard " << shard << " tensor " << i);
+        CHECK(at::allclose(ours[i], theirs[i], 1e-12, 1e-12));
+      }
+      CHECK(fixed.stats().droppedSlots == dispatched.stats().droppedSlots);
+      if (capacity == 0.5) CHECK(fixed.stats().droppedSlots > 0);
+    }
+  }
+}
+
+TEST_CASE("static shapes need a capacity factor and ep 1", "[moe][layer]") {
+  auto local = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  MoEOptions options = layerOptions(true, 0, false);
+  options.staticShapes = true;
+  CHECK_THROWS_AS(MoELayer(options, local, at::kDouble), ConfigError);
+  if (testing::world().size() >= 2) {
+    auto spread = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 2},
+                                                  {.warmup = false});
+    options.router.capacityFactor = 1.0;
+    CHECK_THROWS_AS(MoELayer(options, spread, at::kDouble), ConfigError);
+  }
+}
+
+}  // namespace bulkhead::moe
