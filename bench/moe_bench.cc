@@ -37,6 +37,7 @@
 #include <chrono>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -46,9 +47,11 @@
 #include "launch/init.h"
 #include "moe/differentiable.h"
 #include "moe/moe_layer.h"
+#include "moe/static_dispatch.h"
 #include "parallel/process_groups.h"
 #include "bench/bench_check.h"
 #include "bench/timed_communicator.h"
+#include "runtime/cuda_graph.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/nccl/raw_nccl.h"
@@ -60,6 +63,7 @@ namespace {
 struct Options {
   int tokens = 4096, hidden = 2048, experts = 64, topK = 8, ffn = 768, iterations = 20;
   double capacity = 0;        // expert capacity factor (0: dropless)
+  bool graph = false;         // static shapes, the step captured in a CUDA graph and replayed
   int sharedFfn = 0;          // a shared expert of this hidden size (0: none)
   bool sharedInLine = false;  // run it on the layer's stream, not beside it
   int sharedRounds = 0;       // beside against in line, alternating rounds
@@ -78,6 +82,7 @@ void addFlags(CLI::App& app, Options& o) {
   app.add_option("--ffn", o.ffn, "expert hidden size")->check(positive);
   app.add_option("--iters", o.iterations, "timed steps")->check(positive);
   app.add_option("--capacity", o.capacity, "expert capacity factor (0: dropless)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--graph", o.graph, "static shapes (needs --capacity), the step captured in a CUDA graph and replayed");
   app.add_option("--shared-ffn", o.sharedFfn, "a shared expert of this hidden size (0: none)")
       ->check(cli::nonNegative());
   app.add_flag("--shared-in-line", o.sharedInLine, "run the shared expert on the layer's stream");
@@ -169,7 +174,10 @@ int main(int argc, char** argv) {
                                             .capacityFactor = options.capacity},
                                  .oncePerRank = !options.perSlot,
                                  .sharedExpertHidden = options.sharedFfn,
-                                 .overlapSharedExpert = !options.sharedInLine};
+                                 .overlapSharedExpert = !options.sharedInLine,
+                                 .staticShapes = options.graph};
+    if (options.graph && (options.capacity <= 0 || ranks > 1))
+      throw ConfigError("--graph needs --capacity and one rank: the captured layer has static shapes, at ep 1");
     moe::MoELayer layer(layerOptions, groups, tensorOptions);
 
     at::manual_seed(1000 + me);
@@ -182,8 +190,13 @@ int main(int argc, char** argv) {
         torch::autograd::backward({out.output, out.auxLoss}, {gradOutput, at::ones_like(out.auxLoss)});
       };
     };
-    auto step = stepOf(layer);
-    for (int i = 0; i < 3; ++i) step();
+    auto eagerStep = stepOf(layer);
+    for (int i = 0; i < 3; ++i) eagerStep();
+    // --graph: the same step captured once, each timed step one replay.
+    std::optional<CapturedGraph> graph;
+    if (options.graph) graph.emplace(runtime->device(), eagerStep, GraphOptions{.name = "moe-bench"});
+    std::function<void()> step = eagerStep;
+    if (graph) step = [&] { graph->launch(); };
     if (options.sharedRounds > 0) {
       if (options.sharedFfn <= 0) throw ConfigError("--shared-rounds needs --shared-ffn");
       moe::MoEOptions otherOptions = layerOptions;  // the shared expert the other way
@@ -331,17 +344,26 @@ int main(int argc, char** argv) {
     // same kernels, rows and counts, forward and backward: input and weight
     // gradients), and the model FLOPs of both (router and experts, x3 for the
     // backward).
-    at::Tensor floorRows = plan.expertInput.detach().clone().requires_grad_(true);
-    at::Tensor floorGrad = at::randn({expertRows, options.hidden}, tensorOptions);
+    // With static shapes every expert gets its capacity of rows, padding included.
+    const int64_t capacity = moe::staticCapacity(layerOptions.router, options.tokens);
+    const int64_t productRows = options.graph ? capacity * options.experts : expertRows;
+    const std::vector<int64_t> productCounts =
+        options.graph ? std::vector<int64_t>(static_cast<size_t>(options.experts), capacity) : plan.tokensPerLocalExpert;
+    const at::Tensor productEnds =
+        options.graph ? at::arange(1, options.experts + 1, tensorOptions.dtype(at::kInt)) * static_cast<int>(capacity)
+                      : plan.expertRowEnds;
+    at::Tensor floorRows = at::randn({productRows, options.hidden}, tensorOptions).requires_grad_(true);
+    at::Tensor floorGrad = at::randn({productRows, options.hidden}, tensorOptions);
     auto products = [&] {
-      at::Tensor out = layer.experts().forward(floorRows, plan.tokensPerLocalExpert, plan.expertRowEnds);
+      at::Tensor out = layer.experts().forward(floorRows, productCounts, productEnds);
       torch::autograd::backward({out}, {floorGrad});
     };
     for (int i = 0; i < 3; ++i) products();
     const double floorMs = medianMs(options.iterations, products);
-    const double expertFlops = 3.0 * 6.0 * static_cast<double>(expertRows) * options.hidden * options.ffn;
-    const double stepFlops =
-        expertFlops + 3.0 * 2.0 * static_cast<double>(options.tokens) * options.hidden * options.experts;
+    // The step counts the rows the routing kept; the products, every row they multiply (padding too).
+    const double productFlops = 3.0 * 6.0 * static_cast<double>(productRows) * options.hidden * options.ffn;
+    const double stepFlops = 3.0 * 6.0 * static_cast<double>(expertRows) * options.hidden * options.ffn +
+                             3.0 * 2.0 * static_cast<double>(options.tokens) * options.hidden * options.experts;
     at::Tensor copyFrom = at::randn({expertRows + received, options.hidden}, tensorOptions);
     at::Tensor copyTo = at::empty_like(copyFrom);
     const double localFloorMs = medianEventMs(options.iterations, [&] { copyTo.copy_(copyFrom); });
@@ -358,10 +380,11 @@ int main(int argc, char** argv) {
     if (me == 0) {
       fmt::print("MODE {}\n", options.perSlot ? "per-slot" : "once-per-rank");
       fmt::print("CAPACITY {}\n", options.capacity > 0 ? fmt::format("{:g}", options.capacity) : "dropless");
+      fmt::print("EXECUTION {}\n", options.graph ? "graph" : "eager");
       fmt::print("EXPERT_PRODUCTS_MS {:.3f}\n", floorMs);
       fmt::print("STEP_OVER_PRODUCTS {:.2f}\n", stepMs / floorMs);
       fmt::print("STEP_TFLOPS {:.1f}\n", stepFlops / stepMs / 1e9);
-      fmt::print("PRODUCTS_TFLOPS {:.1f}\n", expertFlops / floorMs / 1e9);
+      fmt::print("PRODUCTS_TFLOPS {:.1f}\n", productFlops / floorMs / 1e9);
       fmt::print("STEP_MS {:.3f}\n", stepMs);
       fmt::print("PEAK_ALLOCATED_MB {:.1f}\n", peakMb);
       fmt::print("ROWS_SENT {}\n", sent);

@@ -5,7 +5,8 @@
 #   bench/run_moe_bench.sh [build-dir] [out-file] [token counts, default "4096 16384"]
 # Env: NP (ranks = ep, default: every GPU); MPIRUN_ARGS (extra mpirun flags, such as a
 # binding, given to Bulkhead and the PyTorch reference alike); CAPACITY (the capacity
-# factor of one more once-per-rank run per token count, default 1.25; 0: none).
+# factor of one more once-per-rank run per token count, default 1.25; 0: none; on one
+# GPU also captured in a CUDA graph).
 # Every run also times its own floor: the layer's grouped expert products alone.
 set -euo pipefail
 build=${1:-build}
@@ -23,8 +24,8 @@ rows=()
 phases=()
 floors=()
 capacity=${CAPACITY:-1.25}
-floor_row() {  # floor_row <tokens> <bench output>
-  floors+=("| $1 | $(value MODE "$2") | $(value CAPACITY "$2") | $(value STEP_MS "$2") | $(value EXPERT_PRODUCTS_MS "$2") | $(value STEP_OVER_PRODUCTS "$2") | $(value STEP_TFLOPS "$2") | $(value PRODUCTS_TFLOPS "$2") |")
+floor_row() {  # floor_row <tokens> <bench output> <PyTorch step ms>
+  floors+=("| $1 | $(value MODE "$2") | $(value CAPACITY "$2") | $(value EXECUTION "$2") | $(value STEP_MS "$2") | $(value EXPERT_PRODUCTS_MS "$2") | $(value STEP_OVER_PRODUCTS "$2") | $(value STEP_TFLOPS "$2") | $(value PRODUCTS_TFLOPS "$2") | $(ratio "$3" "$(value STEP_MS "$2")") |")
 }
 for tokens in $token_counts; do
   once=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes 2>&1 || true)
@@ -36,16 +37,21 @@ for tokens in $token_counts; do
   if [ "$capacity" != 0 ]; then
     capped=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np "$ranks" "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --capacity "$capacity" 2>&1 || true)
     [ -n "$(value STEP_MS "$capped")" ] || { echo "bulkhead-moe-bench --capacity failed:"; echo "$capped" | tail -20; exit 1; }
+    if [ "$ranks" -eq 1 ]; then  # the captured layer has static shapes, at ep 1
+      graphed=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np 1 "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --capacity "$capacity" --graph 2>&1 || true)
+      [ -n "$(value STEP_MS "$graphed")" ] || { echo "bulkhead-moe-bench --graph failed:"; echo "$graphed" | tail -20; exit 1; }
+    fi
   fi
   for run in once slot; do
     r=${!run}
-    floor_row "$tokens" "$r"
+    floor_row "$tokens" "$r" "$t"
     s=$(value STEP_MS "$r")
     [ -n "$s" ] || { echo "bulkhead-moe-bench failed:"; echo "$r" | tail -20; exit 1; }
     phases+=("$tokens $(value MODE "$r"): $(grep PHASES_MS <<<"$r"); exchanges (ms each): $(grep DISPATCHER_EXCHANGES <<<"$r" | grep -v _MS | cut -d' ' -f2-)")
     rows+=("| $tokens | $(value MODE "$r") | $s | $t | $(ratio "$t" "$s") | $(value ROWS_SENT "$r") | $(value DISPATCH_COMBINE_MS "$r") | $(value RAW_ALLTOALL_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value DISPATCH_COMBINE_MS "$r")") | $(value DISPATCHER_EXCHANGES_MS "$r") | $(value RAW_ALLTOALL_EVENTS_MS "$r") | $(ratio "$(value RAW_ALLTOALL_EVENTS_MS "$r")" "$(value DISPATCHER_EXCHANGES_MS "$r")") | $(value EXCHANGE_ONLY_MS "$r") | $(ratio "$(value RAW_ALLTOALL_MS "$r")" "$(value EXCHANGE_ONLY_MS "$r")") | $(value LOCAL_PASSES_FLOOR_MS "$r") | $(value BW_RATIO_BOUND "$r") | $(value MAX_REL_DIFF_VS_EP1 "$r") |")
   done
-  [ "$capacity" = 0 ] || floor_row "$tokens" "$capped"
+  [ "$capacity" = 0 ] || floor_row "$tokens" "$capped" "$t"
+  [ "$capacity" = 0 ] || [ "$ranks" -ne 1 ] || floor_row "$tokens" "$graphed" "$t"
 done
 {
   echo "# MoE layer: Bulkhead vs a PyTorch reference, and dispatch + combine vs raw NCCL"
@@ -74,8 +80,11 @@ done
   echo "kernels, forward and backward (input and weight gradients), median of 20. TFLOP/s count the router and the"
   echo "experts' products (6 x rows x H x F forward, x3 with the backward); rows: the expert rows after any drops."
   echo
-  echo "| tokens/rank | dispatch | capacity | step ms | grouped products ms | step / products | step TFLOP/s | products TFLOP/s |"
-  echo "|---:|---|---|---:|---:|---:|---:|---:|"
+  echo "Graph: static shapes (every expert padded to its capacity), the step captured once in a CUDA graph and"
+  echo "replayed; its products multiply the padded rows. vs PyTorch: the PyTorch step over this one."
+  echo
+  echo "| tokens/rank | dispatch | capacity | execution | step ms | grouped products ms | step / products | step TFLOP/s | products TFLOP/s | vs PyTorch |"
+  echo "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"
   printf '%s\n' "${floors[@]}"
   echo
   echo "Where a step's time goes (each phase alone, synced, ms):"
