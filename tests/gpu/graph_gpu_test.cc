@@ -3,10 +3,13 @@
 // eagerly, for 1,000 replays with new inputs; a replay past its deadline is a
 // TimeoutError; a dropless layer refuses capture, saying to set a capacity.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <fmt/format.h>
 
+#include <chrono>
+#include <string>
 #include <vector>
 
 #include "moe/moe_layer.h"
