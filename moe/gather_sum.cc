@@ -164,6 +164,26 @@ struct GatherRowsBackward : torch::autograd::Node {
 
 }  // namespace
 
+at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows) {
+  const bool tracked = torch::autograd::GradMode::is_enabled() && source.requires_grad();
+  at::Tensor output;
+  {
+    const c10::NoGradGuard untracked;
+    at::Tensor reader = at::arange(table.size(0), table.options()).unsqueeze(1).expand_as(table);
+    at::Tensor slot = at::where(table.ge(0), table, rows);
+    at::Tensor index = at::full({rows + 1}, -1, table.options()).scatter_(0, slot.reshape(-1), reader.reshape(-1));
+    index = index.narrow(0, 0, rows);
+    output = source.index_select(0, index.clamp_min(0));
+    output.masked_fill_(index.lt(0).unsqueeze(1), 0);
+  }
+  if (!tracked) return output;
+  auto node = std::shared_ptr<GatherRowsBackward>(new GatherRowsBackward(), torch::autograd::deleteNode);
+  node->table = table;
+  node->set_next_edges(torch::autograd::collect_next_edges(source));
+  torch::autograd::set_history(output, node);
+  return output;
+}
+
 at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t rows) {
   if (source.dim() != 2 || table.dim() != 2 || table.size(0) != source.size(0) || table.scalar_type() != at::kLong ||
       table.device() != source.device() || rows < 0) {

@@ -38,6 +38,11 @@ at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table,
 // as an index_select by the index the table inverts to.
 at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t rows);
 
+// gatherRows for a table that may miss output rows (fixed-size buffers with
+// padding): the rows it misses are zeros and get no gradient; the backward is
+// the same gatherSum. Runs as an index_select and a masked fill.
+at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows);
+
 // The stable grouping behind groupByKey (moe/routes.h), as kernels of our
 // own (moe/cuda/group_kernels.h) for an int64 CUDA `key` whose values in
 // [0, groups) name a group (any other value: in no group), `count` of them in

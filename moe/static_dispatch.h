@@ -14,8 +14,8 @@
 //   zero, so SwiGLU experts turn them into zeros.
 // - combine: output[t] = sum over kept slots j of weights[t, j] x
 //   expertOutput[row of (t, j)]; dropped slots add nothing and get no gradient.
-// - Differentiable through ATen ops (index_select both ways); the token
-//   gradient sums up to k rows per token in an order the device chooses.
+// - Differentiable both ways through gatherRowsOrZero and gatherSum
+//   (moe/gather_sum.h): no atomics, sums in a fixed order.
 
 #include <ATen/core/Tensor.h>
 
@@ -29,7 +29,7 @@ namespace bulkhead::moe {
 struct StaticPlan {
   int64_t capacity = 0;
   at::Tensor expertInput;               // [E * C, H]
-  at::Tensor slotRow;                   // [T * k] int64: each slot's expert row; E * C (a zero row) if dropped
+  at::Tensor slotTable;                 // [T, k] int64: each slot's expert row, -1 where dropped
   std::vector<int64_t> rowsPerExpert;   // C each, on the host
   at::Tensor rowEnds;                   // int32 running sum of rowsPerExpert on the device
 };
