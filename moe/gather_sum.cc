@@ -164,24 +164,39 @@ struct GatherRowsBackward : torch::autograd::Node {
 
 }  // namespace
 
-at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows) {
-  const bool tracked = torch::autograd::GradMode::is_enabled() && source.requires_grad();
-  at::Tensor output;
-  {
-    const c10::NoGradGuard untracked;
-    at::Tensor reader = at::arange(table.size(0), table.options()).unsqueeze(1).expand_as(table);
-    at::Tensor slot = at::where(table.ge(0), table, rows);
-    at::Tensor index = at::full({rows + 1}, -1, table.options()).scatter_(0, slot.reshape(-1), reader.reshape(-1));
-    index = index.narrow(0, 0, rows);
-    output = source.index_select(0, index.clamp_min(0));
-    output.masked_fill_(index.lt(0).unsqueeze(1), 0);
-  }
-  if (!tracked) return output;
+namespace {
+
+// The index the table inverts to, index[table[s, c]] = s, with no device
+// sync: empty entries land in a spare slot past the end, and a row the table
+// misses keeps -1.
+at::Tensor invertTable(const at::Tensor& table, int64_t rows) {
+  at::Tensor reader = at::arange(table.size(0), table.options()).unsqueeze(1).expand_as(table);
+  at::Tensor slot = at::where(table.ge(0), table, rows);
+  return at::full({rows + 1}, -1, table.options()).scatter_(0, slot.reshape(-1), reader.reshape(-1)).narrow(0, 0, rows);
+}
+
+// `output`, gathered from `source` by `table` outside autograd, with the
+// gradient that gathers back: gatherSum over the same table.
+at::Tensor withGatherBackward(at::Tensor output, const at::Tensor& source, const at::Tensor& table) {
+  if (!torch::autograd::GradMode::is_enabled() || !source.requires_grad()) return output;
   auto node = std::shared_ptr<GatherRowsBackward>(new GatherRowsBackward(), torch::autograd::deleteNode);
   node->table = table;
   node->set_next_edges(torch::autograd::collect_next_edges(source));
   torch::autograd::set_history(output, node);
   return output;
+}
+
+}  // namespace
+
+at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows) {
+  at::Tensor output;
+  {
+    const c10::NoGradGuard untracked;
+    at::Tensor index = invertTable(table, rows);
+    output = source.index_select(0, index.clamp_min(0));
+    output.masked_fill_(index.lt(0).unsqueeze(1), 0);
+  }
+  return withGatherBackward(std::move(output), source, table);
 }
 
 at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t rows) {
@@ -193,27 +208,15 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t
                                   table.device().str()),
                       {.expected = "source [S, W] and an int64 table [S, m] on the source's device; rows >= 0"});
   }
-  const bool tracked = torch::autograd::GradMode::is_enabled() && source.requires_grad();
   at::Tensor output;
   {
     const c10::NoGradGuard untracked;
     output = expandRowsKernel(source, rows, table);
-    if (!output.defined()) {
-      // The index the table inverts to, index[table[s, c]] = s, with no
-      // device sync: empty entries land in a spare slot past the end, and a
-      // row the table misses keeps -1, which index_select refuses.
-      at::Tensor reader = at::arange(table.size(0), table.options()).unsqueeze(1).expand_as(table);
-      at::Tensor slot = at::where(table.ge(0), table, rows);
-      at::Tensor index = at::full({rows + 1}, -1, table.options()).scatter_(0, slot.reshape(-1), reader.reshape(-1));
-      output = source.index_select(0, index.narrow(0, 0, rows));
-    }
+    // Without the kernel: an index_select by the inverted table (a row the
+    // table misses keeps -1, which index_select refuses).
+    if (!output.defined()) output = source.index_select(0, invertTable(table, rows));
   }
-  if (!tracked) return output;
-  auto node = std::shared_ptr<GatherRowsBackward>(new GatherRowsBackward(), torch::autograd::deleteNode);
-  node->table = table;
-  node->set_next_edges(torch::autograd::collect_next_edges(source));
-  torch::autograd::set_history(output, node);
-  return output;
+  return withGatherBackward(std::move(output), source, table);
 }
 
 bool groupByKeyKernels(const at::Tensor& key, int64_t groups, int64_t count, at::Tensor& order, at::Tensor& table,
