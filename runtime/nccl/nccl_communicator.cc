@@ -179,6 +179,9 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   ensureUsable();
   op->seq = ledger_->issue(op->fingerprint);
   checkStrict(op->seq, op->fingerprint, op->deadline);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(cudaStream, &capture), "cudaStreamIsCapturing", checks::context(*this));
+  if (capture != cudaStreamCaptureStatusNone && !op->stalled) return enqueueCaptured(op, cudaStream, call, issue);
   // From the NCCL call until it joins pending_, the operation is the one
   // enqueuing_ names, so an abort in between always finds it: it fails, and
   // if ncclCommAbort does not return it is kept, buffers and all.
@@ -253,6 +256,29 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   lock.unlock();
   if (wasIdle) wake_.notify_one();  // the watchdog sleeps long only while nothing is pending
   return std::make_shared<NcclWork>(shared_from_this(), op);
+}
+
+// The watchdog cannot follow a captured call (an event recorded during capture
+// cannot be queried), and there is nothing to wait for until the graph
+// replays: the ledger counts it issued and completed at capture, its Work is
+// complete at once, and each replay is bounded by CapturedGraph::replay's
+// deadline. A checked region around the capture compares it across ranks.
+WorkPtr NcclCommunicator::enqueueCaptured(const std::shared_ptr<NcclOp>& op, cudaStream_t stream, const char* call,
+                                          const Issue& issue) {
+  ncclResult_t rc = ncclInternalError;
+  try {
+    rc = issue(stream);
+    if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
+  } catch (...) {
+    ledger_->fail(op->fingerprint.op, op->seq);
+    throw;
+  }
+  if (rc != ncclSuccess && rc != ncclInProgress) {
+    ledger_->fail(op->fingerprint.op, op->seq);
+    check(rc, call, checks::context(*this));
+  }
+  ledger_->complete(op->fingerprint.op, op->seq);
+  return fault::skippedWork();
 }
 
 WorkPtr NcclCommunicator::allReduce(at::Tensor tensor, ReduceOptions options) {

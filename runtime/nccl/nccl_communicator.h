@@ -128,6 +128,9 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   std::shared_ptr<NcclOp> prepare(OpType type, const at::Tensor& input, const at::Tensor& output = {});
   WorkPtr enqueue(const std::shared_ptr<NcclOp>& op, std::optional<Deadline> deadline, StreamHandle stream,
                   const char* call, const Issue& issue);
+  // Under CUDA-graph capture: the call is recorded into the graph, not run.
+  WorkPtr enqueueCaptured(const std::shared_ptr<NcclOp>& op, cudaStream_t stream, const char* call,
+                          const Issue& issue);
   cudaStream_t streamFor(StreamHandle handle) const;
   void ensureUsable() const;
   // Marks the communicator aborted and fails every pending operation (and the

@@ -2,6 +2,8 @@
 // captured forward and backward replays to what the same layer computes
 // eagerly, for 1,000 replays with new inputs; a replay past its deadline is a
 // TimeoutError; a dropless layer refuses capture, saying to set a capacity.
+// With two GPUs: NCCL all-reduces captured in a graph replay on both ranks,
+// and a rank that captured one more fails at capture on both.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -129,5 +131,40 @@ TEST_CASE("capturing a dropless MoE layer is a ConfigError that says to set a ca
   }
   // The stream is out of capture: eager work goes on.
   CHECK(layer.forward(input).output.sizes() == input.sizes());
+}
+TEST_CASE("NCCL collectives captured in a graph replay on every rank; one captured more fails at capture") {
+  const int me = gpuWorld().rank(), n = gpuWorld().size();
+  if (n < 2) {
+    WARN("one GPU: the cross-rank capture check needs two ranks");
+    return;
+  }
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(gpu());
+  at::Tensor x = at::empty({1024}, options);
+  auto pair = gpuWorld().split(0, me, "graph-pair");
+  CapturedGraph graph(gpu(), [&] {
+    x.fill_(me + 1);
+    pair->allReduce(x);
+  }, {.name = "pair", .store = gpuStore(), .comms = {pair}});
+  for (int i = 0; i < 100; ++i) {
+    graph.replay(Deadline::afterSeconds(20));
+    CHECK(x.eq(n * (n + 1) / 2).all().item<bool>());
+  }
+  // A fresh communicator: captured calls that never run leave its NCCL state
+  // unlike its peers', so it is aborted afterwards.
+  auto extra = gpuWorld().split(0, me, "graph-extra");
+  try {
+    CapturedGraph mismatched(gpu(), [&] {
+      extra->allReduce(x);
+      if (me == n - 1) extra->allReduce(x);
+    }, {.name = "extra", .warmupRuns = 0, .store = gpuStore(), .comms = {extra}});
+    FAIL_CHECK("the capture passed although one rank captured one collective more");
+  } catch (const DesyncError& error) {
+    const std::string text = error.what();
+    INFO(text);
+    CHECK(text.find("checked region 'graph-extra' #1") != std::string::npos);
+    CHECK(text.find("diverged at collective 2 of the region") != std::string::npos);
+    CHECK(text.find(fmt::format("rank {} issued all_reduce fp32 [1024] sum", n - 1)) != std::string::npos);
+  }
+  extra->abort("a capture check failed");
 }
 #endif

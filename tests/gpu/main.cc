@@ -19,6 +19,7 @@ Communicator& cpuWorld() { return runtime->cpuWorld(); }
 const CommunicatorPtr& gpuWorldPtr() { return runtime->worldPtr(); }
 const CommunicatorPtr& cpuWorldPtr() { return runtime->cpuWorldPtr(); }
 c10::Device gpu() { return runtime->device(); }
+std::shared_ptr<Store> gpuStore() { return runtime->store(); }
 }  // namespace bulkhead::testing
 
 int main(int argc, char** argv) {
