@@ -27,7 +27,8 @@
 // - A rank that does not reach the end within the deadline: TimeoutError
 //   naming it. A record that cannot be parsed: DesyncError naming its rank.
 // - Recording stops at end() or at destruction, whichever is first; a region
-//   destroyed without end() (an exception unwinding) checks nothing.
+//   destroyed without end() (an exception unwinding) checks nothing, and the
+//   ranks that do end theirs report this one as not reaching the end.
 // - Point-to-point operations are not recorded: pipeline peers send different
 //   things by design (their ledger entries carry their own checks).
 
@@ -73,7 +74,8 @@ class CheckedRegion {
   // ConfigError.
   RegionReport end();
 
-  // The collectives recorded so far on `comm` (one of the watched ones).
+  // The collectives recorded so far on `comm` (one of the watched ones); read
+  // it from the thread that issues them.
   size_t recorded(const Communicator& comm) const;
 
  private:
