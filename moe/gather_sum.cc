@@ -166,6 +166,17 @@ struct GatherRowsBackward : torch::autograd::Node {
 
 namespace {
 
+void checkGatherArgs(const char* call, const at::Tensor& source, const at::Tensor& table, int64_t rows) {
+  if (source.dim() != 2 || table.dim() != 2 || table.size(0) != source.size(0) || table.scalar_type() != at::kLong ||
+      table.device() != source.device() || rows < 0) {
+    throw ConfigError(fmt::format("{}: {} rows from source [{}] on {} by table [{}] ({}) on {}", call, rows,
+                                  fmt::join(source.sizes(), ", "), source.device().str(),
+                                  fmt::join(table.sizes(), ", "), c10::toString(table.scalar_type()),
+                                  table.device().str()),
+                      {.expected = "source [S, W] and an int64 table [S, m] on the source's device; rows >= 0"});
+  }
+}
+
 // The index the table inverts to, index[table[s, c]] = s, with no device
 // sync: empty entries land in a spare slot past the end, and a row the table
 // misses keeps -1.
@@ -189,6 +200,7 @@ at::Tensor withGatherBackward(at::Tensor output, const at::Tensor& source, const
 }  // namespace
 
 at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows) {
+  checkGatherArgs("gatherRowsOrZero", source, table, rows);
   at::Tensor output;
   {
     const c10::NoGradGuard untracked;
@@ -200,14 +212,7 @@ at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, i
 }
 
 at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t rows) {
-  if (source.dim() != 2 || table.dim() != 2 || table.size(0) != source.size(0) || table.scalar_type() != at::kLong ||
-      table.device() != source.device() || rows < 0) {
-    throw ConfigError(fmt::format("gatherRows: {} rows from source [{}] on {} by table [{}] ({}) on {}", rows,
-                                  fmt::join(source.sizes(), ", "), source.device().str(),
-                                  fmt::join(table.sizes(), ", "), c10::toString(table.scalar_type()),
-                                  table.device().str()),
-                      {.expected = "source [S, W] and an int64 table [S, m] on the source's device; rows >= 0"});
-  }
+  checkGatherArgs("gatherRows", source, table, rows);
   at::Tensor output;
   {
     const c10::NoGradGuard untracked;

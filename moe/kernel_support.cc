@@ -1,7 +1,8 @@
 #include "moe/kernel_support.h"
 
 #if BULKHEAD_MOE_KERNELS
-#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace bulkhead::moe {
@@ -18,7 +19,11 @@ std::optional<cuda::Dtype> kernelDtype(c10::ScalarType type) {
 
 bool streamCapturing(const at::Tensor& on) {
 #if BULKHEAD_MOE_KERNELS
-  if (on.is_cuda()) return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  if (on.is_cuda()) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t rc = cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(on.device().index()).stream(), &status);
+    return rc == cudaSuccess && status != cudaStreamCaptureStatusNone;
+  }
 #endif
   (void)on;
   return false;

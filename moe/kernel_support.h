@@ -16,7 +16,8 @@ namespace bulkhead::moe {
 std::optional<cuda::Dtype> kernelDtype(c10::ScalarType type);
 
 // Whether the current stream of `on`'s device is being captured into a CUDA
-// graph (false on the CPU, and in builds without the kernels).
+// graph (false on the CPU, and in builds without the kernels; a capture the
+// query cannot read counts as none, and the work then fails in it).
 bool streamCapturing(const at::Tensor& on);
 
 }  // namespace bulkhead::moe

@@ -150,6 +150,11 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
                                   "captured by a CUDA graph; set a capacity factor and MoEOptions::staticShapes",
                                   options_.name),
                       {.rank = worldRank_, .expected = "static shapes under CUDA-graph capture"});
+  if (options_.router.expertBias && streamCapturing(tokens))
+    throw ConfigError(fmt::format("MoE layer {}: the expert bias sums the loads of every forward between updates, "
+                                  "which a CUDA graph of this layer does not capture; balance with the aux loss",
+                                  options_.name),
+                      {.rank = worldRank_, .expected = "router.expertBias off when capturing"});
   Routing routing = router_.select(tokens, /*hostCounts=*/!options_.staticShapes);
   at::Tensor output = routed(tokens, routing);
   if (shared) output = output + shared->join();

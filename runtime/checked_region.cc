@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -185,6 +186,11 @@ CheckedRegion::CheckedRegion(std::shared_ptr<Store> store, std::vector<Communica
                       {.expected = "a name such as 'step' or 'graph-capture'"});
   for (auto& comm : comms) {
     if (!comm) continue;
+    if (std::any_of(comm->name().begin(), comm->name().end(), [](unsigned char c) { return std::isspace(c); }))
+      throw ConfigError(fmt::format("checked region '{}': group name '{}' holds whitespace, which its record cannot "
+                                    "carry; name groups without it",
+                                    options_.name, comm->name()),
+                        {.group = comm->name(), .expected = "group names without whitespace"});
     const int rank = comm->members().at(static_cast<size_t>(comm->rank()));
     if (worldRank_ >= 0 && rank != worldRank_)
       throw ConfigError(fmt::format("checked region '{}': the communicators belong to world ranks {} and {}",

@@ -11,16 +11,19 @@
 // Contract:
 // - Every member of every watched group opens regions of the same name in the
 //   same order and ends them; region n of a name is matched with region n of
-//   that name on every other rank. The ranks compared are the union of the
-//   members of the watched groups (pass the world, or every group, to compare
-//   every rank with every other).
+//   that name on every other rank, and regions of one name watch the same
+//   groups every time. A rank compares the records of the union of the members
+//   of its watched groups: watch the world too (or a group spanning every
+//   rank) and every rank reads every record, so every rank finds the same
+//   first difference; without it, a rank checks only what its groups reach.
 // - end() publishes this rank's record under "region/<name>/<n>/<rank>",
 //   waits for the other ranks' records and reads them, in one store request
 //   (Store::setAndGather), then checks every group that any of them recorded: the
 //   same number of collectives, and at each position fingerprints that match
 //   (Fingerprint::matches). The first group (by name) and position that differ
-//   raise DesyncError on every rank that read the records, with the same text
-//   everywhere: the position, the sequence numbers and which ranks issued what.
+//   raise DesyncError on every rank that read those records, with the same
+//   text on each: the position, the sequence numbers and which ranks issued
+//   what. Group names must not hold whitespace (ConfigError).
 // - Collectives inside the region need not have completed: the check runs on
 //   what was issued, so a rank that issued another sequence fails at the end
 //   of the region rather than hanging in a wait after it.

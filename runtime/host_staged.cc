@@ -40,7 +40,11 @@ class StagedWork : public Work {
 
 class HostStaged : public Communicator {
  public:
-  explicit HostStaged(CommunicatorPtr device) : device_(std::move(device)) {}
+  // The device communicator numbers the operations: this one shows its ledger
+  // (what monitors, dumps and checked regions read) instead of an empty one.
+  explicit HostStaged(CommunicatorPtr device) : device_(std::move(device)) {
+    ledger_ = std::const_pointer_cast<Ledger>(device_->sharedLedger());
+  }
 
   int rank() const override { return device_->rank(); }
   int size() const override { return device_->size(); }

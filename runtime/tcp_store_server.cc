@@ -438,10 +438,15 @@ class TcpStoreServer::Loop {
   }
 
   // Answers a parked request whose keys all exist, or lists it under the
-  // first key still missing.
+  // first key still missing. A wait counts a key erased after it appeared as
+  // seen; a gather needs the values, so it looks at every key again first.
   void advanceParked(Connection& connection) {
     ParkedRequest& request = *connection.parked;
     while (request.next < request.keys.size() && data_.count(request.keys[request.next])) ++request.next;
+    if (request.next == request.keys.size() && request.op != Op::Wait)
+      request.next = static_cast<size_t>(
+          std::find_if(request.keys.begin(), request.keys.end(), [&](const auto& key) { return !data_.count(key); }) -
+          request.keys.begin());
     if (request.next < request.keys.size()) {
       waiters_[request.keys[request.next]].push_back(connection.id);
       return;
@@ -449,18 +454,22 @@ class TcpStoreServer::Loop {
     FrameWriter writer;
     writer.u8(uint8_t(Status::Ok));
     if (request.op == Op::Get) writer.str(data_.at(request.keys.front()));
-    if (request.op == Op::SetAndGather) {
-      writer.u32(static_cast<uint32_t>(request.keys.size()));
-      for (const std::string& key : request.keys) writer.str(data_.at(key));
-    }
     const size_t keys = request.keys.size();
+    if (request.op == Op::SetAndGather) {
+      writer.u32(static_cast<uint32_t>(keys));
+      for (const std::string& key : request.keys) {
+        writer.str(data_.at(key));
+        if (writer.bodySize() > maxMessageBytes_) {
+          connection.parked.reset();
+          return refuse(connection, Refusal::TooLarge,
+                        fmt::format("the values of these {} keys exceed the store's message limit of {} bytes; "
+                                    "gather fewer keys at once",
+                                    keys, maxMessageBytes_),
+                        false);
+        }
+      }
+    }
     connection.parked.reset();
-    if (writer.bodySize() > maxMessageBytes_)
-      return refuse(connection, Refusal::TooLarge,
-                    fmt::format("the values of these {} keys exceed the store's message limit of {} bytes; gather "
-                                "fewer keys at once",
-                                keys, maxMessageBytes_),
-                    false);
     reply(connection, writer.finish());
   }
 

@@ -265,14 +265,30 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
 // deadline. A checked region around the capture compares it across ranks.
 WorkPtr NcclCommunicator::enqueueCaptured(const std::shared_ptr<NcclOp>& op, cudaStream_t stream, const char* call,
                                           const Issue& issue) {
+  bool usable;
+  {
+    std::lock_guard<std::mutex> watched(pendingMutex_);
+    usable = !aborted_;
+    if (usable) enqueuing_ = op;  // an abort from here on finds it, as in enqueue
+  }
+  auto leaveEnqueuing = [&] {
+    std::lock_guard<std::mutex> watched(pendingMutex_);
+    if (enqueuing_ == op) enqueuing_.reset();
+  };
+  if (!usable) {  // aborted since ensureUsable(): comm_ may be freed already
+    ledger_->fail(op->fingerprint.op, op->seq);
+    ensureUsable();
+  }
   ncclResult_t rc = ncclInternalError;
   try {
     rc = issue(stream);
     if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
   } catch (...) {
+    leaveEnqueuing();
     ledger_->fail(op->fingerprint.op, op->seq);
     throw;
   }
+  leaveEnqueuing();
   if (rc != ncclSuccess && rc != ncclInProgress) {
     ledger_->fail(op->fingerprint.op, op->seq);
     check(rc, call, checks::context(*this));

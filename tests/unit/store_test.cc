@@ -308,3 +308,27 @@ TEMPLATE_TEST_CASE("setAndGather: every thread gets every thread's value, erases
   CHECK(store->tryGet("late/0", seconds(5)) == std::optional<std::string>("v"));
   CHECK_THROWS_AS(store->setAndGather({.key = "", .value = "v", .keys = {"a"}}, seconds(1)), ConfigError);
 }
+
+TEST_CASE("a tcp setAndGather parked on keys waits again for a key erased meanwhile, and no other request suffers",
+          "[store]") {
+  TcpHarness harness;
+  auto gatherer = harness.client(), other = harness.client(), bystander = harness.client();
+  other->set("gather/0", "first", seconds(5));
+  std::atomic<bool> returned{false};
+  std::vector<std::string> values;
+  std::thread parked([&] {
+    values = gatherer->setAndGather({.key = "gather/self", .value = "me", .keys = {"gather/0", "gather/1"}},
+                                    seconds(10));
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // parked on gather/1, past gather/0
+  CHECK(other->erase("gather/0", seconds(5)));
+  std::thread waiter([&] { bystander->wait({"gather/1"}, seconds(10)); });
+  other->set("gather/1", "second", seconds(5));  // the request now waits for gather/0 again
+  waiter.join();                                  // a plain wait on the same key is answered
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  CHECK_FALSE(returned.load());
+  other->set("gather/0", "again", seconds(5));
+  parked.join();
+  CHECK(values == std::vector<std::string>{"again", "second"});
+}
