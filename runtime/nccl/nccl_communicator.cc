@@ -185,21 +185,9 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   // From the NCCL call until it joins pending_, the operation is the one
   // enqueuing_ names, so an abort in between always finds it: it fails, and
   // if ncclCommAbort does not return it is kept, buffers and all.
-  auto leaveEnqueuing = [&] {
-    std::lock_guard<std::mutex> watched(pendingMutex_);
-    if (enqueuing_ == op) enqueuing_.reset();
-  };
+  auto leaveEnqueuing = [&] { leaveEnqueuingOf(op); };
   if (!op->stalled) {
-    bool usable;
-    {
-      std::lock_guard<std::mutex> watched(pendingMutex_);
-      usable = !aborted_;
-      if (usable) enqueuing_ = op;
-    }
-    if (!usable) {  // aborted since ensureUsable(): comm_ may be freed already
-      ledger_->fail(op->fingerprint.op, op->seq);
-      ensureUsable();
-    }
+    enterEnqueuing(op);
     ncclResult_t rc = ncclInternalError;
     try {
       rc = issue(cudaStream);
@@ -258,6 +246,24 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   return std::make_shared<NcclWork>(shared_from_this(), op);
 }
 
+void NcclCommunicator::enterEnqueuing(const std::shared_ptr<NcclOp>& op) {
+  bool usable;
+  {
+    std::lock_guard<std::mutex> watched(pendingMutex_);
+    usable = !aborted_;
+    if (usable) enqueuing_ = op;
+  }
+  if (!usable) {  // aborted since ensureUsable(): comm_ may be freed already
+    ledger_->fail(op->fingerprint.op, op->seq);
+    ensureUsable();
+  }
+}
+
+void NcclCommunicator::leaveEnqueuingOf(const std::shared_ptr<NcclOp>& op) {
+  std::lock_guard<std::mutex> watched(pendingMutex_);
+  if (enqueuing_ == op) enqueuing_.reset();
+}
+
 // The watchdog cannot follow a captured call (an event recorded during capture
 // cannot be queried), and there is nothing to wait for until the graph
 // replays: the ledger counts it issued and completed at capture, its Work is
@@ -265,30 +271,17 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
 // deadline. A checked region around the capture compares it across ranks.
 WorkPtr NcclCommunicator::enqueueCaptured(const std::shared_ptr<NcclOp>& op, cudaStream_t stream, const char* call,
                                           const Issue& issue) {
-  bool usable;
-  {
-    std::lock_guard<std::mutex> watched(pendingMutex_);
-    usable = !aborted_;
-    if (usable) enqueuing_ = op;  // an abort from here on finds it, as in enqueue
-  }
-  auto leaveEnqueuing = [&] {
-    std::lock_guard<std::mutex> watched(pendingMutex_);
-    if (enqueuing_ == op) enqueuing_.reset();
-  };
-  if (!usable) {  // aborted since ensureUsable(): comm_ may be freed already
-    ledger_->fail(op->fingerprint.op, op->seq);
-    ensureUsable();
-  }
+  enterEnqueuing(op);  // an abort from here on finds it, as in enqueue
   ncclResult_t rc = ncclInternalError;
   try {
     rc = issue(stream);
     if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
   } catch (...) {
-    leaveEnqueuing();
+    leaveEnqueuingOf(op);
     ledger_->fail(op->fingerprint.op, op->seq);
     throw;
   }
-  leaveEnqueuing();
+  leaveEnqueuingOf(op);
   if (rc != ncclSuccess && rc != ncclInProgress) {
     ledger_->fail(op->fingerprint.op, op->seq);
     check(rc, call, checks::context(*this));

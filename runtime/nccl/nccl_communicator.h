@@ -128,6 +128,11 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   std::shared_ptr<NcclOp> prepare(OpType type, const at::Tensor& input, const at::Tensor& output = {});
   WorkPtr enqueue(const std::shared_ptr<NcclOp>& op, std::optional<Deadline> deadline, StreamHandle stream,
                   const char* call, const Issue& issue);
+  // From the NCCL call until the operation is tracked, enqueuing_ names it, so
+  // an abort in between always finds it. Enter raises (ensureUsable) when the
+  // communicator was aborted meanwhile.
+  void enterEnqueuing(const std::shared_ptr<NcclOp>& op);
+  void leaveEnqueuingOf(const std::shared_ptr<NcclOp>& op);
   // Under CUDA-graph capture: the call is recorded into the graph, not run.
   WorkPtr enqueueCaptured(const std::shared_ptr<NcclOp>& op, cudaStream_t stream, const char* call,
                           const Issue& issue);
