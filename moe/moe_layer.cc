@@ -145,18 +145,19 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   std::optional<BesideStream> shared;
   if (sharedW13_.defined())
     shared.emplace(tokens, sharedExpertStreamFor(tokens.device()), [&] { return sharedExpert(tokens); });
-  if (!options_.staticShapes && streamCapturing(tokens))
+  const bool capturing = streamCapturing(tokens);
+  if (!options_.staticShapes && capturing)
     throw ConfigError(fmt::format("MoE layer {}: dropless dispatch reads its counts on the host and cannot be "
                                   "captured by a CUDA graph; set a capacity factor and MoEOptions::staticShapes",
                                   options_.name),
                       {.rank = worldRank_, .expected = "static shapes under CUDA-graph capture"});
-  if (options_.router.expertBias && streamCapturing(tokens))
+  if (options_.router.expertBias && capturing)
     throw ConfigError(fmt::format("MoE layer {}: the expert bias sums the loads of every forward between updates, "
                                   "which a CUDA graph of this layer does not capture; balance with the aux loss",
                                   options_.name),
                       {.rank = worldRank_, .expected = "router.expertBias off when capturing"});
   Routing routing = router_.select(tokens, /*hostCounts=*/!options_.staticShapes);
-  at::Tensor output = routed(tokens, routing);
+  at::Tensor output = routed(tokens, routing, capturing);
   if (shared) output = output + shared->join();
 
   lastLoads_ = routing.tokensPerExpert;
@@ -169,7 +170,7 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
   return {output.view(input.sizes()), routing.auxLoss, routing.zLoss};
 }
 
-at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing) {
+at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool capturing) {
   std::optional<DispatchPlan> plan;
   std::optional<StaticPlan> fixed;
   at::Tensor expertOutput;
@@ -183,14 +184,14 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing) {
   }
   router_.addLosses(routing);  // launched while the experts run (see Router::select)
   if (options_.globalAuxLoss && options_.router.auxLossCoeff != 0) {
-    if (streamCapturing(tokens) && dpCp_->size() > 1)
+    if (capturing && dpCp_->size() > 1)
       throw ConfigError(fmt::format("MoE layer {}: the global aux loss sums counts over {} with an all-reduce, "
                                     "which a CUDA graph of this layer does not capture; set globalAuxLoss = false",
                                     options_.name, dpCp_->name()),
                         {.rank = worldRank_, .group = dpCp_->name(), .expected = "globalAuxLoss off when capturing"});
     // Slot counts and the token count, summed over every replica's batch.
     at::Tensor counts = at::cat({routing.tokensPerExpert, at::full({1}, tokens.size(0), routing.tokensPerExpert.options())});
-    if (dpCp_->size() > 1 || !streamCapturing(tokens)) {  // under capture at dp 1 the sum is the counts
+    if (dpCp_->size() > 1 || !capturing) {  // under capture at dp 1 the sum is the counts
       const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
       auto work = dpCp_->allReduce(counts, {.deadline = deadline});
       if (!counts.is_cuda()) work->wait(deadline);

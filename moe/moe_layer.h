@@ -118,8 +118,8 @@ class MoELayer {
   std::optional<c10::Stream> sharedExpertStreamFor(c10::Device device);
   // The routed experts' output combined per token: the dispatcher's way, or
   // with static shapes the fixed-capacity way; the routing's losses are added
-  // while the experts run.
-  at::Tensor routed(const at::Tensor& tokens, Routing& routing);
+  // while the experts run. `capturing`: the forward runs under CUDA-graph capture.
+  at::Tensor routed(const at::Tensor& tokens, Routing& routing, bool capturing);
 
   MoEOptions options_;
   CommunicatorPtr dpCp_;  // every dense replica of this layer but the tp ones

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include <memory>
 
 #include "runtime/errors.h"
+#include "runtime/log.h"
 
 namespace bulkhead::net {
 namespace {
@@ -80,6 +82,27 @@ std::string formatEndpoint(const std::string& host, uint16_t port) {
 }
 
 std::string errorText(int error) { return error == 0 ? "connection closed by peer" : std::strerror(error); }
+
+std::string peerName(int fd) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  char host[128] = "?";
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
+    char service[16] = "";
+    if (getnameinfo(reinterpret_cast<sockaddr*>(&address), length, host, sizeof(host), service, sizeof(service),
+                    NI_NUMERICHOST | NI_NUMERICSERV) == 0)
+      return fmt::format("{}:{}", host, service);
+  }
+  return host;
+}
+
+void raiseDescriptorLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  limit.rlim_cur = limit.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &limit) != 0)
+    log::debug("store", "could not raise the descriptor limit: {}", errorText(errno));
+}
 
 void raiseSocketError(const std::string& what, int error, std::string_view advice) {
   std::string message = fmt::format("{} failed: {} (errno {}); ", what, errorText(error), error);

@@ -85,4 +85,11 @@ long receiveSome(int fd, char* buffer, size_t capacity, int& error);
 // errno's text, for log lines.
 std::string errorText(int error);
 
+// "host:port" of the connected peer of `fd`, numeric ("?" when unknown).
+std::string peerName(int fd);
+
+// Raises this process's soft limit on open descriptors to the hard one, as far
+// as the system allows (a store server holds a connection per rank).
+void raiseDescriptorLimit();
+
 }  // namespace bulkhead::net

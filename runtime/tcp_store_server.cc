@@ -2,9 +2,7 @@
 // Only the loop thread touches the data and the connections; other threads
 // reach it through the self-pipe (stop) and nothing else.
 #include <fmt/format.h>
-#include <netdb.h>
 #include <sys/epoll.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -33,7 +31,7 @@ namespace {
 
 constexpr size_t kReadChunk = 64 * 1024;
 
-// A Get or Wait waiting on the server for its keys. It is listed under the
+// A Get, Wait or SetAndGather waiting on the server for its keys. It is listed under the
 // first key still missing (keys[next]); when that key appears it moves on to
 // the next missing one, or is answered.
 struct ParkedRequest {
@@ -54,29 +52,6 @@ struct Connection {
   uint32_t events = 0;   // what epoll watches for on it
   std::optional<ParkedRequest> parked;
 };
-
-std::string peerName(int fd) {
-  sockaddr_storage address{};
-  socklen_t length = sizeof(address);
-  char host[128] = "?";
-  if (getpeername(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
-    char service[16] = "";
-    if (getnameinfo(reinterpret_cast<sockaddr*>(&address), length, host, sizeof(host), service, sizeof(service),
-                    NI_NUMERICHOST | NI_NUMERICSERV) == 0)
-      return fmt::format("{}:{}", host, service);
-  }
-  return host;
-}
-
-// Every rank holds a few connections: the soft limit on descriptors (often
-// 1,024) goes up to the hard one, as far as the system allows.
-void raiseDescriptorLimit() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
-  limit.rlim_cur = limit.rlim_max;
-  if (::setrlimit(RLIMIT_NOFILE, &limit) != 0)
-    log::debug("store", "could not raise the descriptor limit: {}", net::errorText(errno));
-}
 
 }  // namespace
 
@@ -210,7 +185,7 @@ class TcpStoreServer::Loop {
       net::FileDescriptor socket(fd);
       if (options_.maxConnections > 0 && connections_.size() >= static_cast<size_t>(options_.maxConnections)) {
         log::warn("store", "store server {}: refusing {}: already {} connections (maxConnections)", endpoint_,
-                  peerName(fd), connections_.size());
+                  net::peerName(fd), connections_.size());
         continue;
       }
       try {
@@ -221,7 +196,7 @@ class TcpStoreServer::Loop {
       }
       auto connection = std::make_unique<Connection>();
       connection->id = nextId_++;
-      connection->peer = peerName(fd);
+      connection->peer = net::peerName(fd);
       connection->fd = std::move(socket);
       connection->events = EPOLLIN;
       try {
@@ -371,12 +346,7 @@ class TcpStoreServer::Loop {
         for (uint32_t i = 0; i < keys; ++i) {
           auto it = data_.find(reader.str());
           writer.u8(it != data_.end()).str(it != data_.end() ? it->second : "");
-          if (writer.bodySize() > maxMessageBytes_)
-            return refuse(connection, Refusal::TooLarge,
-                          fmt::format("the values of these {} keys exceed the store's message limit of {} bytes; ask "
-                                      "for fewer keys at once",
-                                      keys, maxMessageBytes_),
-                          false);
+          if (writer.bodySize() > maxMessageBytes_) return refuseLargeReply(connection, keys);
         }
         reader.expectEnd();
         return reply(connection, writer.finish());
@@ -422,6 +392,15 @@ class TcpStoreServer::Loop {
     refuse(connection, Refusal::Malformed, fmt::format("unknown operation {}", static_cast<int>(op)), true);
   }
 
+  // A reply with the values of `keys` keys would exceed the message limit.
+  void refuseLargeReply(Connection& connection, size_t keys) {
+    refuse(connection, Refusal::TooLarge,
+           fmt::format("the values of these {} keys exceed the store's message limit of {} bytes; ask for fewer "
+                       "keys at once",
+                       keys, maxMessageBytes_),
+           false);
+  }
+
   void store(const std::string& key, std::string value) {
     data_[key] = std::move(value);
     auto waiting = waiters_.find(key);
@@ -461,11 +440,7 @@ class TcpStoreServer::Loop {
         writer.str(data_.at(key));
         if (writer.bodySize() > maxMessageBytes_) {
           connection.parked.reset();
-          return refuse(connection, Refusal::TooLarge,
-                        fmt::format("the values of these {} keys exceed the store's message limit of {} bytes; "
-                                    "gather fewer keys at once",
-                                    keys, maxMessageBytes_),
-                        false);
+          return refuseLargeReply(connection, keys);
         }
       }
     }
@@ -567,7 +542,7 @@ TcpStoreServer::TcpStoreServer(TcpStoreOptions options) : host_(options.host) {
     throw ConfigError(fmt::format("TcpStoreOptions.maxConnections is {}; it must be 0 (no cap) or more",
                                   options.maxConnections),
                       {.rank = options.rank});
-  raiseDescriptorLimit();
+  net::raiseDescriptorLimit();
   net::FileDescriptor listener = net::listenOn(options.host, options.port, /*backlog=*/1024);
   port_ = net::localPort(listener.get());
   loop_ = std::make_shared<Loop>(std::move(options), endpoint(), std::move(listener));
