@@ -5,8 +5,14 @@
 //                                                           step, layout, tensors (dtype, shape, slices, bytes)
 //   bulkhead-ckpt verify DIR [--step N|latest|all] [--threads N]
 //                                                           every checksum, digest, file and the coverage
+//   bulkhead-ckpt export DIR --to OUT [--step N|latest] [--map FILE] [--with-optimizer] [--shard-size 5GB]
+//                                                           Hugging Face safetensors shards + index
+//   bulkhead-ckpt import SRC --to DIR [--map FILE] [--step N]
+//                                                           safetensors -> a committed checkpoint
+//   bulkhead-ckpt diff A B [--step-a N] [--step-b M] [--rtol X] [--atol Y]
+//                                                           per key: equal, how far apart, or missing
 //
-// Exit codes: 0 fine; 1 verify found a fault (each is printed); otherwise the
+// Exit codes: 0 fine; 1 verify found a fault, or diff a difference (each is printed); otherwise the
 // error's code (2 usage, 6 I/O, 7 checkpoint: missing or unreadable).
 // --help lists the flags of each subcommand (bulkhead-ckpt verify --help).
 
@@ -23,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/convert.h"
 #include "checkpoint/inspect.h"
 #include "checkpoint/state_dict.h"
 #include "checkpoint/dtype.h"
@@ -178,10 +185,56 @@ int verify(const std::string& dir, const std::string& which, int threads) {
   return faulty == 0 ? 0 : 1;
 }
 
+int exportTo(ExportOptions options) {
+  Progress progress(fmt::format("exporting to {}", options.out));
+  options.progress = std::ref(progress);
+  ExportReport report = exportSafetensors(options);
+  fmt::print("exported step {} of {} to {}: {} tensors, {} in {} files, {:.2f} s ({:.0f} MB/s)\n", report.step,
+             report.folder, options.out, report.tensors, bytesText(static_cast<double>(report.bytes)),
+             report.files.size(), report.seconds, report.bytes / 1e6 / std::max(report.seconds, 1e-9));
+  return 0;
+}
+
+int importFrom(ImportOptions options) {
+  Progress progress(fmt::format("importing {}", options.source));
+  options.progress = std::ref(progress);
+  ImportReport report = importSafetensors(options);
+  fmt::print("imported {}: {} tensors, {} committed as {} in {:.2f} s\n", options.source, report.tensors,
+             bytesText(static_cast<double>(report.bytes)), report.path, report.seconds);
+  return 0;
+}
+
+int diff(const DiffOptions& options) {
+  DiffReport report = diffCheckpoints(options);
+  fmt::print("A: {}\nB: {}\n\n{:<52} {}\n", report.folderA, report.folderB, "key", "result");
+  for (const auto& key : report.keys) {
+    std::string result;
+    switch (key.kind) {
+      case KeyDiff::Kind::Equal: result = "equal"; break;
+      case KeyDiff::Kind::OnlyInA: result = "only in A"; break;
+      case KeyDiff::Kind::OnlyInB: result = "only in B"; break;
+      case KeyDiff::Kind::Close:
+      case KeyDiff::Kind::Differs:
+        result = !key.detail.empty() ? "DIFFERS: " + key.detail
+                                     : fmt::format("{}: max abs {:.3g}, max rel {:.3g}",
+                                                   key.kind == KeyDiff::Kind::Close ? "within tolerance" : "DIFFERS",
+                                                   key.maxAbs, key.maxRel);
+        break;
+    }
+    fmt::print("{:<52} {}\n", key.key, result);
+  }
+  fmt::print("\n{} keys: {} equal, {} within tolerance, {} differ, {} only in A, {} only in B\n", report.keys.size(),
+             report.count(KeyDiff::Kind::Equal), report.count(KeyDiff::Kind::Close),
+             report.count(KeyDiff::Kind::Differs), report.count(KeyDiff::Kind::OnlyInA),
+             report.count(KeyDiff::Kind::OnlyInB));
+  return report.same() ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::App app("Lists, inspects and verifies the checkpoints in a folder, without a job.", "bulkhead-ckpt");
+  cli::App app("Lists, inspects, verifies, exports, imports and compares the checkpoints in a folder, without a job.",
+               "bulkhead-ckpt");
   app.require_subcommand(1);
   std::string dir, step = "latest";
   bool slices = false, asJson = false;
@@ -198,11 +251,41 @@ int main(int argc, char** argv) {
   verify->add_option("DIR", dir, "the checkpoint folder")->required();
   verify->add_option("--step", step, "a step number, latest or all");
   verify->add_option("--threads", threads, "reader threads")->check(CLI::Range(1, 1024));
+  ExportOptions exporting{.threads = threads};
+  auto* exportCommand = app.add_subcommand("export", "writes a checkpoint's weights as Hugging Face safetensors");
+  exportCommand->add_option("DIR", exporting.dir, "the checkpoint folder")->required();
+  exportCommand->add_option("--to", exporting.out, "the folder to write (new or empty)")->required();
+  exportCommand->add_option("--step", exporting.step, "a step number or latest");
+  exportCommand->add_option("--map", exporting.map, "a key map (JSON; docs/checkpoints.md); none: keys keep their names")
+      ->check(CLI::ExistingFile);
+  exportCommand->add_flag("--with-optimizer", exporting.withOptimizer,
+                          "also write the optimizer state (optimizer-*.safetensors, under Bulkhead's keys)");
+  exportCommand->add_option("--shard-size", exporting.shardBytes, "the most bytes of one file (5GB, 500MB, ...)")
+      ->transform(CLI::AsSizeValue(true))->check(CLI::PositiveNumber);
+  exportCommand->add_option("--threads", exporting.threads, "reader threads")->check(CLI::Range(1, 1024));
+  ImportOptions importing;
+  auto* importCommand = app.add_subcommand("import", "saves safetensors files as a committed checkpoint");
+  importCommand->add_option("SRC", importing.source, "a folder of .safetensors files (with or without an index), or one file")
+      ->required()->check(CLI::ExistingPath);
+  importCommand->add_option("--to", importing.dir, "the checkpoint folder to write")->required();
+  importCommand->add_option("--map", importing.map, "the key map the files were exported with")->check(CLI::ExistingFile);
+  importCommand->add_option("--step", importing.step, "the step the checkpoint is saved as")->check(cli::nonNegative());
+  DiffOptions diffing{.threads = threads};
+  auto* diffCommand = app.add_subcommand("diff", "compares two checkpoints key by key (exit 1 when they differ)");
+  diffCommand->add_option("A", diffing.a, "a checkpoint folder")->required();
+  diffCommand->add_option("B", diffing.b, "another checkpoint folder")->required();
+  diffCommand->add_option("--step-a", diffing.stepA, "A's step number or latest");
+  diffCommand->add_option("--step-b", diffing.stepB, "B's step number or latest");
+  diffCommand->add_option("--rtol", diffing.rtol, "relative tolerance: |a - b| <= atol + rtol * |b|")->check(CLI::NonNegativeNumber);
+  diffCommand->add_option("--atol", diffing.atol, "absolute tolerance")->check(CLI::NonNegativeNumber);
   if (auto code = cli::parse(app, argc, argv)) return *code;
 
   return guardedMain([&] {
     if (list->parsed()) return ::list(dir);
     if (inspect->parsed()) return ::inspect(dir, step, slices, asJson);
+    if (exportCommand->parsed()) return exportTo(exporting);
+    if (importCommand->parsed()) return importFrom(importing);
+    if (diffCommand->parsed()) return ::diff(diffing);
     return ::verify(dir, step, threads);
   });
 }

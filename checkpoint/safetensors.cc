@@ -1,0 +1,271 @@
+#include "checkpoint/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "checkpoint/fs.h"
+#include "runtime/errors.h"
+
+namespace bulkhead::checkpoint {
+namespace {
+
+constexpr std::pair<c10::ScalarType, const char*> kNames[] = {
+    {c10::ScalarType::Double, "F64"}, {c10::ScalarType::Float, "F32"},  {c10::ScalarType::Half, "F16"},
+    {c10::ScalarType::BFloat16, "BF16"}, {c10::ScalarType::Long, "I64"}, {c10::ScalarType::Int, "I32"},
+    {c10::ScalarType::Short, "I16"},  {c10::ScalarType::Char, "I8"},    {c10::ScalarType::Byte, "U8"},
+    {c10::ScalarType::Bool, "BOOL"},
+};
+
+// No dimension above 2^40 and no tensor above 2^60 bytes: far beyond any
+// real file, and products of such numbers cannot overflow.
+constexpr int64_t kMaxDimension = int64_t{1} << 40;
+constexpr int64_t kMaxBytes = int64_t{1} << 60;
+
+[[noreturn]] void bad(const std::string& path, const std::string& what) {
+  throw CheckpointError(fmt::format("safetensors file {}: {}; the file is damaged or not a safetensors file (export "
+                                    "or download it again)",
+                                    path, what),
+                        {.expected = "8-byte header length, a JSON header that matches the data, the data"});
+}
+
+// A non-negative JSON integer no greater than `limit`.
+std::optional<int64_t> count(const nlohmann::json& value, int64_t limit) {
+  if (!value.is_number_unsigned() && !value.is_number_integer()) return std::nullopt;
+  if (value.is_number_integer() && !value.is_number_unsigned() && value.get<int64_t>() < 0) return std::nullopt;
+  const uint64_t n = value.get<uint64_t>();
+  if (n > static_cast<uint64_t>(limit)) return std::nullopt;
+  return static_cast<int64_t>(n);
+}
+
+SafetensorsTensor parseEntry(const std::string& name, const nlohmann::json& entry, int64_t dataBytes,
+                             const std::string& path) {
+  if (name.empty()) bad(path, "a tensor without a name");
+  if (!entry.is_object()) bad(path, fmt::format("tensor '{}' is not a JSON object", name));
+  SafetensorsTensor tensor;
+  tensor.name = name;
+  auto dtype = entry.find("dtype");
+  if (dtype == entry.end() || !dtype->is_string()) bad(path, fmt::format("tensor '{}' has no dtype", name));
+  auto parsed = parseSafetensorsDtype(dtype->get<std::string>());
+  if (!parsed)
+    bad(path, fmt::format("tensor '{}' has dtype '{}', which Bulkhead does not read (F64, F32, F16, BF16, I64, I32, "
+                          "I16, I8, U8, BOOL)",
+                          name, dtype->get<std::string>()));
+  tensor.dtype = *parsed;
+  auto shape = entry.find("shape");
+  if (shape == entry.end() || !shape->is_array() || shape->size() > 64)
+    bad(path, fmt::format("tensor '{}' has no shape (a list of at most 64 dimensions)", name));
+  int64_t bytes = static_cast<int64_t>(c10::elementSize(tensor.dtype));
+  for (const auto& dim : *shape) {
+    auto n = count(dim, kMaxDimension);
+    if (!n) bad(path, fmt::format("tensor '{}' has a dimension that is not a non-negative integer below 2^40", name));
+    tensor.shape.push_back(*n);
+    if (*n != 0 && bytes > kMaxBytes / *n) bad(path, fmt::format("tensor '{}' is larger than 2^60 bytes", name));
+    bytes *= *n;
+  }
+  auto offsets = entry.find("data_offsets");
+  if (offsets == entry.end() || !offsets->is_array() || offsets->size() != 2)
+    bad(path, fmt::format("tensor '{}' has no data_offsets [begin, end]", name));
+  auto begin = count((*offsets)[0], dataBytes), end = count((*offsets)[1], dataBytes);
+  if (!begin || !end || *begin > *end)
+    bad(path, fmt::format("tensor '{}' has data_offsets outside the {} bytes of data that follow the header", name,
+                          dataBytes));
+  tensor.begin = *begin;
+  tensor.end = *end;
+  if (tensor.bytes() != bytes)
+    bad(path, fmt::format("tensor '{}' takes {} bytes by its data_offsets but {} by its dtype and shape", name,
+                          tensor.bytes(), bytes));
+  return tensor;
+}
+
+int64_t readAt(int fd, void* target, int64_t size, int64_t offset) {
+  int64_t done = 0;
+  while (done < size) {
+    ssize_t n = ::pread(fd, static_cast<char*>(target) + done, static_cast<size_t>(size - done), offset + done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return -1;
+    if (n == 0) break;
+    done += n;
+  }
+  return done;
+}
+
+}  // namespace
+
+std::string safetensorsDtypeName(c10::ScalarType dtype) {
+  for (const auto& [type, name] : kNames)
+    if (type == dtype) return name;
+  throw ConfigError(fmt::format("safetensors files here hold no tensors of dtype {}", c10::toString(dtype)),
+                    {.expected = "float64/32/16, bfloat16, int64/32/16/8, uint8 or bool"});
+}
+
+std::optional<c10::ScalarType> parseSafetensorsDtype(const std::string& name) {
+  for (const auto& [type, known] : kNames)
+    if (name == known) return type;
+  return std::nullopt;
+}
+
+SafetensorsHeader parseSafetensorsHeader(const std::string& json, int64_t fileBytes, const std::string& path) {
+  SafetensorsHeader header;
+  header.dataStart = 8 + static_cast<int64_t>(json.size());
+  if (header.dataStart > fileBytes)
+    bad(path, fmt::format("the header of {} bytes runs past the end of the file ({} bytes)", json.size(), fileBytes));
+  header.dataBytes = fileBytes - header.dataStart;
+  nlohmann::json root = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded()) bad(path, "the header is not valid JSON");
+  if (!root.is_object()) bad(path, "the header is not a JSON object");
+  for (const auto& [name, entry] : root.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) bad(path, "__metadata__ is not an object of strings");
+      for (const auto& [key, value] : entry.items()) {
+        if (!value.is_string()) bad(path, fmt::format("__metadata__ '{}' is not a string", key));
+        header.metadata[key] = value.get<std::string>();
+      }
+      continue;
+    }
+    header.tensors.push_back(parseEntry(name, entry, header.dataBytes, path));
+  }
+  std::vector<const SafetensorsTensor*> byBegin;
+  for (const auto& tensor : header.tensors)
+    if (tensor.bytes() > 0) byBegin.push_back(&tensor);
+  std::sort(byBegin.begin(), byBegin.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
+  for (size_t i = 1; i < byBegin.size(); ++i)
+    if (byBegin[i]->begin < byBegin[i - 1]->end)
+      bad(path, fmt::format("tensors '{}' and '{}' overlap in the data", byBegin[i - 1]->name, byBegin[i]->name));
+  return header;
+}
+
+SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) fs::raise(fmt::format("opening safetensors file {}", path_), errno, -1);
+  try {
+    auto size = fs::fileSize(path_);
+    if (!size) bad(path_, "it is not a regular file");
+    if (*size < 8) bad(path_, fmt::format("it has {} bytes, fewer than the 8 of the header length", *size));
+    unsigned char prefix[8];
+    if (readAt(fd_, prefix, 8, 0) != 8) fs::raise(fmt::format("reading {}", path_), errno, -1);
+    uint64_t length = 0;
+    for (int i = 7; i >= 0; --i) length = (length << 8) | prefix[i];
+    if (length > static_cast<uint64_t>(*size - 8))
+      bad(path_, fmt::format("its header length {} runs past the end of the file ({} bytes)", length, *size));
+    if (length > static_cast<uint64_t>(kMaxSafetensorsHeader))
+      bad(path_, fmt::format("its header length {} exceeds the format's limit of {} bytes", length,
+                             kMaxSafetensorsHeader));
+    std::string json(length, '\0');
+    if (readAt(fd_, json.data(), static_cast<int64_t>(length), 8) != static_cast<int64_t>(length))
+      fs::raise(fmt::format("reading the header of {}", path_), errno, -1);
+    header_ = parseSafetensorsHeader(json, *size, path_);
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const SafetensorsTensor* SafetensorsFile::find(const std::string& name) const {
+  for (const auto& tensor : header_.tensors)
+    if (tensor.name == name) return &tensor;
+  return nullptr;
+}
+
+void SafetensorsFile::readInto(const SafetensorsTensor& tensor, void* target) const {
+  const int64_t n = readAt(fd_, target, tensor.bytes(), header_.dataStart + tensor.begin);
+  if (n < 0) fs::raise(fmt::format("reading tensor '{}' of {}", tensor.name, path_), errno, -1);
+  if (n != tensor.bytes())
+    throw IoError(fmt::format("{}: tensor '{}' ends after {} of its {} bytes: the file was truncated after it was "
+                              "opened",
+                              path_, tensor.name, n, tensor.bytes()),
+                  {.expected = "a file that does not change while it is read"});
+}
+
+at::Tensor SafetensorsFile::read(const SafetensorsTensor& tensor) const {
+  at::Tensor out = at::empty(tensor.shape, at::TensorOptions(tensor.dtype));
+  readInto(tensor, out.data_ptr());
+  return out;
+}
+
+SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsTensor> tensors,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)), partial_(path_ + ".partial"), tensors_(std::move(tensors)) {
+  nlohmann::ordered_json root = nlohmann::ordered_json::object();
+  if (!metadata.empty()) root["__metadata__"] = metadata;
+  int64_t offset = 0;
+  for (auto& tensor : tensors_) {
+    int64_t bytes = static_cast<int64_t>(c10::elementSize(tensor.dtype));
+    for (int64_t d : tensor.shape) bytes *= d;
+    tensor.begin = offset;
+    tensor.end = offset += bytes;
+    root[tensor.name] = {{"dtype", safetensorsDtypeName(tensor.dtype)},
+                         {"shape", tensor.shape},
+                         {"data_offsets", {tensor.begin, tensor.end}}};
+  }
+  std::string json = root.dump();
+  json.append((8 - json.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
+  fd_ = ::open(partial_.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
+  if (fd_ < 0) fs::raise(fmt::format("creating {}", partial_), errno, -1);
+  unsigned char prefix[8];
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<unsigned char>(static_cast<uint64_t>(json.size()) >> (8 * i));
+  writeAll(prefix, 8);
+  writeAll(json.data(), static_cast<int64_t>(json.size()));
+  fileBytes_ = 8 + static_cast<int64_t>(json.size()) + offset;
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(partial_.c_str());
+  }
+}
+
+void SafetensorsWriter::writeAll(const void* bytes, int64_t size) {
+  int64_t done = 0;
+  while (done < size) {
+    ssize_t n = ::write(fd_, static_cast<const char*>(bytes) + done, static_cast<size_t>(size - done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) fs::raise(fmt::format("writing {}", partial_), errno, -1);
+    done += n;
+  }
+}
+
+void SafetensorsWriter::append(const void* bytes, int64_t size) {
+  while (size > 0) {
+    while (next_ < tensors_.size() && written_ == tensors_[next_].end) ++next_;
+    if (next_ == tensors_.size())
+      throw ConfigError(fmt::format("{}: {} bytes more than its tensors hold", path_, size),
+                        {.expected = "exactly each tensor's bytes, in header order"});
+    const int64_t part = std::min(size, tensors_[next_].end - written_);
+    writeAll(bytes, part);
+    written_ += part;
+    bytes = static_cast<const char*>(bytes) + part;
+    size -= part;
+  }
+}
+
+int64_t SafetensorsWriter::finish() {
+  const int64_t expected = tensors_.empty() ? 0 : tensors_.back().end;
+  if (written_ != expected)
+    throw ConfigError(fmt::format("{}: {} of {} bytes of data written", path_, written_, expected),
+                      {.expected = "every tensor's bytes before finish()"});
+  if (::fsync(fd_) != 0) fs::raise(fmt::format("fsync of {}", partial_), errno, -1);
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    fs::raise(fmt::format("closing {}", partial_), errno, -1);
+  }
+  fd_ = -1;
+  if (::rename(partial_.c_str(), path_.c_str()) != 0) fs::raise(fmt::format("renaming {}", partial_), errno, -1);
+  return fileBytes_;
+}
+
+}  // namespace bulkhead::checkpoint
