@@ -316,6 +316,18 @@ std::vector<parallel::ShardedTensor> DistributedOptimizer::state() {
   return state;
 }
 
+void DistributedOptimizer::restart() {
+  for (Bucket& bucket : buckets_) {
+    bucket.expAvg.zero_();
+    bucket.expAvgSq.zero_();
+    if (!bucket.distinctMaster()) continue;
+    for (const auto& piece : bucket.pieces[bucket.comm->rank()])
+      bucket.master.narrow(0, piece.shardOffset, piece.numel).copy_(paramRows(bucket, piece));
+  }
+  step_ = 0;
+  stepTensor_.fill_(0);
+}
+
 void DistributedOptimizer::afterLoad() {
   step_ = stepTensor_.item<int64_t>();
   if (step_ < 0)

@@ -97,6 +97,10 @@ class DistributedOptimizer {
   std::vector<parallel::ShardedTensor> state();
   // Takes in the loaded step count.
   void afterLoad();
+  // Starts afresh from the parameters as they are now, for a load that carried
+  // weights but no optimizer state (an imported checkpoint): moments zero,
+  // step 0, master weights copied from the parameters. Local.
+  void restart();
 
  private:
   struct Bucket {

@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <fstream>
+#include <set>
 #include <string>
 
 #include "checkpoint/checkpointer.h"
@@ -62,6 +63,35 @@ checkpoint::StateDict stateOf(const examples::StagedModel& model, optim::Distrib
   state.dataPosition = std::to_string(step);
   state.layout = checkpoint::LayoutRecord::of(layout);
   return state;
+}
+
+// After a load that allowed missing keys: raises when model keys are missing;
+// restarts the optimizer and returns true when the checkpoint held no
+// optimizer state at all (weights imported from elsewhere).
+bool restartIfWeightsOnly(const checkpoint::LoadResult& loaded, optim::DistributedOptimizer& optimizer, int rank) {
+  if (loaded.missingKeys.empty()) return false;
+  std::set<std::string> optimizerKeys, missingOptimizer;
+  for (const auto& slice : optimizer.state()) optimizerKeys.insert(slice.key);
+  std::vector<std::string> model;
+  for (const auto& key : loaded.missingKeys) {
+    if (optimizerKeys.count(key)) missingOptimizer.insert(key);
+    else model.push_back(key);
+  }
+  if (!model.empty())
+    throw CheckpointError(fmt::format("{} does not hold {} of the model's tensors, '{}' the first; it was saved from "
+                                      "another model (compare `bulkhead-ckpt inspect` with this run's flags)",
+                                      loaded.path, model.size(), model.front()),
+                          {.rank = rank, .expected = "every model tensor in the checkpoint"});
+  if (missingOptimizer.size() != optimizerKeys.size())
+    throw CheckpointError(fmt::format("{} holds only part of the optimizer state ({} of {} keys absent, '{}' the "
+                                      "first)",
+                                      loaded.path, missingOptimizer.size(), optimizerKeys.size(),
+                                      *missingOptimizer.begin()),
+                          {.rank = rank, .expected = "all of the optimizer state, or none of it"});
+  optimizer.restart();
+  if (rank == 0)
+    log::info("train", "{} holds weights but no optimizer state: the optimizer starts afresh", loaded.path);
+  return true;
 }
 
 // Rank 0's view of the job: the dp-mean loss, and a bar when on a terminal.
@@ -148,9 +178,12 @@ int main(int argc, char** argv) {
       checkpoint::StateDict targets = stateOf(model, optimizer, layout, 0);
       checkpoint::LoadOptions load;
       if (options.resume != "latest") load.step = std::stoll(options.resume);
+      load.allowMissing = true;  // an imported checkpoint holds weights only
       auto loaded = checkpointer->load(targets, load);
-      optimizer.afterLoad();
-      step = std::stoll(loaded.dataPosition);
+      const bool weightsOnly = restartIfWeightsOnly(loaded, optimizer, rank);
+      if (!weightsOnly) optimizer.afterLoad();
+      // An imported checkpoint has no data position: it goes on from the step it was saved as.
+      step = loaded.dataPosition.empty() ? loaded.step : std::stoll(loaded.dataPosition);
       savedStep = step;
       if (rank == 0) {
         log::info("train", "resumed from {} (step {}, saved as {}) in {:.2f} s", loaded.path, step,
