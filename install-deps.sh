@@ -30,6 +30,8 @@ need_package catch2
 need_package libcli11-dev        # command lines
 need_package nlohmann-json3-dev  # JSON output
 need_package libgloo-dev        # the gloo backend (jobs started without MPI)
+need_package python3-numpy      # tests: an independent safetensors reader
+need_package python3-h5py       # tests: checkpoint rank files read without Bulkhead
 # libtorch: the distribution's libtorch-dev (CPU), unless a Python PyTorch that
 # ships libtorch's CMake files is installed (as on GPU machines, with CUDA).
 if [ -z "$(torch_cmake_prefix)" ]; then need_package libtorch-dev; fi
