@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <future>
 #include <memory>
@@ -116,11 +118,20 @@ void writeGroup(const Group& group, WholeTensorReader& reader, const ExportOptio
   std::unique_ptr<SafetensorsWriter> writer;
   int open = -1;
   size_t external = 0;
-  std::future<at::Tensor> next = std::async(std::launch::async, [&] { return reader.read(group.items[0].tensor); });
+  // Two buffers of the largest tensor, read into in turn and reused.
+  int64_t largest = 0;
+  for (const Item& item : group.items) {
+    const auto& record = reader.manifest().tensors[item.tensor];
+    largest = std::max(largest, volume(record.globalShape) * static_cast<int64_t>(c10::elementSize(record.dtype)));
+  }
+  const std::array<at::Tensor, 2> buffers{at::empty({largest}, at::kByte), at::empty({largest}, at::kByte)};
+  std::future<at::Tensor> next =
+      std::async(std::launch::async, [&] { return reader.read(group.items[0].tensor, buffers[0]); });
   for (size_t i = 0; i < group.items.size(); ++i) {
     at::Tensor whole = next.get();
     if (i + 1 < group.items.size())
-      next = std::async(std::launch::async, [&, t = group.items[i + 1].tensor] { return reader.read(t); });
+      next = std::async(std::launch::async,
+                        [&, t = group.items[i + 1].tensor, b = (i + 1) % 2] { return reader.read(t, buffers[b]); });
     const Item& item = group.items[i];
     for (const auto& piece : item.outward.pieces) {
       const int shard = group.shardOf[external++];

@@ -18,6 +18,8 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <future>
+#include <memory>
 #include <map>
 #include <optional>
 #include <string>
@@ -78,7 +80,11 @@ class SafetensorsFile {
 // Writes one safetensors file: the header first (offsets assigned in the
 // order given), then each tensor's bytes in that order. The file is written
 // beside its final name and renamed there by finish(), after an fsync: an
-// interrupted export never leaves a file that looks complete.
+// interrupted export never leaves a file that looks complete. A file of 64 MB
+// of data or more is written with O_DIRECT where the file system allows: its
+// header padded so that the data starts 4 KiB-aligned, the bytes gathered in
+// two aligned buffers of 32 MB, one filled while the other is written (no copy
+// through the page cache, and the disk busy while the caller reads on).
 class SafetensorsWriter {
  public:
   SafetensorsWriter(std::string path, std::vector<SafetensorsTensor> tensors,
@@ -95,14 +101,25 @@ class SafetensorsWriter {
   int64_t finish();
 
  private:
-  void writeAll(const void* bytes, int64_t size);
+  struct Aligned {
+    void operator()(uint8_t* p) const;
+  };
+  void put(const char* bytes, int64_t size);
+  void flushStaged();
+  void settle();  // waits for the write in flight; rethrows its error
 
   std::string path_, partial_;
-  int fd_ = -1;
+  int fd_ = -1, directFd_ = -1;
   std::vector<SafetensorsTensor> tensors_;
   size_t next_ = 0;        // the tensor being written
-  int64_t written_ = 0;    // bytes of data written
+  int64_t written_ = 0;    // bytes of data appended
+  int64_t dataStart_ = 0;  // file offset of the data
   int64_t fileBytes_ = 0;
+  std::unique_ptr<uint8_t, Aligned> staging_[2];
+  int current_ = 0;
+  int64_t staged_ = 0;      // bytes in staging_[current_]
+  int64_t stagedAt_ = 0;    // the file offset they go to
+  std::future<void> inFlight_;
 };
 
 }  // namespace bulkhead::checkpoint

@@ -1,5 +1,10 @@
 #include "checkpoint/tensor_reader.h"
 
+#include <stdlib.h>
+
+#include <algorithm>
+#include <new>
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -11,12 +16,14 @@
 namespace bulkhead::checkpoint {
 
 WholeTensorReader::WholeTensorReader(std::string stepFolder, int threads)
-    : folder_(std::move(stepFolder)), manifest_(readManifest(folder_)) {
+    : folder_(std::move(stepFolder)), manifest_(readManifest(folder_)), threads_(std::max(1, threads)) {
   checkCoverage(manifest_, 0);
   reader_ = std::make_unique<CheckpointReader>(folder_, manifest_, 0, threads);
 }
 
 WholeTensorReader::~WholeTensorReader() = default;
+
+void WholeTensorReader::Aligned::operator()(uint8_t* p) const { std::free(p); }
 
 int64_t WholeTensorReader::bytesRead() const { return reader_->bytesRead(); }
 
@@ -28,9 +35,17 @@ at::Tensor WholeTensorReader::read(const std::string& key) {
   return read(index);
 }
 
-at::Tensor WholeTensorReader::read(int index) {
+at::Tensor WholeTensorReader::read(int index) { return read(index, at::Tensor()); }
+
+at::Tensor WholeTensorReader::read(int index, const at::Tensor& storage) {
   const TensorRecord& record = manifest_.tensors.at(static_cast<size_t>(index));
-  at::Tensor whole = at::empty(record.globalShape, at::TensorOptions(record.dtype));
+  const int64_t bytes = volume(record.globalShape) * static_cast<int64_t>(c10::elementSize(record.dtype));
+  at::Tensor whole;
+  if (storage.defined() && static_cast<int64_t>(storage.nbytes()) >= bytes)
+    whole = at::from_blob(storage.data_ptr(), record.globalShape, [keep = storage](void*) {},
+                          at::TensorOptions(record.dtype));
+  else
+    whole = at::empty(record.globalShape, at::TensorOptions(record.dtype));
   Region region;
   region.shape = record.globalShape.empty() ? std::vector<int64_t>{1} : record.globalShape;
   region.offsets.assign(region.shape.size(), 0);
@@ -46,9 +61,23 @@ at::Tensor WholeTensorReader::read(int index) {
     boxes.push_back(boxOf(reader_->plan(piece.slice), piece.chunk, manifest_.slices[piece.slice], region));
   auto* target = static_cast<uint8_t*>(whole.data_ptr());
   const int64_t elementSize = static_cast<int64_t>(whole.element_size());
-  reader_->read(pieces, [&](int, const CheckpointReader::Piece& piece, const uint8_t* bytes) {
-    copyBox(bytes, target, boxes[static_cast<size_t>(&piece - pieces.data())], elementSize);
-  });
+  const size_t need = static_cast<size_t>(reader_->largestChunk(pieces)) + CheckpointReader::kDirectSlack;
+  if (need > directBytes_) {
+    direct_.clear();
+    for (int worker = 0; worker < threads_; ++worker) {
+      void* p = nullptr;
+      if (::posix_memalign(&p, CheckpointReader::kDirectAlignment, need) != 0)
+        throw std::bad_alloc();
+      direct_.emplace_back(static_cast<uint8_t*>(p));
+    }
+    directBytes_ = need;
+  }
+  reader_->read(
+      pieces,
+      [&](int, const CheckpointReader::Piece& piece, const uint8_t* bytes) {
+        copyBox(bytes, target, boxes[static_cast<size_t>(&piece - pieces.data())], elementSize);
+      },
+      [&](int worker, size_t) { return direct_.at(static_cast<size_t>(worker)).get(); });
   return whole;
 }
 

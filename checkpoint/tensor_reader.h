@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "checkpoint/manifest.h"
 
@@ -35,12 +36,24 @@ class WholeTensorReader {
   // dtype and global shape (a 0-dim tensor for a scalar).
   at::Tensor read(int index);
   at::Tensor read(const std::string& key);
+  // The same into `storage` (a byte tensor of at least the tensor's bytes,
+  // reused from one read to the next: no fresh pages to fault in each time);
+  // the result is a view of it.
+  at::Tensor read(int index, const at::Tensor& storage);
   int64_t bytesRead() const;
 
  private:
   std::string folder_;
   Manifest manifest_;
+  int threads_;
   std::unique_ptr<CheckpointReader> reader_;
+  // Aligned buffers, one a reader thread, that chunks are read into with
+  // O_DIRECT where the file system allows (no copy through the page cache).
+  struct Aligned {
+    void operator()(uint8_t* p) const;
+  };
+  std::vector<std::unique_ptr<uint8_t, Aligned>> direct_;
+  size_t directBytes_ = 0;
 };
 
 }  // namespace bulkhead::checkpoint
