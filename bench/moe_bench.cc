@@ -344,14 +344,16 @@ int main(int argc, char** argv) {
     // same kernels, rows and counts, forward and backward: input and weight
     // gradients), and the model FLOPs of both (router and experts, x3 for the
     // backward).
-    // With static shapes every expert gets its capacity of rows, padding included.
+    // With static shapes and grouped products the kept rows are packed (T x k rows, the dropless
+    // count); without grouped products every expert gets its capacity of rows, padding included.
     const int64_t capacity = moe::staticCapacity(layerOptions.router, options.tokens);
-    const int64_t productRows = options.graph ? capacity * options.experts : expertRows;
+    const bool padded = options.graph && !layer.experts().groupedFor(plan.expertInput);
+    const int64_t productRows = padded ? capacity * options.experts : expertRows;
     const std::vector<int64_t> productCounts =
-        options.graph ? std::vector<int64_t>(static_cast<size_t>(options.experts), capacity) : plan.tokensPerLocalExpert;
+        padded ? std::vector<int64_t>(static_cast<size_t>(options.experts), capacity) : plan.tokensPerLocalExpert;
     const at::Tensor productEnds =
-        options.graph ? at::arange(1, options.experts + 1, tensorOptions.dtype(at::kInt)) * static_cast<int>(capacity)
-                      : plan.expertRowEnds;
+        padded ? at::arange(1, options.experts + 1, tensorOptions.dtype(at::kInt)) * static_cast<int>(capacity)
+               : plan.expertRowEnds;
     at::Tensor floorRows = at::randn({productRows, options.hidden}, tensorOptions).requires_grad_(true);
     at::Tensor floorGrad = at::randn({productRows, options.hidden}, tensorOptions);
     auto products = [&] {

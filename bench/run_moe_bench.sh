@@ -80,8 +80,9 @@ done
   echo "kernels, forward and backward (input and weight gradients), median of 20. TFLOP/s count the router and the"
   echo "experts' products (6 x rows x H x F forward, x3 with the backward); rows: the expert rows after any drops."
   echo
-  echo "Graph: static shapes (every expert padded to its capacity), the step captured once in a CUDA graph and"
-  echo "replayed; its products multiply the padded rows. vs PyTorch: the PyTorch step over this one."
+  echo "Graph: static shapes (fixed buffers from the capacity; the kept rows packed expert after expert, the group"
+  echo "ends on the device, so the grouped products multiply T x k rows as dropless ones do), the step captured once"
+  echo "in a CUDA graph and replayed. vs PyTorch: the PyTorch step over this one."
   echo
   echo "| tokens/rank | dispatch | capacity | execution | step ms | grouped products ms | step / products | step TFLOP/s | products TFLOP/s | vs PyTorch |"
   echo "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"

@@ -106,17 +106,30 @@ std::vector<parallel::Parameter> GroupedExperts::parameters(const std::string& p
           make(".w2", w2_, {experts, hidden, ffn}, {firstExpert_, 0, column})};
 }
 
-at::Tensor groupEndsFor(const at::Tensor& rows, const at::Tensor& groupEnds, bool allowed) {
+namespace {
+
+bool groupedMmApplies(const at::Tensor& rows, bool allowed) {
 #if BULKHEAD_HAVE_GROUPED_MM
-  if (allowed && rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.size(0) > 0) return groupEnds;
+  return allowed && rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.size(0) > 0;
 #else
-  (void)rows, (void)groupEnds, (void)allowed;
+  (void)rows, (void)allowed;
+  return false;
 #endif
-  return {};
 }
+
+}  // namespace
+
+at::Tensor groupEndsFor(const at::Tensor& rows, const at::Tensor& groupEnds, bool allowed) {
+  return groupedMmApplies(rows, allowed) ? groupEnds : at::Tensor();
+}
+
+bool GroupedExperts::groupedFor(const at::Tensor& tokens) const { return groupedMmApplies(tokens, groupedMm_); }
 
 at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, const std::vector<int64_t>& counts,
                          const at::Tensor& groupEnds) {
+#if BULKHEAD_HAVE_GROUPED_MM
+  if (counts.empty() && groupEnds.defined()) return at::_grouped_mm(rows, weights.transpose(-2, -1), groupEnds);
+#endif
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
   if (total != rows.size(0) || static_cast<int64_t>(counts.size()) != weights.size(0)) {
     throw ConfigError(fmt::format("grouped linear: {} rows in {} groups of sizes summing to {}, for {} weights",

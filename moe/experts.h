@@ -51,8 +51,12 @@ class GroupedExperts {
 
   // tokens [N, H] ordered by local expert; counts: rows per local expert on
   // the host; groupEnds: their running sum as int32 on the tokens' device.
+  // counts may be empty where groupedFor(tokens): the device ends suffice.
   at::Tensor forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
                      const at::Tensor& groupEnds) const;
+  // Whether rows like `tokens` go through at::_grouped_mm (which takes the
+  // group ends on the device and needs no counts on the host).
+  bool groupedFor(const at::Tensor& tokens) const;
 
   // Names are prefix + ".w13" and ".w2"; replicaId is the caller's (expert-dp rank).
   std::vector<parallel::Parameter> parameters(const std::string& prefix, int replicaId) const;
@@ -72,6 +76,7 @@ class GroupedExperts {
 // group's rows times its weight transposed. groupEnds: the running sum of
 // counts as int32 on the rows' device (what at::_grouped_mm takes), shared by
 // the calls of one step; undefined where no grouped matrix product applies.
+// counts may be empty when groupEnds is defined (the last end is then N).
 at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, const std::vector<int64_t>& counts,
                          const at::Tensor& groupEnds);
 

@@ -176,7 +176,7 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
   at::Tensor expertOutput;
   if (options_.staticShapes) {
     fixed = staticDispatch(tokens, routing, options_.router.numExperts,
-                           staticCapacity(options_.router, tokens.size(0)));
+                           staticCapacity(options_.router, tokens.size(0)), experts_.groupedFor(tokens));
     expertOutput = experts_.forward(fixed->expertInput, fixed->rowsPerExpert, fixed->rowEnds);
   } else {
     plan = dispatcher_.dispatch(tokens, routing);

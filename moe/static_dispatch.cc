@@ -13,8 +13,22 @@ int64_t staticCapacity(const RouterOptions& router, int64_t tokens) {
       std::ceil(router.capacityFactor * static_cast<double>(tokens * router.topK) / router.numExperts));
 }
 
-StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts, int64_t capacity) {
-  StaticPlan plan{.capacity = capacity};
+StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts, int64_t capacity,
+                          bool packed) {
+  StaticPlan plan{.capacity = capacity, .packed = packed};
+  if (packed) {
+    // Kept slots per expert (no host read), their running sums, and each kept
+    // slot's row: its expert's first row plus its rank there.
+    const int64_t slots = routing.indices.numel();
+    at::Tensor kept = at::zeros({numExperts}, routing.indices.options())
+                          .scatter_add_(0, routing.indices.reshape(-1), routing.keep.reshape(-1).to(at::kLong));
+    at::Tensor ends = kept.cumsum(0);
+    at::Tensor starts = (ends - kept).index_select(0, routing.indices.reshape(-1)).view_as(routing.indices);
+    plan.slotTable = at::where(routing.keep, starts + routing.position, at::full({}, -1, routing.indices.options()));
+    plan.expertInput = gatherRowsOrZero(tokens, plan.slotTable, slots);
+    plan.rowEnds = at::cat({ends.narrow(0, 0, numExperts - 1), at::full({1}, slots, ends.options())}).to(at::kInt);
+    return plan;
+  }
   // Each slot's expert row, -1 where capacity dropped it: a kept slot of rank
   // p < C at expert e reads into row e * C + p, so no two slots share a row.
   plan.slotTable = at::where(routing.keep, routing.indices * capacity + routing.position,

@@ -6,12 +6,21 @@
 // CUDA graph needs to capture a whole MoE layer; dropless dispatch sizes its
 // buffers from counts it reads on the host and cannot be captured.
 //
+// Two layouts of the expert rows, both of shapes fixed by (T, k, E, C):
+// - padded: expertInput [E * C, H], expert e's rows at [e * C, (e + 1) * C);
+//   the slot of rank p < C of expert e at row e * C + p. Its group sizes are
+//   known on the host (C each): for experts that multiply one group at a time.
+// - packed: expertInput [T * k, H], the kept slots of each expert one after
+//   the other (expert e's from the running sum of the kept counts before it,
+//   in rank order), then zero rows up to T * k, which the last expert's group
+//   takes in. Its group ends exist only on the device: for at::_grouped_mm,
+//   which then multiplies the rows the routing kept (plus the dropped slots'
+//   worth of zero rows) instead of every expert's full capacity.
+//
 // Contract:
 // - routing: Router::select's, with a capacity (position and keep defined);
 //   tokens [T, H]; capacity = the router's ceil(factor * T * k / E).
-// - expertInput [E * capacity, H]: expert e's rows at [e * C, (e + 1) * C);
-//   the slot of rank p < C of expert e sits at row e * C + p. Padding rows are
-//   zero, so SwiGLU experts turn them into zeros.
+// - Padding rows are zero, so SwiGLU experts turn them into zeros.
 // - combine: output[t] = sum over kept slots j of weights[t, j] x
 //   expertOutput[row of (t, j)]; dropped slots add nothing and get no gradient.
 // - Differentiable both ways through gatherRowsOrZero and gatherSum
@@ -28,15 +37,17 @@ namespace bulkhead::moe {
 
 struct StaticPlan {
   int64_t capacity = 0;
-  at::Tensor expertInput;               // [E * C, H]
+  bool packed = false;
+  at::Tensor expertInput;               // [E * C, H] padded, [T * k, H] packed
   at::Tensor slotTable;                 // [T, k] int64: each slot's expert row, -1 where dropped
-  std::vector<int64_t> rowsPerExpert;   // C each, on the host
-  at::Tensor rowEnds;                   // int32 running sum of rowsPerExpert on the device
+  std::vector<int64_t> rowsPerExpert;   // padded: C each, on the host; packed: empty
+  at::Tensor rowEnds;                   // int32 group ends on the device (packed: the last is T * k)
 };
 
 int64_t staticCapacity(const RouterOptions& router, int64_t tokens);
 
-StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts, int64_t capacity);
+StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts, int64_t capacity,
+                          bool packed = false);
 
 at::Tensor staticCombine(const StaticPlan& plan, const Routing& routing, const at::Tensor& expertOutput);
 

@@ -8,6 +8,7 @@
 #include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
 #include "moe/router.h"
+#include "moe/static_dispatch.h"
 #include "tests/catch_compat.h"
 #include "tests/support/inputs.h"
 
@@ -165,4 +166,48 @@ TEST_CASE("gather-sum sums the named rows with their weights, and its gradients"
 }
 
 }  // namespace
+}  // namespace bulkhead::moe
+
+namespace bulkhead::moe {
+
+TEST_CASE("static dispatch: packed and padded rows hold the same kept slots", "[moe][static]") {
+  const int experts = 6, topK = 2;
+  const int64_t tokensCount = 40;
+  at::Tensor gate = bulkhead::testing::draw(0, 31, {experts, 16}, at::kDouble);
+  // A shared direction skews the routing, so capacity 0.8 drops slots.
+  at::Tensor tokens = bulkhead::testing::draw(0, 32, {tokensCount, 16}, at::kDouble) + bulkhead::testing::draw(0, 33, {1, 16}, at::kDouble);
+  Router router({.numExperts = experts, .topK = topK, .capacityFactor = 0.8}, gate);
+  Routing routing = router.select(tokens, /*hostCounts=*/false);
+  const int64_t capacity = staticCapacity(router.options(), tokensCount);
+  const StaticPlan padded = staticDispatch(tokens, routing, experts, capacity, /*packed=*/false);
+  const StaticPlan packed = staticDispatch(tokens, routing, experts, capacity, /*packed=*/true);
+  REQUIRE(routing.dropped.item<int64_t>() > 0);
+  CHECK(packed.expertInput.size(0) == tokensCount * topK);
+  CHECK(padded.expertInput.size(0) == experts * capacity);
+  CHECK(packed.rowsPerExpert.empty());
+  const at::Tensor ends = packed.rowEnds.to(at::kLong);
+  CHECK(ends[experts - 1].item<int64_t>() == tokensCount * topK);
+  int64_t start = 0, keptTotal = 0;
+  for (int e = 0; e < experts; ++e) {
+    const int64_t kept = routing.keep.logical_and(routing.indices == e).sum().item<int64_t>();
+    CHECK(kept <= capacity);
+    // Expert e's kept rows, in the router's rank order, in both layouts.
+    CHECK(at::equal(packed.expertInput.narrow(0, start, kept), padded.expertInput.narrow(0, e * capacity, kept)));
+    CHECK(padded.expertInput.narrow(0, e * capacity + kept, capacity - kept).abs().sum().item<double>() == 0);
+    if (e < experts - 1) CHECK(ends[e].item<int64_t>() == start + kept);
+    start += kept;
+    keptTotal += kept;
+  }
+  // Past every kept row: zeros, in the last expert's group.
+  CHECK(packed.expertInput.narrow(0, keptTotal, tokensCount * topK - keptTotal).abs().sum().item<double>() == 0);
+  CHECK(keptTotal < tokensCount * topK);
+  CHECK(at::equal(packed.slotTable.lt(0), routing.keep.logical_not()));
+  // Any row-wise function of the expert rows combines to the same output.
+  auto rowwise = [](const at::Tensor& rows) { return at::tanh(rows) * 3 + rows.sum(1, true); };
+  const at::Tensor ours = staticCombine(packed, routing, rowwise(packed.expertInput));
+  const at::Tensor theirs = staticCombine(padded, routing, rowwise(padded.expertInput));
+  CHECK(at::allclose(ours, theirs, 1e-12, 1e-12));
+  CHECK(ours.abs().max().item<double>() > 0);
+}
+
 }  // namespace bulkhead::moe
