@@ -132,12 +132,15 @@ namespace {
 // gatherRows as one kernel that reads each source row once (by the table);
 // undefined where the kernels are not built or do not take this layout.
 // The caller has checked that the table fits the source.
-at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Tensor& table) {
+// zeroed: the rows the table does not name are zeros (the kernel writes only
+// the rows it names).
+at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Tensor& table, bool zeroed = false) {
 #if BULKHEAD_MOE_KERNELS
   if (source.is_cuda() && source.stride(1) == 1 && table.size(1) <= cuda::kMaxRouteColumns) {
     const c10::cuda::CUDAGuard device(source.device());
     at::Tensor index = table.contiguous();
-    at::Tensor out = at::empty({rows, source.size(1)}, source.options());
+    at::Tensor out = zeroed ? at::zeros({rows, source.size(1)}, source.options())
+                            : at::empty({rows, source.size(1)}, source.options());
     cuda::expandRows({.source = source.data_ptr(),
                       .sourceRows = source.size(0),
                       .sourceStride = source.stride(0) * source.element_size(),
@@ -149,7 +152,7 @@ at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Te
     return out;
   }
 #endif
-  (void)source, (void)rows, (void)table;
+  (void)source, (void)rows, (void)table, (void)zeroed;
   return at::Tensor();
 }
 
@@ -204,9 +207,13 @@ at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, i
   at::Tensor output;
   {
     const c10::NoGradGuard untracked;
-    at::Tensor index = invertTable(table, rows);
-    output = source.index_select(0, index.clamp_min(0));
-    output.masked_fill_(index.lt(0).unsqueeze(1), 0);
+    // On a GPU: a zeroed buffer and one kernel that writes the named rows.
+    output = expandRowsKernel(source, rows, table, /*zeroed=*/true);
+    if (!output.defined()) {
+      at::Tensor index = invertTable(table, rows);
+      output = source.index_select(0, index.clamp_min(0));
+      output.masked_fill_(index.lt(0).unsqueeze(1), 0);
+    }
   }
   return withGatherBackward(std::move(output), source, table);
 }

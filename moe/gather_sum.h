@@ -40,7 +40,8 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t
 
 // gatherRows for a table that may miss output rows (fixed-size buffers with
 // padding): the rows it misses are zeros and get no gradient; the backward is
-// the same gatherSum. Runs as an index_select and a masked fill.
+// the same gatherSum. On CUDA, where the kernels are built: a zeroed buffer and
+// gatherRows' kernel; elsewhere an index_select and a masked fill.
 at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows);
 
 // The stable grouping behind groupByKey (moe/routes.h), as kernels of our

@@ -127,10 +127,22 @@ at::Tensor capacityPosition(const at::Tensor& indices, const at::Tensor& weights
   at::Tensor flatExperts = indices.reshape(-1);
   // Rank slots by weight (descending, ties by slot order), then group by
   // expert keeping that rank: position within the group decides.
-  at::Tensor byWeight = std::get<1>(at::sort(weights.reshape(-1), /*stable=*/true, /*dim=*/0, /*descending=*/true));
-  at::Tensor expertsByWeight = flatExperts.index_select(0, byWeight);
-  at::Tensor byExpert = std::get<1>(at::sort(expertsByWeight, /*stable=*/true, 0, false));
-  at::Tensor order = byWeight.index_select(0, byExpert);  // slots grouped by expert, best first
+  at::Tensor order;
+  if (weights.scalar_type() == at::kFloat) {
+    // One stable sort of (expert, weight descending) as 64-bit keys: a float's
+    // bits, flipped so that they order as unsigned integers do, below the expert.
+    const int64_t two32 = int64_t{1} << 32;
+    at::Tensor bits = weights.reshape(-1).contiguous().view(at::kInt).to(at::kLong);
+    at::Tensor unsignedBits = at::bitwise_and(bits, two32 - 1);
+    at::Tensor ascending = at::where(bits.ge(0), unsignedBits + (two32 >> 1), two32 - 1 - unsignedBits);
+    at::Tensor keys = flatExperts * two32 + (two32 - 1 - ascending);
+    order = std::get<1>(at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  } else {
+    at::Tensor byWeight = std::get<1>(at::sort(weights.reshape(-1), /*stable=*/true, /*dim=*/0, /*descending=*/true));
+    at::Tensor expertsByWeight = flatExperts.index_select(0, byWeight);
+    at::Tensor byExpert = std::get<1>(at::sort(expertsByWeight, /*stable=*/true, 0, false));
+    order = byWeight.index_select(0, byExpert);  // slots grouped by expert, best first
+  }
   at::Tensor counts = countValues(flatExperts, numExperts);
   at::Tensor groupStart = at::cumsum(counts, 0) - counts;
   at::Tensor sortedExperts = flatExperts.index_select(0, order);

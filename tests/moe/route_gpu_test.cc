@@ -173,5 +173,31 @@ TEST_CASE("gatherRows' kernel reads strided rows once and matches index_select, 
   }
 }
 
+TEST_CASE("gatherRowsOrZero's kernel fills the rows its table misses with zeros and matches the CPU", "[moe][gpu]") {
+  const at::Device gpu(at::kCUDA, 0);
+  for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    INFO("dtype " << c10::toString(dtype));
+    // 300 output rows, 120 sources reading into distinct rows (up to 2 each), a third of the rows named by none.
+    at::Tensor rows = at::randperm(300, testing::sharedGenerator(21), at::kLong).narrow(0, 0, 240).view({120, 2});
+    at::Tensor table = at::where(at::rand({120, 2}, testing::sharedGenerator(22)).lt(0.8), rows, -1);
+    at::Tensor source = at::randn({120, 64}, testing::sharedGenerator(23), at::kDouble).to(dtype) + 1;
+    at::Tensor grad = at::randn({300, 64}, testing::sharedGenerator(24), at::kDouble).to(dtype);
+    auto run = [&](const at::Device& device) {
+      at::Tensor leaf = source.clone().to(device).requires_grad_(true);
+      // Garbage in the allocator's recycled memory first, so zeros are written, not found.
+      at::full({300, 64}, 7, leaf.options()).sum();
+      at::Tensor out = gatherRowsOrZero(leaf, table.to(device), 300);
+      out.backward(grad.to(device));
+      return std::make_pair(out.cpu(), leaf.grad().cpu());
+    };
+    auto [out, gradSource] = run(gpu);
+    auto [refOut, refSource] = run(at::kCPU);
+    CHECK(at::equal(out, refOut));
+    const int64_t named = table.ge(0).sum().item<int64_t>();
+    CHECK(out.ne(0).any(1).sum().item<int64_t>() == named);
+    CHECK(at::allclose(gradSource.to(at::kDouble), refSource.to(at::kDouble), 2e-2, 2e-2));
+  }
+}
+
 }  // namespace
 }  // namespace bulkhead::moe

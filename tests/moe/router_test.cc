@@ -211,3 +211,24 @@ TEST_CASE("static dispatch: packed and padded rows hold the same kept slots", "[
 }
 
 }  // namespace bulkhead::moe
+
+namespace bulkhead::moe {
+
+TEST_CASE("capacity ranks in float32 by one sort of packed keys, as the two sorts rank in float64", "[moe][router]") {
+  // Weights with ties and negative values (quarter steps), 300 tokens of 4 slots over 7 experts.
+  at::Tensor indices = at::randint(0, 7, {300, 4}, bulkhead::testing::sharedGenerator(5), at::kLong);
+  at::Tensor weights = bulkhead::testing::draw(0, 41, {300, 4}, at::kDouble);
+  REQUIRE(weights.lt(0).any().item<bool>());
+  at::Tensor packedKeys = capacityPosition(indices, weights.to(at::kFloat), 7);
+  at::Tensor twoSorts = capacityPosition(indices, weights, 7);
+  CHECK(at::equal(packedKeys, twoSorts));
+  // Within each expert, positions 0, 1, ... follow descending weight.
+  for (int e = 0; e < 7; ++e) {
+    at::Tensor mine = indices.eq(e);
+    at::Tensor order = std::get<1>(at::sort(packedKeys.masked_select(mine)));
+    at::Tensor ranked = weights.masked_select(mine).index_select(0, order);
+    CHECK(ranked.slice(0, 1).le(ranked.slice(0, 0, -1)).all().item<bool>());
+  }
+}
+
+}  // namespace bulkhead::moe
