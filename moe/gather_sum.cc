@@ -44,6 +44,15 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
+// Rows [*namedRows, rows) of a contiguous buffer set to zero on the device.
+void zeroRowsAfter(const at::Tensor& buffer, const at::Tensor& namedRows) {
+  cuda::zeroTail({.rows = buffer.data_ptr(),
+                  .count = buffer.size(0),
+                  .rowBytes = buffer.size(1) * buffer.element_size(),
+                  .first = namedRows.data_ptr<int32_t>(),
+                  .stream = c10::cuda::getCurrentCUDAStream(buffer.device().index()).stream()});
+}
+
 // Source rows [rows, width] of `options` (a kernel dtype, on a GPU).
 struct SourceShape {
   int64_t rows = 0, width = 0;
@@ -74,6 +83,7 @@ struct GatherSumBackward : Node {
   at::Tensor table;
   SourceShape shape;
   SourceRows named = SourceRows::Some;
+  at::Tensor namedRows;  // with SourceRows::Prefix
   std::string name() const override { return "bulkhead::GatherSumBackward"; }
   void release_variables() override {
     savedSource.reset_data();
@@ -85,12 +95,13 @@ struct GatherSumBackward : Node {
     const c10::cuda::CUDAGuard onDevice(shape.options.device());
     at::Tensor gradOut = grads[0].defined() ? grads[0].contiguous()
                                             : at::zeros({table.size(0), shape.width}, shape.options);
-    at::Tensor gradSource = named == SourceRows::Every ? at::empty({shape.rows, shape.width}, shape.options)
-                                                       : at::zeros({shape.rows, shape.width}, shape.options);
+    at::Tensor gradSource = named == SourceRows::Some ? at::zeros({shape.rows, shape.width}, shape.options)
+                                                      : at::empty({shape.rows, shape.width}, shape.options);
     at::Tensor gradWeights = source.defined() ? at::empty_like(weights) : at::Tensor();
     cuda::gatherSumBackward(kernelArgs(shape, table, weights), source.defined() ? source.data_ptr() : nullptr,
                             gradOut.data_ptr(), gradSource.data_ptr(),
                             gradWeights.defined() ? gradWeights.data_ptr() : nullptr);
+    if (named == SourceRows::Prefix) zeroRowsAfter(gradSource, namedRows);
     return {gradSource, gradWeights};
   }
 };
@@ -98,7 +109,11 @@ struct GatherSumBackward : Node {
 }  // namespace
 #endif
 
-at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights, SourceRows named) {
+at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights, SourceRows named,
+                     const at::Tensor& namedRows) {
+  if (named == SourceRows::Prefix && (!namedRows.defined() || namedRows.scalar_type() != at::kInt || namedRows.numel() != 1))
+    throw ConfigError("gatherSum: SourceRows::Prefix needs namedRows, one int32",
+                      {.expected = "namedRows: an int32 tensor of one element"});
 #if BULKHEAD_MOE_KERNELS
   const bool floating = weights.defined() ? (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kDouble)
                                           : true;
@@ -118,12 +133,13 @@ at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at
     node->table = index;
     node->shape = shape;
     node->named = named;
+    node->namedRows = namedRows;
     node->set_next_edges(torch::autograd::collect_next_edges(source, weights));
     torch::autograd::set_history(out, node);
     return out;
   }
 #endif
-  (void)named;  // index_select's backward zeroes the gradient itself
+  (void)named, (void)namedRows;  // index_select's backward zeroes the gradient itself
   return gatherSumReference(source, table, weights);
 }
 
@@ -134,13 +150,17 @@ namespace {
 // The caller has checked that the table fits the source.
 // zeroed: the rows the table does not name are zeros (the kernel writes only
 // the rows it names).
-at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Tensor& table, bool zeroed = false) {
+// namedRows (one int32 on the device), where given: the table names rows
+// [0, namedRows) and only the rows after them are zeroed.
+at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Tensor& table, bool zeroed = false,
+                            const at::Tensor& namedRows = {}) {
 #if BULKHEAD_MOE_KERNELS
   if (source.is_cuda() && source.stride(1) == 1 && table.size(1) <= cuda::kMaxRouteColumns) {
     const c10::cuda::CUDAGuard device(source.device());
     at::Tensor index = table.contiguous();
-    at::Tensor out = zeroed ? at::zeros({rows, source.size(1)}, source.options())
-                            : at::empty({rows, source.size(1)}, source.options());
+    at::Tensor out = zeroed && !namedRows.defined() ? at::zeros({rows, source.size(1)}, source.options())
+                                                    : at::empty({rows, source.size(1)}, source.options());
+    if (zeroed && namedRows.defined()) zeroRowsAfter(out, namedRows);
     cuda::expandRows({.source = source.data_ptr(),
                       .sourceRows = source.size(0),
                       .sourceStride = source.stride(0) * source.element_size(),
@@ -152,7 +172,7 @@ at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Te
     return out;
   }
 #endif
-  (void)source, (void)rows, (void)table, (void)zeroed;
+  (void)source, (void)rows, (void)table, (void)zeroed, (void)namedRows;
   return at::Tensor();
 }
 
@@ -202,13 +222,14 @@ at::Tensor withGatherBackward(at::Tensor output, const at::Tensor& source, const
 
 }  // namespace
 
-at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows) {
+at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows,
+                            const at::Tensor& namedRows) {
   checkGatherArgs("gatherRowsOrZero", source, table, rows);
   at::Tensor output;
   {
     const c10::NoGradGuard untracked;
     // On a GPU: a zeroed buffer and one kernel that writes the named rows.
-    output = expandRowsKernel(source, rows, table, /*zeroed=*/true);
+    output = expandRowsKernel(source, rows, table, /*zeroed=*/true, namedRows);
     if (!output.defined()) {
       at::Tensor index = invertTable(table, rows);
       output = source.index_select(0, index.clamp_min(0));

@@ -17,11 +17,14 @@ namespace bulkhead::moe {
 // backward starts from a zeroed gradient. Every: each exactly once (as the
 // combine's tables do), so the backward writes every gradient row itself and
 // skips zeroing them; a table that misses a row then leaves that row's
-// gradient undefined.
-enum class SourceRows { Some, Every };
+// gradient undefined. Prefix: the table names rows [0, n) once each and no
+// other, n being `namedRows` (one int32 on the source's device, known only
+// there: a packed buffer's kept rows), so the backward writes those and zeroes
+// only the rest.
+enum class SourceRows { Some, Every, Prefix };
 
 at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights,
-                     SourceRows named = SourceRows::Some);
+                     SourceRows named = SourceRows::Some, const at::Tensor& namedRows = {});
 
 // The same, always as ATen ops (the reference the kernels are tested against).
 at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights);
@@ -42,7 +45,10 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t
 // padding): the rows it misses are zeros and get no gradient; the backward is
 // the same gatherSum. On CUDA, where the kernels are built: a zeroed buffer and
 // gatherRows' kernel; elsewhere an index_select and a masked fill.
-at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows);
+// namedRows (optional, one int32 on the device): the table names exactly rows
+// [0, namedRows), so only the rows after them are zeroed.
+at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows,
+                            const at::Tensor& namedRows = {});
 
 // The stable grouping behind groupByKey (moe/routes.h), as kernels of our
 // own (moe/cuda/group_kernels.h) for an int64 CUDA `key` whose values in

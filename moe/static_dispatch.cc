@@ -25,7 +25,8 @@ StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int 
     at::Tensor ends = kept.cumsum(0);
     at::Tensor starts = (ends - kept).index_select(0, routing.indices.reshape(-1)).view_as(routing.indices);
     plan.slotTable = at::where(routing.keep, starts + routing.position, at::full({}, -1, routing.indices.options()));
-    plan.expertInput = gatherRowsOrZero(tokens, plan.slotTable, slots);
+    plan.keptRows = ends.narrow(0, numExperts - 1, 1).to(at::kInt);
+    plan.expertInput = gatherRowsOrZero(tokens, plan.slotTable, slots, plan.keptRows);
     plan.rowEnds = at::cat({ends.narrow(0, 0, numExperts - 1), at::full({1}, slots, ends.options())}).to(at::kInt);
     return plan;
   }
@@ -43,6 +44,8 @@ at::Tensor staticCombine(const StaticPlan& plan, const Routing& routing, const a
   // Weights in at least float32, as the dispatcher's combine takes them; a
   // dropped slot's column is skipped and its weight gets no gradient.
   const at::ScalarType weightType = at::promote_types(routing.weights.scalar_type(), at::kFloat);
+  if (plan.packed)  // the kept rows lead, once each: the backward zeroes only the rows after them
+    return gatherSum(expertOutput, plan.slotTable, routing.weights.to(weightType), SourceRows::Prefix, plan.keptRows);
   return gatherSum(expertOutput, plan.slotTable, routing.weights.to(weightType));
 }
 

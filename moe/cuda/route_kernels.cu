@@ -107,6 +107,18 @@ __global__ void expandKernel(ExpandArgs e) {
   }
 }
 
+// Blocks stride over the rows; a row before the first to clear is skipped
+// whole, so a short tail costs little more than the launch.
+template <typename Chunk>
+__global__ void zeroTailKernel(ZeroTailArgs z) {
+  const int64_t first = *z.first;
+  const int64_t chunks = z.rowBytes / static_cast<int64_t>(sizeof(Chunk));
+  for (int64_t row = first + blockIdx.x; row < z.count; row += gridDim.x) {
+    auto* out = reinterpret_cast<Chunk*>(static_cast<char*>(z.rows) + row * z.rowBytes);
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) out[i] = Chunk{};
+  }
+}
+
 // The widest of 16, 4 or 1 bytes that divides every size and address.
 int chunkBytes(std::initializer_list<int64_t> sizes, std::initializer_list<const void*> bases) {
   for (int bytes : {16, 4}) {
@@ -166,6 +178,17 @@ void expandRows(const ExpandArgs& args) {
   else if (chunk == 4) expandKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(args);
   else expandKernel<uint8_t><<<blocks, kThreads, 0, stream>>>(args);
   checkLaunch("row expansion kernel launch");
+}
+
+void zeroTail(const ZeroTailArgs& args) {
+  if (args.count == 0 || args.rowBytes == 0) return;
+  const int chunk = chunkBytes({args.rowBytes}, {args.rows});
+  const auto blocks = static_cast<unsigned>(args.count < 1024 ? args.count : 1024);
+  auto stream = static_cast<cudaStream_t>(args.stream);
+  if (chunk == 16) zeroTailKernel<uint4><<<blocks, kThreads, 0, stream>>>(args);
+  else if (chunk == 4) zeroTailKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(args);
+  else zeroTailKernel<uint8_t><<<blocks, kThreads, 0, stream>>>(args);
+  checkLaunch("tail zeroing kernel launch");
 }
 
 }  // namespace bulkhead::moe::cuda

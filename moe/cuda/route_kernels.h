@@ -64,4 +64,15 @@ struct ExpandArgs {
 };
 void expandRows(const ExpandArgs& args);
 
+// Zeroes rows [*first, count) of `rows` (count rows of rowBytes bytes,
+// contiguous), where `first` (one int32 on the device) is known only there:
+// the tail of a buffer whose leading rows something else wrote.
+struct ZeroTailArgs {
+  void* rows = nullptr;
+  int64_t count = 0, rowBytes = 0;
+  const int32_t* first = nullptr;
+  void* stream = nullptr;
+};
+void zeroTail(const ZeroTailArgs& args);
+
 }  // namespace bulkhead::moe::cuda
