@@ -1,5 +1,5 @@
 #pragma once
-// Sharded checkpoints (design section 8): every rank writes its own slices
+// Sharded checkpoints (docs/design.md#checkpoints-layout-and-commit): every rank writes its own slices
 // into one HDF5 file, a coordinator commits the step atomically, and any
 // layout loads any checkpoint.
 //

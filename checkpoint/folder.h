@@ -1,5 +1,5 @@
 #pragma once
-// The checkpoint folder (design section 8):
+// The checkpoint folder (docs/design.md#checkpoints-layout-and-commit):
 //   DIR/step_000100/              a committed checkpoint: rank files + manifest.txt
 //   DIR/step_000200.tmp.<job>/    a save in progress, or abandoned by a job that failed or died
 //   DIR/step_000050.deleting.<job>/  an old checkpoint being removed (renamed first, so it is

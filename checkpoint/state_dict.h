@@ -1,5 +1,5 @@
 #pragma once
-// What a checkpoint holds (design section 8): sharded tensors under global,
+// What a checkpoint holds (docs/design.md#checkpoints-layout-and-commit): sharded tensors under global,
 // layout-independent keys, plus the state that is not a tensor.
 //
 // - tensors: each a rank's slice of a global tensor (parallel/parameter.h).

@@ -1,5 +1,5 @@
 #pragma once
-// The job's rendezvous store (design section 5): rank 0 hosts a TCP store,
+// The job's rendezvous store (docs/design.md#launch-and-the-rendezvous-store): rank 0 hosts a TCP store,
 // whose address and per-job token reach the other ranks through the MPI world
 // (BULKHEAD_STORE_HOST, MASTER_ADDR and MASTER_PORT steer where it listens).
 

@@ -1,5 +1,5 @@
 #pragma once
-// World discovery (design section 5): who am I, how many of us, and where is
+// World discovery (docs/design.md#launch-and-the-rendezvous-store): who am I, how many of us, and where is
 // the rendezvous. Sources, in order: Open MPI (OMPI_COMM_WORLD_*), Slurm
 // (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), generic (RANK, WORLD_SIZE,
 // LOCAL_RANK, MASTER_ADDR, MASTER_PORT). The first source whose rank variable

@@ -1,5 +1,5 @@
 #pragma once
-// The token dispatcher (design section 7): moves each token to the ep ranks
+// The token dispatcher (docs/design.md#the-moe-layer): moves each token to the ep ranks
 // that hold its selected experts and brings the weighted results back.
 //
 // Contract:

@@ -1,5 +1,5 @@
 #pragma once
-// The router of a MoE layer (design section 7): a linear gate scores every
+// The router of a MoE layer (docs/design.md#the-moe-layer): a linear gate scores every
 // token against every expert and picks its top-k experts.
 //
 // Contract:

@@ -1,5 +1,5 @@
 #pragma once
-// The dispatcher's index work (design section 7): where each token's selected
+// The dispatcher's index work (docs/design.md#the-moe-layer): where each token's selected
 // slots go, and the send rows that carry them. On CUDA tensors where the
 // kernels are built (moe/cuda/route_kernels.h), planning is one kernel and
 // packing three (a stable grouping in two, then the packing); elsewhere ATen

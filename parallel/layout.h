@@ -1,6 +1,6 @@
 #pragma once
 // The parallel layout: which world ranks form each tensor-, context-, data-,
-// pipeline- and expert-parallel group (design section 6). Pure arithmetic, no
+// pipeline- and expert-parallel group (docs/design.md#process-groups). Pure arithmetic, no
 // communication: every rank computes the same answer from the world size and
 // the options, so the process-group manager can split communicators without
 // agreeing on anything first.

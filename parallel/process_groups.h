@@ -1,5 +1,5 @@
 #pragma once
-// The process-group manager (design section 6). Given the world communicator
+// The process-group manager (docs/design.md#process-groups). Given the world communicator
 // and a Layout, it creates every communicator of this rank right after the
 // layout is known, then warms each with the operations it will carry, so no
 // connection is set up later (at peak memory, in the middle of a step).

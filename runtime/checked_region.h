@@ -1,5 +1,5 @@
 #pragma once
-// A checked collective region (design section 4): a scope over some of this
+// A checked collective region (docs/design.md#the-ledger-and-diagnosis): a scope over some of this
 // rank's communicators that records, in order, the fingerprint of every
 // collective issued on them, and at its end compares the records of all ranks
 // through the store.

@@ -1,6 +1,6 @@
 #pragma once
 // The Communicator: one group of ranks and the operations they run together
-// (design section 3). Backends: mpi (CPU tensors) and nccl (CUDA tensors).
+// (docs/design.md#communicator). Backends: mpi (CPU tensors) and nccl (CUDA tensors).
 //
 // Contract, for every backend:
 // - All ranks of a group issue the same collectives in the same order.

@@ -1,5 +1,5 @@
 #pragma once
-// The registry of every BULKHEAD_* environment knob (design section 1).
+// The registry of every BULKHEAD_* environment knob (docs/design.md#deadlines).
 // Each knob is declared once, in env.cc, with its default and a line of help;
 // the README lists them all (a test keeps the two in step). A knob's value is
 // read from the environment once, on first use.

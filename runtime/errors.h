@@ -1,5 +1,5 @@
 #pragma once
-// The one hierarchy of Bulkhead errors (design section 2).
+// The one hierarchy of Bulkhead errors (docs/design.md#errors).
 // Every error carries the rank that saw it, the group it concerns (empty when
 // none applies) and what was expected; what() says what happened, where, and
 // what to do next. Backend return codes are converted in exactly one place per

@@ -1,5 +1,5 @@
 #pragma once
-// The collective ledger (design section 4): each communicator numbers its
+// The collective ledger (docs/design.md#the-ledger-and-diagnosis): each communicator numbers its
 // operations and remembers the last N of them, with a fingerprint that ranks
 // can compare. Collectives and point-to-point operations are numbered apart:
 // every member of a group issues the same collectives, but not the same sends.

@@ -1,5 +1,5 @@
 #pragma once
-// The Monitor watches this process's communicators (design section 4). It
+// The Monitor watches this process's communicators (docs/design.md#the-ledger-and-diagnosis). It
 // publishes each one's ledger heads and a heartbeat through the rendezvous
 // store, never through a communicator that may be stuck; explains a timeout
 // from what every member of the group published; checks fingerprints across
@@ -43,7 +43,7 @@ struct MonitorOptions {
 
 // What the members of a group said about one stuck operation.
 struct Diagnosis {
-  std::string message;  // the report of design section 4
+  std::string message;  // the report of docs/design.md#the-ledger-and-diagnosis
   bool desync = false;  // members issued different collectives at that seq
 };
 

@@ -1,5 +1,5 @@
 #pragma once
-// What the monitor publishes for a rank (design section 4): one record per
+// What the monitor publishes for a rank (docs/design.md#the-ledger-and-diagnosis): one record per
 // heartbeat under "state/<rank>", holding the wall-clock time it was written
 // and, for every group the rank watches, its ledger heads and newest
 // collectives:

@@ -1,5 +1,5 @@
 #pragma once
-// Per-node relay of the monitor's records (design section 4). Every rank
+// Per-node relay of the monitor's records (docs/design.md#the-ledger-and-diagnosis). Every rank
 // publishes one record per heartbeat (its heartbeat time and the heads and
 // newest entries of every group it watches). With a relay, the ranks of a
 // node write their records into slots of one shared-memory segment, and the

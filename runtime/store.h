@@ -1,5 +1,5 @@
 #pragma once
-// The rendezvous Store (design section 5): a small key-value store that ranks
+// The rendezvous Store (docs/design.md#launch-and-the-rendezvous-store): a small key-value store that ranks
 // use for out-of-band coordination (addresses, ledger heads, heartbeats,
 // checkpoint reports), never for training data and never through the training
 // communicators. PyTorch c10d's Store is the model.

@@ -1,5 +1,5 @@
 #pragma once
-// The MPI backend: communicators on CPU tensors over Open MPI (design section 3).
+// The MPI backend: communicators on CPU tensors over Open MPI (docs/design.md#communicator).
 // This header does not include mpi.h; only runtime/mpi sees it.
 //
 // Every operation is a non-blocking MPI call polled with backoff against its

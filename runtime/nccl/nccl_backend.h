@@ -1,5 +1,5 @@
 #pragma once
-// The NCCL backend: communicators on CUDA tensors (design section 3). This
+// The NCCL backend: communicators on CUDA tensors (docs/design.md#communicator). This
 // header does not include nccl.h; only runtime/nccl sees it.
 //
 // Bootstrap and splits are non-blocking (config.blocking = 0) and polled with
