@@ -167,6 +167,8 @@ class Checkpointer {
   Checkpointer(CheckpointOptions options, std::shared_ptr<Store> store, int rank, int worldSize, std::string prefix,
                std::string job);
   void settlePrevious(Deadline deadline);
+  // Rank 0, after a load that resumes: the step loaded and the committed steps newer than it.
+  void rememberNewerSteps(int64_t loaded);
   double timeoutSeconds() const;
   int threads() const;
 

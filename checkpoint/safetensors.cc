@@ -213,6 +213,19 @@ void writeAt(int fd, const char* bytes, int64_t size, int64_t offset, const std:
   }
 }
 
+// An aligned write through `direct` (O_DIRECT); where the file system turns
+// that down (EINVAL), the same bytes through `buffered`.
+void writeDirect(int direct, int buffered, const char* bytes, int64_t size, int64_t offset, const std::string& path) {
+  int64_t done = 0;
+  while (done < size) {
+    ssize_t n = ::pwrite(direct, bytes + done, static_cast<size_t>(size - done), offset + done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EINVAL) return writeAt(buffered, bytes + done, size - done, offset + done, path);
+    if (n < 0) fs::raise(fmt::format("writing {}", path), errno, -1);
+    done += n;
+  }
+}
+
 }  // namespace
 
 void SafetensorsWriter::Aligned::operator()(uint8_t* p) const { std::free(p); }
@@ -276,7 +289,7 @@ void SafetensorsWriter::flushStaged() {
   settle();
   const char* bytes = reinterpret_cast<const char*>(staging_[current_].get());
   inFlight_ = std::async(std::launch::async, [this, bytes, size = staged_, at = stagedAt_] {
-    writeAt(directFd_, bytes, size, at, partial_);
+    writeDirect(directFd_, fd_, bytes, size, at, partial_);
   });
   stagedAt_ += staged_;
   staged_ = 0;
@@ -323,7 +336,7 @@ int64_t SafetensorsWriter::finish() {
     // The aligned part of what is left with O_DIRECT, the last partial block through the page cache.
     const char* bytes = reinterpret_cast<const char*>(staging_[current_].get());
     const int64_t aligned = staged_ / kAlignment * kAlignment;
-    writeAt(directFd_, bytes, aligned, stagedAt_, partial_);
+    writeDirect(directFd_, fd_, bytes, aligned, stagedAt_, partial_);
     writeAt(fd_, bytes + aligned, staged_ - aligned, stagedAt_ + aligned, partial_);
   }
   if (::fsync(fd_) != 0) fs::raise(fmt::format("fsync of {}", partial_), errno, -1);

@@ -117,6 +117,35 @@ TEST_CASE("safetensors: written tensors of every dtype read back bit for bit, 8-
   CHECK_THROWS_AS(safetensorsDtypeName(at::kComplexFloat), ConfigError);
 }
 
+TEST_CASE("safetensors: a file of 64 MB or more, written through aligned buffers, reads back bit for bit") {
+  testing::TempDir dir;
+  std::mt19937_64 rng(17);
+  // Odd sizes, so the tensors straddle the 32 MB staging buffers and the last block is partial.
+  std::vector<std::pair<std::string, at::Tensor>> tensors{
+      {"a", at::randint(0, 256, {40 * 1024 * 1024 + 3}, at::kByte)},
+      {"b", randomTensor(rng, {7, 3}, at::kBFloat16)},
+      {"c", at::randint(0, 256, {30 * 1024 * 1024 + 4093}, at::kByte)}};
+  const std::string path = dir.path() + "/big.safetensors";
+  {
+    std::vector<SafetensorsTensor> header;
+    for (const auto& [name, tensor] : tensors) header.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
+    SafetensorsWriter writer(path, header);
+    for (const auto& [name, tensor] : tensors) {
+      const auto* bytes = static_cast<const char*>(tensor.data_ptr());
+      const int64_t total = static_cast<int64_t>(tensor.nbytes());
+      for (int64_t at = 0; at < total;) {
+        const int64_t part = std::min<int64_t>(total - at, 1 + static_cast<int64_t>(rng() % (9 << 20)));
+        writer.append(bytes + at, part);
+        at += part;
+      }
+    }
+    writer.finish();
+  }
+  SafetensorsFile file(path);
+  CHECK(file.header().dataStart % 8 == 0);
+  for (const auto& [name, tensor] : tensors) CHECK(at::equal(file.read(*file.find(name)), tensor));
+}
+
 TEST_CASE("safetensors: a writer refuses more bytes than its tensors hold and an incomplete finish, and leaves no file") {
   testing::TempDir dir;
   const std::string path = dir.path() + "/w.safetensors";
