@@ -5,7 +5,8 @@
 // `bulkhead-ckpt export`, `import` and `diff` run.
 //
 // Export reads each tensor whole from its saved slices (whatever layout saved
-// them; a tensor at a time, the next read while the last is written), maps its
+// them; a tensor at a time through the page cache, the next read while the
+// last is written), maps its
 // key (key_map.h) and writes model-0000i-of-0000N.safetensors shards of at most
 // `shardBytes` with model.safetensors.index.json. Optimizer state (keys
 // "optim.*"), when asked for, goes under its own keys to

@@ -1,12 +1,9 @@
 #include "checkpoint/tensor_reader.h"
 
-#include <stdlib.h>
-
-#include <algorithm>
-#include <new>
-
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+
+#include <algorithm>
 
 #include "checkpoint/box.h"
 #include "checkpoint/inspect.h"
@@ -16,14 +13,12 @@
 namespace bulkhead::checkpoint {
 
 WholeTensorReader::WholeTensorReader(std::string stepFolder, int threads)
-    : folder_(std::move(stepFolder)), manifest_(readManifest(folder_)), threads_(std::max(1, threads)) {
+    : folder_(std::move(stepFolder)), manifest_(readManifest(folder_)) {
   checkCoverage(manifest_, 0);
-  reader_ = std::make_unique<CheckpointReader>(folder_, manifest_, 0, threads);
+  reader_ = std::make_unique<CheckpointReader>(folder_, manifest_, 0, std::max(1, threads));
 }
 
 WholeTensorReader::~WholeTensorReader() = default;
-
-void WholeTensorReader::Aligned::operator()(uint8_t* p) const { std::free(p); }
 
 int64_t WholeTensorReader::bytesRead() const { return reader_->bytesRead(); }
 
@@ -61,23 +56,10 @@ at::Tensor WholeTensorReader::read(int index, const at::Tensor& storage) {
     boxes.push_back(boxOf(reader_->plan(piece.slice), piece.chunk, manifest_.slices[piece.slice], region));
   auto* target = static_cast<uint8_t*>(whole.data_ptr());
   const int64_t elementSize = static_cast<int64_t>(whole.element_size());
-  const size_t need = static_cast<size_t>(reader_->largestChunk(pieces)) + CheckpointReader::kDirectSlack;
-  if (need > directBytes_) {
-    direct_.clear();
-    for (int worker = 0; worker < threads_; ++worker) {
-      void* p = nullptr;
-      if (::posix_memalign(&p, CheckpointReader::kDirectAlignment, need) != 0)
-        throw std::bad_alloc();
-      direct_.emplace_back(static_cast<uint8_t*>(p));
-    }
-    directBytes_ = need;
-  }
-  reader_->read(
-      pieces,
-      [&](int, const CheckpointReader::Piece& piece, const uint8_t* bytes) {
-        copyBox(bytes, target, boxes[static_cast<size_t>(&piece - pieces.data())], elementSize);
-      },
-      [&](int worker, size_t) { return direct_.at(static_cast<size_t>(worker)).get(); });
+  // Through the page cache: a checkpoint saved a moment ago is read from memory.
+  reader_->read(pieces, [&](int, const CheckpointReader::Piece& piece, const uint8_t* bytes) {
+    copyBox(bytes, target, boxes[static_cast<size_t>(&piece - pieces.data())], elementSize);
+  });
   return whole;
 }
 

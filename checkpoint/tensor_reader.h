@@ -12,7 +12,6 @@
 
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "checkpoint/manifest.h"
 
@@ -45,15 +44,7 @@ class WholeTensorReader {
  private:
   std::string folder_;
   Manifest manifest_;
-  int threads_;
   std::unique_ptr<CheckpointReader> reader_;
-  // Aligned buffers, one a reader thread, that chunks are read into with
-  // O_DIRECT where the file system allows (no copy through the page cache).
-  struct Aligned {
-    void operator()(uint8_t* p) const;
-  };
-  std::vector<std::unique_ptr<uint8_t, Aligned>> direct_;
-  size_t directBytes_ = 0;
 };
 
 }  // namespace bulkhead::checkpoint
