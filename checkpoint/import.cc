@@ -190,8 +190,8 @@ ImportReport importSafetensors(const ImportOptions& options) {
   }
   source.files.clear();
 
-  std::string storeDir = (std::getenv("TMPDIR") && *std::getenv("TMPDIR") ? std::string(std::getenv("TMPDIR")) : "/tmp") +
-                         "/bulkhead-import-XXXXXX";
+  const char* tmp = std::getenv("TMPDIR");
+  std::string storeDir = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/bulkhead-import-XXXXXX";
   if (::mkdtemp(storeDir.data()) == nullptr) fs::raise("creating a temporary folder for the import", errno, -1);
   ImportReport report;
   try {

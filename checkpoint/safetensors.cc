@@ -88,6 +88,12 @@ SafetensorsTensor parseEntry(const std::string& name, const nlohmann::json& entr
   return tensor;
 }
 
+int openForReading(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fs::raise(fmt::format("opening safetensors file {}", path), errno, -1);
+  return fd;
+}
+
 int64_t readAt(int fd, void* target, int64_t size, int64_t offset) {
   int64_t done = 0;
   while (done < size) {
@@ -145,34 +151,26 @@ SafetensorsHeader parseSafetensorsHeader(const std::string& json, int64_t fileBy
   return header;
 }
 
-SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) fs::raise(fmt::format("opening safetensors file {}", path_), errno, -1);
-  try {
-    auto size = fs::fileSize(path_);
-    if (!size) bad(path_, "it is not a regular file");
-    if (*size < 8) bad(path_, fmt::format("it has {} bytes, fewer than the 8 of the header length", *size));
-    unsigned char prefix[8];
-    if (readAt(fd_, prefix, 8, 0) != 8) fs::raise(fmt::format("reading {}", path_), errno, -1);
-    uint64_t length = 0;
-    for (int i = 7; i >= 0; --i) length = (length << 8) | prefix[i];
-    if (length > static_cast<uint64_t>(*size - 8))
-      bad(path_, fmt::format("its header length {} runs past the end of the file ({} bytes)", length, *size));
-    if (length > static_cast<uint64_t>(kMaxSafetensorsHeader))
-      bad(path_, fmt::format("its header length {} exceeds the format's limit of {} bytes", length,
-                             kMaxSafetensorsHeader));
-    std::string json(length, '\0');
-    if (readAt(fd_, json.data(), static_cast<int64_t>(length), 8) != static_cast<int64_t>(length))
-      fs::raise(fmt::format("reading the header of {}", path_), errno, -1);
-    header_ = parseSafetensorsHeader(json, *size, path_);
-  } catch (...) {
-    ::close(fd_);
-    throw;
-  }
-}
-
-SafetensorsFile::~SafetensorsFile() {
-  if (fd_ >= 0) ::close(fd_);
+SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)), fd_(openForReading(path_)) {
+  auto size = fs::fileSize(path_);
+  if (!size) bad(path_, "it is not a regular file");
+  if (*size < 8) bad(path_, fmt::format("it has {} bytes, fewer than the 8 of the header length", *size));
+  unsigned char prefix[8];
+  const int64_t got = readAt(fd_.get(), prefix, 8, 0);
+  if (got < 0) fs::raise(fmt::format("reading {}", path_), errno, -1);
+  if (got != 8) bad(path_, "it ends within the header length");
+  uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) length = (length << 8) | prefix[i];
+  if (length > static_cast<uint64_t>(*size - 8))
+    bad(path_, fmt::format("its header length {} runs past the end of the file ({} bytes)", length, *size));
+  if (length > static_cast<uint64_t>(kMaxSafetensorsHeader))
+    bad(path_,
+        fmt::format("its header length {} exceeds the format's limit of {} bytes", length, kMaxSafetensorsHeader));
+  std::string json(length, '\0');
+  const int64_t read = readAt(fd_.get(), json.data(), static_cast<int64_t>(length), 8);
+  if (read < 0) fs::raise(fmt::format("reading the header of {}", path_), errno, -1);
+  if (read != static_cast<int64_t>(length)) bad(path_, "it ends within its header");
+  header_ = parseSafetensorsHeader(json, *size, path_);
 }
 
 const SafetensorsTensor* SafetensorsFile::find(const std::string& name) const {
@@ -182,7 +180,7 @@ const SafetensorsTensor* SafetensorsFile::find(const std::string& name) const {
 }
 
 void SafetensorsFile::readInto(const SafetensorsTensor& tensor, void* target) const {
-  const int64_t n = readAt(fd_, target, tensor.bytes(), header_.dataStart + tensor.begin);
+  const int64_t n = readAt(fd_.get(), target, tensor.bytes(), header_.dataStart + tensor.begin);
   if (n < 0) fs::raise(fmt::format("reading tensor '{}' of {}", tensor.name, path_), errno, -1);
   if (n != tensor.bytes())
     throw IoError(fmt::format("{}: tensor '{}' ends after {} of its {} bytes: the file was truncated after it was "

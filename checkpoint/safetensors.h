@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/fd.h"
+
 namespace bulkhead::checkpoint {
 
 struct SafetensorsTensor {
@@ -59,9 +61,6 @@ class SafetensorsFile {
   // IoError when it cannot be opened; CheckpointError when it is not a valid
   // safetensors file.
   explicit SafetensorsFile(std::string path);
-  SafetensorsFile(const SafetensorsFile&) = delete;
-  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
-  ~SafetensorsFile();
 
   const std::string& path() const { return path_; }
   const SafetensorsHeader& header() const { return header_; }
@@ -73,7 +72,7 @@ class SafetensorsFile {
 
  private:
   std::string path_;
-  int fd_ = -1;
+  Fd fd_;
   SafetensorsHeader header_;
 };
 
