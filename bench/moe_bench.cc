@@ -45,7 +45,7 @@
 
 #include "launch/cli.h"
 #include "launch/init.h"
-#include "moe/differentiable.h"
+#include "moe/all_to_all_autograd.h"
 #include "moe/moe_layer.h"
 #include "moe/static_dispatch.h"
 #include "parallel/process_groups.h"

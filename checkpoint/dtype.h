@@ -1,17 +1,18 @@
 #pragma once
-// The tensor dtypes a checkpoint stores, by the names the manifest, the
-// attributes and `bulkhead-ckpt inspect` use ("float32", "bfloat16", ...).
+// The tensor dtypes a checkpoint stores: the ten of runtime/dtype.h's
+// vocabulary, by the same names in the manifest, the attributes and
+// `bulkhead-ckpt inspect`.
 
 #include <c10/core/ScalarType.h>
 
-#include <optional>
-#include <string>
+#include <cstdint>
+
+#include "runtime/dtype.h"
 
 namespace bulkhead::checkpoint {
 
-// ConfigError for a dtype checkpoints do not store (complex, quantized).
-std::string dtypeName(c10::ScalarType dtype);
-std::optional<c10::ScalarType> parseDtype(const std::string& name);
+// ConfigError for a dtype checkpoints do not store (complex, quantized, ...).
+void requireStored(c10::ScalarType dtype);
 int64_t dtypeSize(c10::ScalarType dtype);
 
 }  // namespace bulkhead::checkpoint

@@ -2,56 +2,43 @@
 
 #include <fmt/format.h>
 
-#include <sstream>
+#include <limits>
+#include <utility>
 
 #include "runtime/env.h"
 #include "runtime/errors.h"
+#include "runtime/fault_spec.h"
 
 namespace bulkhead::checkpoint::fault {
 namespace {
+
+using bulkhead::fault::FaultSpec;
 
 constexpr const char* kForm = "rank=R[,step=S],action=exit|stall:SECONDS|write-error|commit-exit";
 
 }  // namespace
 
 Fault parse(const std::string& text) {
-  auto fail = [&](const std::string& why) {
-    return ConfigError(fmt::format("{}='{}': {}", env::kCheckpointFault.name(), text, why), {.expected = kForm});
-  };
+  const FaultSpec spec({env::kCheckpointFault.name(), kForm, {"rank", "step", "action"}}, text);
+  if (!spec.has("rank") || !spec.has("action")) spec.reject("rank and action are required");
   Fault fault;
-  bool haveRank = false, haveAction = false;
-  std::stringstream in(text);
-  std::string field;
-  while (std::getline(in, field, ',')) {
-    size_t equals = field.find('=');
-    if (equals == std::string::npos) throw fail(fmt::format("'{}' is not name=value", field));
-    std::string name = field.substr(0, equals), value = field.substr(equals + 1);
-    try {
-      if (name == "rank") {
-        fault.rank = std::stoi(value);
-        haveRank = true;
-      } else if (name == "step") {
-        fault.step = std::stoll(value);
-      } else if (name == "action") {
-        haveAction = true;
-        if (value == "exit") fault.action = Action::Exit;
-        else if (value == "write-error") fault.action = Action::WriteError;
-        else if (value == "commit-exit") fault.action = Action::CommitExit;
-        else if (value.rfind("stall:", 0) == 0) {
-          fault.action = Action::Stall;
-          fault.stallSeconds = std::stod(value.substr(6));
-        } else {
-          throw fail(fmt::format("unknown action '{}'", value));
-        }
-      } else {
-        throw fail(fmt::format("unknown field '{}'", name));
-      }
-    } catch (const std::logic_error&) {
-      throw fail(fmt::format("'{}' is not a number", value));
+  fault.rank = static_cast<int>(spec.integer("rank", 0, std::numeric_limits<int>::max()));
+  if (spec.has("step")) fault.step = spec.integer("step", 0, std::numeric_limits<int64_t>::max());
+  const FaultSpec::Action action = spec.action("action");
+  if (action.name == "stall" && action.argument) {
+    fault.action = Action::Stall;
+    fault.stallSeconds = *action.argument;
+    return fault;
+  }
+  const std::pair<const char*, Action> plain[] = {
+      {"exit", Action::Exit}, {"write-error", Action::WriteError}, {"commit-exit", Action::CommitExit}};
+  for (const auto& [name, value] : plain) {
+    if (action.name == name && !action.argument) {
+      fault.action = value;
+      return fault;
     }
   }
-  if (!haveRank || !haveAction) throw fail("rank and action are required");
-  return fault;
+  spec.reject(fmt::format("unknown action '{}'", spec.text("action")));
 }
 
 std::optional<Fault> at(int rank, int64_t step) {

@@ -67,12 +67,9 @@ std::optional<double> ageSeconds(const std::string& path) {
 }
 
 void makeDirectories(const std::string& path, int rank) {
-  for (size_t slash = path.find('/', 1);; slash = path.find('/', slash + 1)) {
-    std::string prefix = path.substr(0, slash);
-    if (!prefix.empty() && ::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST)
-      raise(fmt::format("creating the folder {}", prefix), errno, rank);
-    if (slash == std::string::npos) break;
-  }
+  std::string failed;
+  if (int error = bulkhead::makeDirectories(path, &failed))
+    raise(fmt::format("creating the folder {}", failed), error, rank);
 }
 
 std::vector<std::string> list(const std::string& dir, int rank) {
@@ -162,18 +159,16 @@ std::optional<std::string> readFile(const std::string& path, int* error) {
 
 FolderLock::FolderLock(const std::string& dir, Deadline deadline, int rank) {
   std::string path = join(dir, ".lock");
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd_ < 0) raise(fmt::format("opening the folder lock {}", path), errno, rank);
+  fd_ = Fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (!fd_.valid()) raise(fmt::format("opening the folder lock {}", path), errno, rank);
   auto started = Deadline::Clock::now();
   Backoff backoff(std::chrono::milliseconds(20));
-  while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+  while (::flock(fd_.get(), LOCK_EX | LOCK_NB) != 0) {
     int error = errno;
     if (error != EWOULDBLOCK && error != EINTR) {
-      ::close(fd_);
       raise(fmt::format("locking {}", path), error, rank);
     }
     if (deadline.expired()) {
-      ::close(fd_);
       throw TimeoutError(fmt::format("the checkpoint folder lock {} was held by another process for {:.1f} s; "
                                      "another job may be saving into the same folder: give each job its own folder",
                                      path, secondsSince(started)),
@@ -184,10 +179,7 @@ FolderLock::FolderLock(const std::string& dir, Deadline deadline, int rank) {
 }
 
 FolderLock::~FolderLock() {
-  if (fd_ >= 0) {
-    ::flock(fd_, LOCK_UN);
-    ::close(fd_);
-  }
+  if (fd_.valid()) ::flock(fd_.get(), LOCK_UN);
 }
 
 }  // namespace bulkhead::checkpoint::fs

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "runtime/deadline.h"
+#include "runtime/fd.h"
 
 namespace bulkhead::checkpoint::fs {
 
@@ -59,7 +60,7 @@ class FolderLock {
   ~FolderLock();
 
  private:
-  int fd_ = -1;
+  Fd fd_;
 };
 
 }  // namespace bulkhead::checkpoint::fs

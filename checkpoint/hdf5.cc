@@ -130,7 +130,7 @@ std::unique_ptr<Id> fileType(c10::ScalarType dtype, const Where& where) {
       check(H5Tset_ebias(type->get(), 15), "H5Tset_ebias", "a float16 type", where, Mode::Write);
       return type;
     }
-    default: dtypeName(dtype);  // raises ConfigError naming the dtype
+    default: requireStored(dtype);  // raises ConfigError naming the dtype
   }
   return nullptr;
 }

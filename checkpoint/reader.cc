@@ -18,19 +18,16 @@
 #include "checkpoint/parallel_for.h"
 #include "checkpoint/rank_file.h"
 #include "runtime/errors.h"
+#include "runtime/fd.h"
 
 namespace bulkhead::checkpoint {
 
 struct CheckpointReader::File {
   std::string path;
   std::optional<h5::File> hdf5;
-  int fd = -1;
-  int directFd = -1;                // O_DIRECT, where the file system has it
+  Fd fd;
+  Fd directFd;                      // O_DIRECT, where the file system has it
   std::atomic<bool> direct{false};  // cleared when a direct read is refused
-  ~File() {
-    if (fd >= 0) ::close(fd);
-    if (directFd >= 0) ::close(directFd);
-  }
 };
 
 namespace {
@@ -114,10 +111,10 @@ CheckpointReader::File& CheckpointReader::file(int fileRank) {
   expect("job", manifest_.job);
   expect("step", std::to_string(manifest_.step));
   expect("rank", std::to_string(fileRank));
-  opened->fd = ::open(opened->path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (opened->fd < 0) fail(opened->path, "", fmt::format("cannot open it: {}", std::strerror(errno)));
-  opened->directFd = ::open(opened->path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  opened->direct = opened->directFd >= 0;
+  opened->fd = Fd(::open(opened->path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!opened->fd.valid()) fail(opened->path, "", fmt::format("cannot open it: {}", std::strerror(errno)));
+  opened->directFd = Fd(::open(opened->path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT));
+  opened->direct = opened->directFd.valid();
   slot = std::move(opened);
   return *slot;
 }
@@ -209,11 +206,11 @@ void CheckpointReader::read(const std::vector<Piece>& pieces, const Deliver& del
       uint64_t begin = job.address / kDirectAlignment * kDirectAlignment;
       uint64_t end = (job.address + size + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment;
       size_t lead = static_cast<size_t>(job.address - begin);
-      outcome = readSpan(job.file->directFd, buffer, static_cast<size_t>(end - begin), begin, lead + size, readFailed);
+      outcome = readSpan(job.file->directFd.get(), buffer, static_cast<size_t>(end - begin), begin, lead + size, readFailed);
       if (outcome == ReadOutcome::Unsupported) job.file->direct = false;
       else buffer += lead;
     }
-    if (outcome == ReadOutcome::Unsupported) outcome = readSpan(job.file->fd, buffer, size, job.address, size, readFailed);
+    if (outcome == ReadOutcome::Unsupported) outcome = readSpan(job.file->fd.get(), buffer, size, job.address, size, readFailed);
     if (outcome == ReadOutcome::EndOfFile)
       fail(job.file->path, key, fmt::format("chunk {} ends past the end of the file (truncated)", job.piece->chunk));
     uint32_t stored = loadLe32(buffer + size - 4);

@@ -243,40 +243,33 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsTe
                          {"shape", tensor.shape},
                          {"data_offsets", {tensor.begin, tensor.end}}};
   }
-  fd_ = ::open(partial_.c_str(), O_CREAT | O_TRUNC | O_RDWR | O_CLOEXEC, 0644);
-  if (fd_ < 0) fs::raise(fmt::format("creating {}", partial_), errno, -1);
+  fd_ = Fd(::open(partial_.c_str(), O_CREAT | O_TRUNC | O_RDWR | O_CLOEXEC, 0644));
+  if (!fd_.valid()) fs::raise(fmt::format("creating {}", partial_), errno, -1);
   if (offset >= kDirectFrom) {
-    directFd_ = ::open(partial_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+    directFd_ = Fd(::open(partial_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
     for (auto& buffer : staging_) {
       void* p = nullptr;
-      if (directFd_ < 0 || ::posix_memalign(&p, kAlignment, kStagingBytes) != 0) break;
+      if (!directFd_.valid() || ::posix_memalign(&p, kAlignment, kStagingBytes) != 0) break;
       buffer.reset(static_cast<uint8_t*>(p));
     }
-    if (directFd_ >= 0 && (!staging_[0] || !staging_[1])) {
-      ::close(directFd_);
-      directFd_ = -1;
-    }
+    if (!staging_[0] || !staging_[1]) directFd_.reset();
   }
   std::string json = root.dump();
   // Whitespace after the JSON object is part of the header: it aligns the data
   // (8 bytes, as the format asks; 4 KiB for O_DIRECT).
-  const int64_t align = directFd_ >= 0 ? kAlignment : 8;
+  const int64_t align = directFd_.valid() ? kAlignment : 8;
   json.append(static_cast<size_t>((align - (8 + static_cast<int64_t>(json.size())) % align) % align), ' ');
   std::string head(8, '\0');
   for (int i = 0; i < 8; ++i) head[i] = static_cast<char>(static_cast<uint64_t>(json.size()) >> (8 * i));
   head += json;
-  writeAt(fd_, head.data(), static_cast<int64_t>(head.size()), 0, partial_);
+  writeAt(fd_.get(), head.data(), static_cast<int64_t>(head.size()), 0, partial_);
   dataStart_ = stagedAt_ = static_cast<int64_t>(head.size());
   fileBytes_ = dataStart_ + offset;
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
   if (inFlight_.valid()) inFlight_.wait();
-  if (directFd_ >= 0) ::close(directFd_);
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(partial_.c_str());
-  }
+  if (fd_.valid()) ::unlink(partial_.c_str());
 }
 
 void SafetensorsWriter::settle() {
@@ -287,7 +280,7 @@ void SafetensorsWriter::flushStaged() {
   settle();
   const char* bytes = reinterpret_cast<const char*>(staging_[current_].get());
   inFlight_ = std::async(std::launch::async, [this, bytes, size = staged_, at = stagedAt_] {
-    writeDirect(directFd_, fd_, bytes, size, at, partial_);
+    writeDirect(directFd_.get(), fd_.get(), bytes, size, at, partial_);
   });
   stagedAt_ += staged_;
   staged_ = 0;
@@ -295,8 +288,8 @@ void SafetensorsWriter::flushStaged() {
 }
 
 void SafetensorsWriter::put(const char* bytes, int64_t size) {
-  if (directFd_ < 0) {
-    writeAt(fd_, bytes, size, dataStart_ + written_, partial_);
+  if (!directFd_.valid()) {
+    writeAt(fd_.get(), bytes, size, dataStart_ + written_, partial_);
     return;
   }
   while (size > 0) {
@@ -329,20 +322,17 @@ int64_t SafetensorsWriter::finish() {
   if (written_ != expected)
     throw ConfigError(fmt::format("{}: {} of {} bytes of data written", path_, written_, expected),
                       {.expected = "every tensor's bytes before finish()"});
-  if (directFd_ >= 0) {
+  if (directFd_.valid()) {
     settle();
     // The aligned part of what is left with O_DIRECT, the last partial block through the page cache.
     const char* bytes = reinterpret_cast<const char*>(staging_[current_].get());
     const int64_t aligned = staged_ / kAlignment * kAlignment;
-    writeDirect(directFd_, fd_, bytes, aligned, stagedAt_, partial_);
-    writeAt(fd_, bytes + aligned, staged_ - aligned, stagedAt_ + aligned, partial_);
+    writeDirect(directFd_.get(), fd_.get(), bytes, aligned, stagedAt_, partial_);
+    writeAt(fd_.get(), bytes + aligned, staged_ - aligned, stagedAt_ + aligned, partial_);
   }
-  if (::fsync(fd_) != 0) fs::raise(fmt::format("fsync of {}", partial_), errno, -1);
-  if (directFd_ >= 0) ::close(directFd_);
-  directFd_ = -1;
-  const int closed = ::close(fd_);
-  fd_ = -1;
-  if (closed != 0) fs::raise(fmt::format("closing {}", partial_), errno, -1);
+  if (::fsync(fd_.get()) != 0) fs::raise(fmt::format("fsync of {}", partial_), errno, -1);
+  directFd_.reset();
+  if (const int error = fd_.close()) fs::raise(fmt::format("closing {}", partial_), error, -1);
   if (::rename(partial_.c_str(), path_.c_str()) != 0) fs::raise(fmt::format("renaming {}", partial_), errno, -1);
   return fileBytes_;
 }

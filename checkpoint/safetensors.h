@@ -108,7 +108,7 @@ class SafetensorsWriter {
   void settle();  // waits for the write in flight; rethrows its error
 
   std::string path_, partial_;
-  int fd_ = -1, directFd_ = -1;
+  Fd fd_, directFd_;
   std::vector<SafetensorsTensor> tensors_;
   size_t next_ = 0;        // the tensor being written
   int64_t written_ = 0;    // bytes of data appended

@@ -15,6 +15,8 @@
 #if BULKHEAD_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+
+#include "runtime/cuda_device.h"
 #endif
 
 namespace bulkhead::checkpoint {
@@ -29,19 +31,6 @@ void cudaCheck(cudaError_t rc, const char* what, int rank) {
                             what, cudaGetErrorString(rc), static_cast<int>(rc)),
                 {.rank = rank, .expected = "device-to-host copies of the state dict"});
 }
-
-// Sets the current device for its lifetime and restores the previous one.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) cudaSetDevice(device);
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
 #endif
 
 }  // namespace
@@ -98,7 +87,7 @@ struct Stager::Device {
   cudaEvent_t ready = nullptr;
   cudaEvent_t done = nullptr;
   ~Device() {
-    DeviceScope scope(index);
+    cuda::DeviceGuard scope(index);
     if (ready) cudaEventDestroy(ready);
     if (done) cudaEventDestroy(done);
     if (stream) cudaStreamDestroy(stream);
@@ -129,7 +118,7 @@ void Stager::copy(const at::Tensor& tensor, int64_t offset, int64_t bytes, uint8
     devices_.resize(index + 1);
     started_.resize(index + 1, false);
   }
-  DeviceScope scope(index);
+  cuda::DeviceGuard scope(index);
   if (!devices_[index]) {
     auto device = std::make_unique<Device>();
     device->index = index;
@@ -162,7 +151,7 @@ void Stager::finish(Deadline deadline, int rank) {
   for (size_t index = 0; index < devices_.size(); ++index) {
     if (!started_[index]) continue;
     Device& device = *devices_[index];
-    DeviceScope scope(static_cast<int>(index));
+    cuda::DeviceGuard scope(static_cast<int>(index));
     cudaCheck(cudaEventRecord(device.done, device.stream), "marking the end of the staging copies", rank);
     Backoff backoff(std::chrono::microseconds(500));
     for (;;) {
@@ -194,7 +183,7 @@ struct DeviceLanding::Lane {
   int current = 1;
   cudaStream_t stream = nullptr;
   ~Lane() {
-    DeviceScope scope(device);
+    cuda::DeviceGuard scope(device);
     for (int b = 0; b < 2; ++b) {
       // A copy still in flight (a load that failed or timed out) keeps its
       // buffer: leaked rather than freed under the copy.
@@ -231,7 +220,7 @@ void awaitEvent(cudaEvent_t event, Deadline deadline, int device, int rank) {
 DeviceLanding::DeviceLanding(int device, int threads, size_t bufferBytes, int rank)
     : device_(device), rank_(rank), bufferBytes_((bufferBytes + 4095) / 4096 * 4096) {
 #if BULKHEAD_TORCH_CUDA
-  DeviceScope scope(device);
+  cuda::DeviceGuard scope(device);
   cudaEvent_t ready = nullptr;
   cudaCheck(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "creating an upload event", rank);
   std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, cudaError_t (*)(cudaEvent_t)> owned(ready, cudaEventDestroy);
@@ -280,7 +269,7 @@ uint8_t* DeviceLanding::acquire(int worker, Deadline deadline) {
 void DeviceLanding::upload(int worker, void* target, const uint8_t* source, size_t bytes) {
 #if BULKHEAD_TORCH_CUDA
   Lane& lane = *lanes_.at(worker);
-  DeviceScope scope(device_);
+  cuda::DeviceGuard scope(device_);
   cudaCheck(cudaMemcpyAsync(target, source, bytes, cudaMemcpyHostToDevice, lane.stream), "queueing an upload", rank_);
   cudaCheck(cudaEventRecord(lane.uploaded[lane.current], lane.stream), "marking an upload", rank_);
   lane.pending[lane.current] = true;
@@ -312,7 +301,7 @@ void uploadToDevices(const std::vector<std::pair<at::Tensor, at::Tensor>>& copie
     if (std::find(devices.begin(), devices.end(), index) == devices.end()) devices.push_back(index);
   }
   for (int index : devices) {
-    DeviceScope scope(index);
+    cuda::DeviceGuard scope(index);
     cudaEvent_t done = nullptr;
     cudaCheck(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "creating an upload event", rank);
     std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, cudaError_t (*)(cudaEvent_t)> owned(done, cudaEventDestroy);

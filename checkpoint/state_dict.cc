@@ -79,7 +79,7 @@ void validate(const StateDict& state, int rank) {
     if (entry.key.empty()) fail(entry.key, "the key is empty; name every tensor by its global key");
     if (isReservedKey(entry.key)) fail(entry.key, fmt::format("keys starting with '{}' are reserved", kReserved));
     if (!entry.local.defined()) fail(entry.key, "the tensor is undefined");
-    dtypeName(entry.local.scalar_type());  // ConfigError for dtypes checkpoints do not store
+    requireStored(entry.local.scalar_type());
     const auto& shard = entry.shard;
     auto sizes = entry.local.sizes();
     if (shard.globalShape.size() != sizes.size() || shard.offsets.size() != sizes.size())

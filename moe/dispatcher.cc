@@ -16,9 +16,9 @@
 #include <thread>
 #include <utility>
 
-#include "moe/differentiable.h"
+#include "moe/all_to_all_autograd.h"
 #include "moe/gather_sum.h"
-#include "moe/routes.h"
+#include "moe/dispatch_routes.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/backoff.h"
 #include "runtime/errors.h"

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "moe/router.h"
-#include "moe/routes.h"
+#include "moe/dispatch_routes.h"
 #include "runtime/communicator.h"
 
 namespace bulkhead::moe {
@@ -79,7 +79,7 @@ class TokenDispatcher {
 };
 
 // Entries of a [P, m] grid assigned to groups 0..groups-1 (-1: none), listed
-// group by group and, within a group, in grid order (Grouping, moe/routes.h);
+// group by group and, within a group, in grid order (Grouping, moe/dispatch_routes.h);
 // `count` is the number of assigned entries (known on the host, so no device
 // sync is needed). Where the kernels run and `ends` is given, it gets the
 // running count per group (int32 [groups], at::_grouped_mm's group ends);

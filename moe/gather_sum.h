@@ -50,7 +50,7 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t
 at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows,
                             const at::Tensor& namedRows = {});
 
-// The stable grouping behind groupByKey (moe/routes.h), as kernels of our
+// The stable grouping behind groupByKey (moe/dispatch_routes.h), as kernels of our
 // own (moe/cuda/group_kernels.h) for an int64 CUDA `key` whose values in
 // [0, groups) name a group (any other value: in no group), `count` of them in
 // a group: order [count] lists the entries group by group, in entry order

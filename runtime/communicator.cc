@@ -20,7 +20,7 @@ Communicator::Injected Communicator::injectFault(Fingerprint& fingerprint) {
   if (!action) return Injected::None;
   if (*action == fault::Action::Skip) return Injected::Skip;
   fingerprint = fault::mismatch(fingerprint, *action);
-  return Injected::Stall;
+  return Injected::Altered;
 }
 
 void Communicator::checkStrict(uint64_t seq, const Fingerprint& fingerprint, Deadline deadline) {

@@ -140,9 +140,10 @@ class Communicator {
 
   // Steps every backend takes before it issues an operation (communicator.cc).
   // A fault injected for the next collective (BULKHEAD_FAULT): Skip means
-  // return fault::skippedWork() without issuing or numbering anything; Stall
-  // means `fingerprint` was altered and the operation must not be issued.
-  enum class Injected { None, Skip, Stall };
+  // return fault::skippedWork() without issuing or numbering anything;
+  // Altered means `fingerprint` now describes another operation (a mismatch):
+  // it is recorded as issued but sent to no backend, so it never completes.
+  enum class Injected { None, Skip, Altered };
   Injected injectFault(Fingerprint& fingerprint);
   // Strict mode: compares the fingerprint of collective `seq` across the
   // group; on a mismatch the ledger entry fails and DesyncError propagates.

@@ -5,11 +5,13 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <sstream>
+#include <limits>
+#include <utility>
 #include <thread>
 
 #include "runtime/env.h"
 #include "runtime/errors.h"
+#include "runtime/fault_spec.h"
 #include "runtime/log.h"
 
 namespace bulkhead::fault {
@@ -36,48 +38,30 @@ class SkippedWork : public Work {
 }  // namespace
 
 Fault parse(const std::string& text) {
+  const FaultSpec spec({env::kFault.name(), kForm, {"rank", "group", "seq", "action"}}, text);
+  if (!spec.has("rank") || spec.text("group").empty() || !spec.has("seq") || !spec.has("action"))
+    spec.reject("rank, group, seq (>= 1) and action are all needed");
   Fault fault;
-  bool haveRank = false, haveGroup = false, haveSeq = false, haveAction = false;
-  std::istringstream fields(text);
-  std::string field;
-  auto reject = [&](const std::string& why) {
-    throw ConfigError(fmt::format("{}='{}': {}", env::kFault.name(), text, why), {.expected = kForm});
-  };
-  while (std::getline(fields, field, ',')) {
-    auto equals = field.find('=');
-    if (equals == std::string::npos) reject(fmt::format("'{}' is not key=value", field));
-    std::string key = field.substr(0, equals), value = field.substr(equals + 1);
-    try {
-      if (key == "rank") {
-        fault.rank = std::stoi(value);
-        haveRank = true;
-      } else if (key == "group") {
-        fault.group = value;
-        haveGroup = !value.empty();
-      } else if (key == "seq") {
-        fault.seq = std::stoull(value);
-        haveSeq = fault.seq > 0;
-      } else if (key == "action") {
-        haveAction = true;
-        if (value == "skip") fault.action = Action::Skip;
-        else if (value == "mismatch-op") fault.action = Action::MismatchOp;
-        else if (value == "mismatch-size") fault.action = Action::MismatchSize;
-        else if (value == "exit") fault.action = Action::Exit;
-        else if (value.rfind("delay:", 0) == 0) {
-          fault.action = Action::Delay;
-          fault.delaySeconds = std::stod(value.substr(6));
-        } else {
-          reject(fmt::format("unknown action '{}'", value));
-        }
-      } else {
-        reject(fmt::format("unknown key '{}'", key));
-      }
-    } catch (const std::logic_error&) {  // stoi and friends
-      reject(fmt::format("'{}' has a value that is not a number", field));
+  fault.rank = static_cast<int>(spec.integer("rank", 0, std::numeric_limits<int>::max()));
+  fault.group = spec.text("group");
+  fault.seq = static_cast<uint64_t>(spec.integer("seq", 1, std::numeric_limits<int64_t>::max()));
+  const FaultSpec::Action action = spec.action("action");
+  if (action.name == "delay" && action.argument) {
+    fault.action = Action::Delay;
+    fault.delaySeconds = *action.argument;
+    return fault;
+  }
+  const std::pair<const char*, Action> plain[] = {{"skip", Action::Skip},
+                                                  {"mismatch-op", Action::MismatchOp},
+                                                  {"mismatch-size", Action::MismatchSize},
+                                                  {"exit", Action::Exit}};
+  for (const auto& [name, value] : plain) {
+    if (action.name == name && !action.argument) {
+      fault.action = value;
+      return fault;
     }
   }
-  if (!haveRank || !haveGroup || !haveSeq || !haveAction) reject("rank, group, seq (>= 1) and action are all needed");
-  return fault;
+  spec.reject(fmt::format("unknown action '{}'", spec.text("action")));
 }
 
 bool armed() {

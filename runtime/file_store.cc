@@ -33,15 +33,6 @@ constexpr const char* kLockFileName = "lock";
                 {.rank = rank, .expected = "a readable and writable store directory"});
 }
 
-void makeDirectories(const std::string& path, int rank) {
-  for (size_t slash = path.find('/', 1);; slash = path.find('/', slash + 1)) {
-    std::string prefix = path.substr(0, slash);
-    if (!prefix.empty() && ::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST)
-      raiseIoError(fmt::format("creating the store directory {}", prefix), errno, rank);
-    if (slash == std::string::npos) break;
-  }
-}
-
 
 // Serialises this process's writers: flock does not exclude threads of one
 // process on file systems that emulate it with fcntl locks (NFS).
@@ -99,7 +90,9 @@ FileStore::FileStore(std::string directory, FileStoreOptions options)
     throw ConfigError("FileStore needs a directory; pass a path every rank shares",
                       {.rank = options_.rank, .expected = "a directory path"});
   while (directory_.size() > 1 && directory_.back() == '/') directory_.pop_back();
-  makeDirectories(directory_, options_.rank);
+  std::string failed;
+  if (int error = makeDirectories(directory_, &failed))
+    raiseIoError(fmt::format("creating the store directory {}", failed), error, options_.rank);
 }
 
 std::string FileStore::describe() const { return "file://" + directory_; }

@@ -44,20 +44,6 @@ const char* toString(OpState state) {
 
 bool isPointToPoint(OpType op) { return op == OpType::Send || op == OpType::Recv; }
 
-const char* dtypeName(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::ScalarType::BFloat16: return "bf16";
-    case c10::ScalarType::Half: return "fp16";
-    case c10::ScalarType::Float: return "fp32";
-    case c10::ScalarType::Double: return "fp64";
-    case c10::ScalarType::Int: return "int32";
-    case c10::ScalarType::Long: return "int64";
-    case c10::ScalarType::Char: return "int8";
-    case c10::ScalarType::Byte: return "uint8";
-    default: return c10::toString(dtype);
-  }
-}
-
 std::string Fingerprint::describe() const {
   std::string text = toString(op);
   if (op == OpType::Barrier) return text;

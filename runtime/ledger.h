@@ -7,6 +7,8 @@
 
 #include <c10/core/ScalarType.h>
 
+#include "runtime/dtype.h"
+
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -22,8 +24,6 @@ enum class OpType { AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, Ba
 enum class ReduceOp { Sum, Avg, Prod, Min, Max };
 
 const char* toString(OpType op);
-// Short dtype names used in every message: "bf16", "fp32", "int64", ...
-const char* dtypeName(c10::ScalarType dtype);
 const char* toString(ReduceOp op);
 bool isPointToPoint(OpType op);
 
@@ -41,7 +41,7 @@ struct Fingerprint {
   std::vector<int64_t> sendSplits, recvSplits;  // all-to-all only
   std::string label;              // send/recv: the caller's CallOptions::label (not compared)
 
-  // "all_to_all bf16 [4096 x 2048]"
+  // "all_to_all bfloat16 [4096 x 2048]"
   std::string describe() const;
   bool matches(const Fingerprint& other) const;
 };

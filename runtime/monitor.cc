@@ -243,7 +243,7 @@ void Monitor::checkBeforeCollective(const Communicator& comm, uint64_t seq, cons
 
 Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
                             double waitedSeconds) {
-  std::string local = describeTimeout(comm, fingerprint, seq, waitedSeconds, "");
+  std::string local = describeTimeout(comm, fingerprint, seq, waitedSeconds);
   const double paused = pausedSeconds(std::chrono::steady_clock::now() -
                                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                           std::chrono::duration<double>(waitedSeconds + options_.heartbeatSeconds)));

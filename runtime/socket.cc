@@ -57,25 +57,6 @@ void setNoDelay(int fd) {
 
 }  // namespace
 
-FileDescriptor& FileDescriptor::operator=(FileDescriptor&& other) noexcept {
-  if (this != &other) {
-    reset();
-    fd_ = other.release();
-  }
-  return *this;
-}
-
-int FileDescriptor::release() {
-  int fd = fd_;
-  fd_ = -1;
-  return fd;
-}
-
-void FileDescriptor::reset() {
-  if (fd_ >= 0) ::close(fd_);  // close() is not retried on EINTR: the fd is gone either way on Linux
-  fd_ = -1;
-}
-
 std::string formatEndpoint(const std::string& host, uint16_t port) {
   if (host.find(':') != std::string::npos) return fmt::format("[{}]:{}", host, port);
   return fmt::format("{}:{}", host, port);
@@ -123,11 +104,11 @@ void makeNonBlocking(int fd) {
   if (fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) raiseSocketError("fcntl(FD_CLOEXEC)", errno);
 }
 
-FileDescriptor listenOn(const std::string& host, uint16_t port, int backlog) {
+Fd listenOn(const std::string& host, uint16_t port, int backlog) {
   AddressList addresses = resolve(host, port, /*passive=*/true);
   int lastError = 0;
   for (addrinfo* address = addresses.get(); address; address = address->ai_next) {
-    FileDescriptor fd(::socket(address->ai_family, address->ai_socktype, address->ai_protocol));
+    Fd fd(::socket(address->ai_family, address->ai_socktype, address->ai_protocol));
     if (!fd.valid()) {
       lastError = errno;
       continue;
@@ -162,11 +143,11 @@ bool waitReady(int fd, short events, Deadline deadline) {
   }
 }
 
-ConnectResult connectOnce(const std::string& host, uint16_t port, Deadline deadline, FileDescriptor& connected,
+ConnectResult connectOnce(const std::string& host, uint16_t port, Deadline deadline, Fd& connected,
                           int& lastError) {
   AddressList addresses = resolve(host, port, /*passive=*/false);
   for (addrinfo* address = addresses.get(); address; address = address->ai_next) {
-    FileDescriptor fd(::socket(address->ai_family, address->ai_socktype, address->ai_protocol));
+    Fd fd(::socket(address->ai_family, address->ai_socktype, address->ai_protocol));
     if (!fd.valid()) {
       lastError = errno;
       continue;

@@ -11,28 +11,10 @@
 #include <string_view>
 
 #include "runtime/deadline.h"
+#include "runtime/fd.h"
 
 namespace bulkhead::net {
 
-// Owns one file descriptor (socket or pipe end) and closes it once.
-class FileDescriptor {
- public:
-  FileDescriptor() = default;
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  FileDescriptor(FileDescriptor&& other) noexcept : fd_(other.release()) {}
-  FileDescriptor& operator=(FileDescriptor&& other) noexcept;
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-  ~FileDescriptor() { reset(); }
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int release();
-  void reset();
-
- private:
-  int fd_ = -1;
-};
 
 // "127.0.0.1:29500", "[::1]:29500".
 std::string formatEndpoint(const std::string& host, uint16_t port);
@@ -47,7 +29,7 @@ void makeNonBlocking(int fd);
 
 // A non-blocking socket bound to host:port and listening. Port 0 picks a free
 // port (read it with localPort). CommError when the address cannot be bound.
-FileDescriptor listenOn(const std::string& host, uint16_t port, int backlog);
+Fd listenOn(const std::string& host, uint16_t port, int backlog);
 uint16_t localPort(int fd);
 
 // Polls `fd` for `events` (POLLIN/POLLOUT) until ready or the deadline passes.
@@ -63,7 +45,7 @@ enum class ConnectResult { Connected, Refused, DeadlinePassed };
 // caller may retry while its deadline allows. Name resolution uses the system
 // resolver, which the deadline does not bound; pass numeric addresses where
 // that matters.
-ConnectResult connectOnce(const std::string& host, uint16_t port, Deadline deadline, FileDescriptor& connected,
+ConnectResult connectOnce(const std::string& host, uint16_t port, Deadline deadline, Fd& connected,
                           int& lastError);
 
 // Sends every byte before the deadline. Returns false when the deadline passed

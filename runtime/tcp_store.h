@@ -122,21 +122,21 @@ class TcpStoreClient final : public Store {
   // deadline allows. Count (add) is retried only if its request was not sent.
   enum class Call { Read, Write, Count, WaitForKeys };
 
-  net::FileDescriptor openConnection(Deadline deadline);
+  Fd openConnection(Deadline deadline);
   // Sends one request (built by makeFrame for each attempt, so a wait's
   // timeout counts from its send) and returns the reply body after its Ok
   // status. A TimedOut reply raises TimeoutError naming the missing keys;
   // `subject` names the call in every message.
   std::string roundTrip(const std::function<std::string()>& makeFrame, const std::string& subject, Call call,
                         Deadline deadline);
-  void returnConnection(net::FileDescriptor fd);
+  void returnConnection(Fd fd);
 
   TcpStoreOptions options_;
   std::string token_;
   int64_t maxMessageBytes_;
   std::string endpoint_;
   std::mutex mutex_;
-  std::vector<net::FileDescriptor> idle_;  // guarded by mutex_
+  std::vector<Fd> idle_;  // guarded by mutex_
   bool everConnected_ = false;             // guarded by mutex_
 };
 

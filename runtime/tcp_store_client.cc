@@ -113,17 +113,17 @@ void TcpStoreClient::connect(Deadline deadline) {
   returnConnection(openConnection(deadline));
 }
 
-void TcpStoreClient::returnConnection(net::FileDescriptor fd) {
+void TcpStoreClient::returnConnection(Fd fd) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (idle_.size() < kIdleConnections) idle_.push_back(std::move(fd));
 }
 
-net::FileDescriptor TcpStoreClient::openConnection(Deadline deadline) {
+Fd TcpStoreClient::openConnection(Deadline deadline) {
   auto started = Clock::now();
   Backoff backoff(std::chrono::milliseconds(50));
   int lastError = 0;
   while (true) {
-    net::FileDescriptor fd;
+    Fd fd;
     net::ConnectResult result = net::connectOnce(options_.host, options_.port, deadline, fd, lastError);
     if (result == net::ConnectResult::Connected) {
       std::string hello = FrameWriter().u8(uint8_t(Op::Hello)).u32(kVersion).str(token_).finish();
@@ -184,7 +184,7 @@ std::string TcpStoreClient::roundTrip(const std::function<std::string()>& makeFr
                                     subject, describe(), frame.size() - kHeaderBytes, maxMessageBytes_,
                                     env::kStoreMaxMessage.name()),
                         {.rank = options_.rank, .expected = "a request within the store's message limit"});
-    net::FileDescriptor fd;
+    Fd fd;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!idle_.empty()) {

@@ -43,7 +43,7 @@ struct ParkedRequest {
 
 struct Connection {
   uint64_t id = 0;
-  net::FileDescriptor fd;
+  Fd fd;
   std::string peer;
   std::string input;   // bytes received and not yet handled
   std::string output;  // reply bytes not yet sent
@@ -57,7 +57,7 @@ struct Connection {
 
 class TcpStoreServer::Loop {
  public:
-  Loop(TcpStoreOptions options, std::string endpoint, net::FileDescriptor listener)
+  Loop(TcpStoreOptions options, std::string endpoint, Fd listener)
       : options_(std::move(options)),
         endpoint_(std::move(endpoint)),
         token_(options_.token.value_or(env::kStoreToken.text())),
@@ -65,13 +65,13 @@ class TcpStoreServer::Loop {
         listener_(std::move(listener)) {
     int ends[2];
     if (::pipe(ends) != 0) net::raiseSocketError("pipe for the store server's wake-up", errno);
-    wakeRead_ = net::FileDescriptor(ends[0]);
-    wakeWrite_ = net::FileDescriptor(ends[1]);
+    wakeRead_ = Fd(ends[0]);
+    wakeWrite_ = Fd(ends[1]);
     net::makeNonBlocking(wakeRead_.get());
     net::makeNonBlocking(wakeWrite_.get());
     int epoll = ::epoll_create1(EPOLL_CLOEXEC);
     if (epoll < 0) net::raiseSocketError("epoll_create1 for the store server", errno);
-    epoll_ = net::FileDescriptor(epoll);
+    epoll_ = Fd(epoll);
     watch(wakeRead_.get(), kWakeId, EPOLLIN);
     watch(listener_.get(), kListenerId, EPOLLIN);
   }
@@ -182,7 +182,7 @@ class TcpStoreServer::Loop {
           log::warn("store", "store server {}: accept failed: {}", endpoint_, net::errorText(errno));
         return;
       }
-      net::FileDescriptor socket(fd);
+      Fd socket(fd);
       if (options_.maxConnections > 0 && connections_.size() >= static_cast<size_t>(options_.maxConnections)) {
         log::warn("store", "store server {}: refusing {}: already {} connections (maxConnections)", endpoint_,
                   net::peerName(fd), connections_.size());
@@ -266,130 +266,159 @@ class TcpStoreServer::Loop {
     }
   }
 
+  // One handler per operation; each reads its request to the end before it
+  // changes anything, so a malformed request changes nothing.
   void dispatch(Connection& connection, Op op, FrameReader& reader) {
     switch (op) {
-      case Op::Hello: {
-        uint32_t version = reader.u32();
-        std::string token = reader.str();
-        reader.expectEnd();
-        if (version != kVersion)
-          return refuse(connection, Refusal::BadRequest,
-                        fmt::format("protocol version {} is not this server's {}; use one Bulkhead build on every rank",
-                                    version, kVersion),
-                        true);
-        if (!sameToken(token, token_))
-          return refuse(connection, Refusal::Unauthorized,
-                        "wrong store token: every rank must use the job's token (BULKHEAD_STORE_TOKEN, or the one "
-                        "the launcher shares through MPI)",
-                        true);
-        connection.authenticated = true;
-        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
-      }
-      case Op::Set: {
-        std::string key = reader.str(), value = reader.str();
-        reader.expectEnd();
-        store(key, std::move(value));
-        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
-      }
-      case Op::MultiSet: {
-        uint32_t pairs = reader.count(8);
-        std::vector<std::pair<std::string, std::string>> items;
-        items.reserve(pairs);
-        for (uint32_t i = 0; i < pairs; ++i) {
-          std::string key = reader.str();
-          items.emplace_back(std::move(key), reader.str());
-        }
-        reader.expectEnd();  // a malformed request sets nothing
-        for (auto& [key, value] : items) store(key, std::move(value));
-        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
-      }
+      case Op::Hello:
+        return onHello(connection, reader);
+      case Op::Set:
+        return onSet(connection, reader);
+      case Op::MultiSet:
+        return onMultiSet(connection, reader);
       case Op::Get:
       case Op::Wait:
-      case Op::SetAndGather: {
-        ParkedRequest request{.op = op};
-        std::optional<std::pair<std::string, std::string>> set;
-        std::string erase;
-        if (op == Op::SetAndGather) {
-          std::string key = reader.str();
-          set.emplace(std::move(key), reader.str());
-          erase = reader.str();
-        }
-        uint32_t keys = op == Op::Get ? 1 : reader.count(4);
-        for (uint32_t i = 0; i < keys; ++i) request.keys.push_back(reader.str());
-        uint32_t timeoutMs = reader.u32();
-        reader.expectEnd();  // a malformed request sets and erases nothing
-        if (set) {
-          if (set->first.empty() || request.keys.end() != std::find(request.keys.begin(), request.keys.end(), ""))
-            return refuse(connection, Refusal::BadRequest, "setAndGather with an empty key", false);
-          if (!erase.empty()) data_.erase(erase);
-          store(set->first, std::move(set->second));
-        }
-        if (timeoutMs != kNoTimeout) {
-          request.expires = Deadline::after(std::chrono::milliseconds(timeoutMs));
-          expiring_.insert(connection.id);
-        }
-        connection.parked = std::move(request);
-        return advanceParked(connection);
-      }
-      case Op::TryGet: {
-        std::string key = reader.str();
-        reader.expectEnd();
-        auto it = data_.find(key);
-        FrameWriter writer;
-        writer.u8(uint8_t(Status::Ok)).u8(it != data_.end()).str(it != data_.end() ? it->second : "");
-        return reply(connection, writer.finish());
-      }
-      case Op::MultiGet: {
-        uint32_t keys = reader.count(4);
-        FrameWriter writer;
-        writer.u8(uint8_t(Status::Ok)).u32(keys);
-        for (uint32_t i = 0; i < keys; ++i) {
-          auto it = data_.find(reader.str());
-          writer.u8(it != data_.end()).str(it != data_.end() ? it->second : "");
-          if (writer.bodySize() > maxMessageBytes_) return refuseLargeReply(connection, keys);
-        }
-        reader.expectEnd();
-        return reply(connection, writer.finish());
-      }
-      case Op::Add: {
-        std::string key = reader.str();
-        int64_t delta = reader.i64();
-        reader.expectEnd();
-        int64_t current = 0;
-        if (auto it = data_.find(key); it != data_.end()) {
-          std::optional<int64_t> parsed = parseStoreInteger(it->second);
-          if (!parsed)
-            return refuse(connection, Refusal::NotAnInteger,
-                          fmt::format("add on key '{}', which holds a value that is not a decimal integer", key),
-                          false);
-          current = *parsed;
-        }
-        int64_t updated = 0;
-        if (__builtin_add_overflow(current, delta, &updated))
-          return refuse(connection, Refusal::BadRequest,
-                        fmt::format("add of {} to key '{}' ({}) overflows int64", delta, key, current), false);
-        store(key, std::to_string(updated));
-        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).i64(updated).finish());
-      }
-      case Op::CompareSet: {
-        std::string key = reader.str(), expected = reader.str(), desired = reader.str();
-        reader.expectEnd();
-        auto it = data_.find(key);
-        bool matches = it == data_.end() ? expected.empty() : (!expected.empty() && it->second == expected);
-        if (matches) store(key, desired);
-        it = data_.find(key);
-        FrameWriter writer;
-        writer.u8(uint8_t(Status::Ok)).str(it != data_.end() ? it->second : "");
-        return reply(connection, writer.finish());
-      }
-      case Op::Erase: {
-        std::string key = reader.str();
-        reader.expectEnd();
-        bool existed = data_.erase(key) > 0;
-        return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).u8(existed).finish());
-      }
+      case Op::SetAndGather:
+        return onParked(connection, op, reader);
+      case Op::TryGet:
+        return onTryGet(connection, reader);
+      case Op::MultiGet:
+        return onMultiGet(connection, reader);
+      case Op::Add:
+        return onAdd(connection, reader);
+      case Op::CompareSet:
+        return onCompareSet(connection, reader);
+      case Op::Erase:
+        return onErase(connection, reader);
     }
     refuse(connection, Refusal::Malformed, fmt::format("unknown operation {}", static_cast<int>(op)), true);
+  }
+
+  void onHello(Connection& connection, FrameReader& reader) {
+    uint32_t version = reader.u32();
+    std::string token = reader.str();
+    reader.expectEnd();
+    if (version != kVersion)
+      return refuse(connection, Refusal::BadRequest,
+                    fmt::format("protocol version {} is not this server's {}; use one Bulkhead build on every rank",
+                                version, kVersion),
+                    true);
+    if (!sameToken(token, token_))
+      return refuse(connection, Refusal::Unauthorized,
+                    "wrong store token: every rank must use the job's token (BULKHEAD_STORE_TOKEN, or the one "
+                    "the launcher shares through MPI)",
+                    true);
+    connection.authenticated = true;
+    return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
+  }
+
+  void onSet(Connection& connection, FrameReader& reader) {
+    std::string key = reader.str(), value = reader.str();
+    reader.expectEnd();
+    store(key, std::move(value));
+    return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
+  }
+
+  void onMultiSet(Connection& connection, FrameReader& reader) {
+    uint32_t pairs = reader.count(8);
+    std::vector<std::pair<std::string, std::string>> items;
+    items.reserve(pairs);
+    for (uint32_t i = 0; i < pairs; ++i) {
+      std::string key = reader.str();
+      items.emplace_back(std::move(key), reader.str());
+    }
+    reader.expectEnd();  // a malformed request sets nothing
+    for (auto& [key, value] : items) store(key, std::move(value));
+    return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).finish());
+  }
+
+  void onParked(Connection& connection, Op op, FrameReader& reader) {
+    ParkedRequest request{.op = op};
+    std::optional<std::pair<std::string, std::string>> set;
+    std::string erase;
+    if (op == Op::SetAndGather) {
+      std::string key = reader.str();
+      set.emplace(std::move(key), reader.str());
+      erase = reader.str();
+    }
+    uint32_t keys = op == Op::Get ? 1 : reader.count(4);
+    for (uint32_t i = 0; i < keys; ++i) request.keys.push_back(reader.str());
+    uint32_t timeoutMs = reader.u32();
+    reader.expectEnd();  // a malformed request sets and erases nothing
+    if (set) {
+      if (set->first.empty() || request.keys.end() != std::find(request.keys.begin(), request.keys.end(), ""))
+        return refuse(connection, Refusal::BadRequest, "setAndGather with an empty key", false);
+      if (!erase.empty()) data_.erase(erase);
+      store(set->first, std::move(set->second));
+    }
+    if (timeoutMs != kNoTimeout) {
+      request.expires = Deadline::after(std::chrono::milliseconds(timeoutMs));
+      expiring_.insert(connection.id);
+    }
+    connection.parked = std::move(request);
+    return advanceParked(connection);
+  }
+
+  void onTryGet(Connection& connection, FrameReader& reader) {
+    std::string key = reader.str();
+    reader.expectEnd();
+    auto it = data_.find(key);
+    FrameWriter writer;
+    writer.u8(uint8_t(Status::Ok)).u8(it != data_.end()).str(it != data_.end() ? it->second : "");
+    return reply(connection, writer.finish());
+  }
+
+  void onMultiGet(Connection& connection, FrameReader& reader) {
+    uint32_t keys = reader.count(4);
+    FrameWriter writer;
+    writer.u8(uint8_t(Status::Ok)).u32(keys);
+    for (uint32_t i = 0; i < keys; ++i) {
+      auto it = data_.find(reader.str());
+      writer.u8(it != data_.end()).str(it != data_.end() ? it->second : "");
+      if (writer.bodySize() > maxMessageBytes_) return refuseLargeReply(connection, keys);
+    }
+    reader.expectEnd();
+    return reply(connection, writer.finish());
+  }
+
+  void onAdd(Connection& connection, FrameReader& reader) {
+    std::string key = reader.str();
+    int64_t delta = reader.i64();
+    reader.expectEnd();
+    int64_t current = 0;
+    if (auto it = data_.find(key); it != data_.end()) {
+      std::optional<int64_t> parsed = parseStoreInteger(it->second);
+      if (!parsed)
+        return refuse(connection, Refusal::NotAnInteger,
+                      fmt::format("add on key '{}', which holds a value that is not a decimal integer", key),
+                      false);
+      current = *parsed;
+    }
+    int64_t updated = 0;
+    if (__builtin_add_overflow(current, delta, &updated))
+      return refuse(connection, Refusal::BadRequest,
+                    fmt::format("add of {} to key '{}' ({}) overflows int64", delta, key, current), false);
+    store(key, std::to_string(updated));
+    return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).i64(updated).finish());
+  }
+
+  void onCompareSet(Connection& connection, FrameReader& reader) {
+    std::string key = reader.str(), expected = reader.str(), desired = reader.str();
+    reader.expectEnd();
+    auto it = data_.find(key);
+    bool matches = it == data_.end() ? expected.empty() : (!expected.empty() && it->second == expected);
+    if (matches) store(key, desired);
+    it = data_.find(key);
+    FrameWriter writer;
+    writer.u8(uint8_t(Status::Ok)).str(it != data_.end() ? it->second : "");
+    return reply(connection, writer.finish());
+  }
+
+  void onErase(Connection& connection, FrameReader& reader) {
+    std::string key = reader.str();
+    reader.expectEnd();
+    bool existed = data_.erase(key) > 0;
+    return reply(connection, FrameWriter().u8(uint8_t(Status::Ok)).u8(existed).finish());
   }
 
   // A reply with the values of `keys` keys would exceed the message limit.
@@ -527,10 +556,10 @@ class TcpStoreServer::Loop {
   std::string endpoint_;
   std::string token_;
   size_t maxMessageBytes_;
-  net::FileDescriptor listener_, wakeRead_, wakeWrite_;
+  Fd listener_, wakeRead_, wakeWrite_;
   std::atomic<bool> stopping_{false};
   uint64_t nextId_ = 1;
-  net::FileDescriptor epoll_;
+  Fd epoll_;
   std::unordered_map<uint64_t, std::unique_ptr<Connection>> connections_;
   std::unordered_set<uint64_t> expiring_;  // connections whose parked request has a deadline
   std::unordered_map<std::string, std::string> data_;
@@ -543,7 +572,7 @@ TcpStoreServer::TcpStoreServer(TcpStoreOptions options) : host_(options.host) {
                                   options.maxConnections),
                       {.rank = options.rank});
   net::raiseDescriptorLimit();
-  net::FileDescriptor listener = net::listenOn(options.host, options.port, /*backlog=*/1024);
+  Fd listener = net::listenOn(options.host, options.port, /*backlog=*/1024);
   port_ = net::localPort(listener.get());
   loop_ = std::make_shared<Loop>(std::move(options), endpoint(), std::move(listener));
   std::promise<void> finished;

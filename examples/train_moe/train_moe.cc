@@ -37,6 +37,7 @@
 #include "runtime/errors.h"
 #include "runtime/log.h"
 #include "runtime/nccl/nccl_backend.h"
+#include "runtime/progress_bar.h"
 
 using namespace bulkhead;
 using examples::TrainOptions;
@@ -96,20 +97,17 @@ bool restartIfWeightsOnly(const checkpoint::LoadResult& loaded, optim::Distribut
 
 // Rank 0's view of the job: the dp-mean loss, and a bar when on a terminal.
 struct Reporter {
-  bool leader, terminal;
+  bool leader;
+  ProgressBar bar;
   std::ofstream lossLog;
-  void line(const std::string& text) const {
+  void line(const std::string& text) {
     if (!leader) return;
-    if (terminal) std::fputs("\r\033[K", stdout);
+    bar.clear();
     std::fputs((text + "\n").c_str(), stdout);
     std::fflush(stdout);
   }
-  void progress(int64_t step, int64_t total, double loss) const {
-    if (!leader || !terminal) return;
-    const int width = 30, done = static_cast<int>(width * step / std::max<int64_t>(total, 1));
-    fmt::print("\r[{}{}] step {}/{} loss {:.4f}", std::string(done, '#'), std::string(width - done, '.'), step, total,
-               loss);
-    std::fflush(stdout);
+  void progress(int64_t step, int64_t total, double loss) {
+    bar.draw(step, total, fmt::format("step {}/{} loss {:.4f}", step, total, loss));
   }
 };
 
@@ -198,7 +196,7 @@ int main(int argc, char** argv) {
     const char* term = std::getenv("TERM");
     const bool terminal = isatty(STDOUT_FILENO) != 0 && term != nullptr && std::string(term) != "dumb" &&
                           std::getenv("CI") == nullptr;
-    Reporter reporter{.leader = rank == 0, .terminal = rank == 0 && terminal};
+    Reporter reporter{.leader = rank == 0, .bar = ProgressBar({.stream = stdout, .enabled = rank == 0 && terminal})};
     if (rank == 0 && !options.lossLog.empty()) reporter.lossLog.open(options.lossLog, std::ios::app);
     reporter.line(fmt::format("train_moe: {} ranks (tp {} pp {} ep {} dp {} expert-dp {}), {} on {}, steps {}..{} of {}",
                               runtime->world().size(), layout.tp(), layout.pp(), layout.ep(), layout.dp(), layout.edp(),

@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-#include "checkpoint/dtype.h"
+#include "runtime/dtype.h"
 
 namespace bulkhead::examples {
 
@@ -41,7 +41,7 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
       ->check(count)->group("Model");
   app.add_flag_callback("--per-slot", [&m] { m.oncePerRank = false; },
                         "dispatch once per selected expert, not once per destination rank")->group("Model");
-  app.add_option_function<std::string>("--dtype", [&m](const std::string& name) { m.dtype = *checkpoint::parseDtype(name); },
+  app.add_option_function<std::string>("--dtype", [&m](const std::string& name) { m.dtype = *parseDtype(name); },
                                        "parameter and activation dtype")
       ->check(CLI::IsMember({"float32", "float64", "bfloat16"}))->default_str("float32")->group("Model");
   app.add_option("--seed", m.seed, "seed of the weights and the data")->group("Model");

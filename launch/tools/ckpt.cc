@@ -37,6 +37,7 @@
 #include "launch/init.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
+#include "runtime/progress_bar.h"
 
 using namespace bulkhead;
 using namespace bulkhead::checkpoint;
@@ -61,27 +62,19 @@ std::string ageText(double seconds) {
   return fmt::format("{:.1f} h", seconds / 3600);
 }
 
-// A progress bar on stderr when it is a terminal, at most ten updates a second.
+// A progress bar on stderr when it is a terminal: "<label> [####....] 42% 1.2 GB / 2.9 GB".
 class Progress {
  public:
-  explicit Progress(std::string label) : label_(std::move(label)), tty_(::isatty(2)) {}
+  explicit Progress(std::string label) : bar_({.stream = stderr, .label = std::move(label)}) {}
   void operator()(int64_t done, int64_t total) {
-    if (!tty_) return;
-    auto now = std::chrono::steady_clock::now();
-    if (done < total && now - last_ < std::chrono::milliseconds(100)) return;
-    last_ = now;
-    int width = 30, filled = total > 0 ? static_cast<int>(width * done / total) : width;
-    std::fprintf(stderr, "\r%s [%s%s] %3d%% %s / %s", label_.c_str(), std::string(filled, '#').c_str(),
-                 std::string(width - filled, '-').c_str(), total > 0 ? static_cast<int>(100 * done / total) : 100,
-                 bytesText(done).c_str(), bytesText(total).c_str());
-    if (done >= total) std::fprintf(stderr, "\n");
-    std::fflush(stderr);
+    bar_.draw(done, total,
+              fmt::format("{:3d}% {} / {}", total > 0 ? static_cast<int>(100 * done / total) : 100, bytesText(done),
+                          bytesText(total)),
+              /*finish=*/true);
   }
 
  private:
-  std::string label_;
-  bool tty_;
-  std::chrono::steady_clock::time_point last_{};
+  ProgressBar bar_;
 };
 
 int list(const std::string& dir) {
@@ -120,7 +113,7 @@ int inspect(const std::string& dir, const std::string& which, bool slices, bool 
         sliceList.push_back({{"rank", slice.rank}, {"offsets", slice.offsets}, {"shape", slice.shape},
                              {"dataset", slice.dataset}, {"digest", fmt::format("{:016x}", slice.digest)}});
       }
-      out["tensors"].push_back({{"key", tensor.key}, {"dtype", checkpoint::dtypeName(tensor.dtype)},
+      out["tensors"].push_back({{"key", tensor.key}, {"dtype", dtypeName(tensor.dtype)},
                                 {"shape", tensor.globalShape}, {"bytes", tensorBytes(t)},
                                 {"internal", isReservedKey(tensor.key)}, {"slices", std::move(sliceList)}});
     }
@@ -142,7 +135,7 @@ int inspect(const std::string& dir, const std::string& which, bool slices, bool 
       ++internal;
       continue;
     }
-    fmt::print("{:<48} {:<9} {:<22} {:>6} {:>11}\n", tensor.key, checkpoint::dtypeName(tensor.dtype),
+    fmt::print("{:<48} {:<9} {:<22} {:>6} {:>11}\n", tensor.key, dtypeName(tensor.dtype),
                fmt::format("[{}]", fmt::join(tensor.globalShape, ", ")), byTensor[t].size(),
                bytesText(tensorBytes(t)));
     if (slices)

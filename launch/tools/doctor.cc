@@ -167,6 +167,129 @@ struct Row {
 };
 
 
+// The process groups of the layout, or a DIAGNOSIS on stderr and the error.
+ProcessGroups buildGroups(Runtime& runtime, const Layout& layout, const Options& options) {
+  try {
+    return ProcessGroups::create(runtime.worldPtr(), layout,
+                                 {.deadline = Deadline::afterSeconds(options.deadlineSeconds),
+                                  .warmupBytes = std::min<int64_t>(options.bytes, 1 << 20),
+                                  .localSize = runtime.info().localSize});
+  } catch (const Error& e) {
+    fmt::print(stderr, "bulkhead-doctor: DIAGNOSIS (rank {}): building the process groups failed.\n  {}\n  {}\n",
+               runtime.world().rank(), e.what(),
+               "Fix the rank(s) named above (a stalled or crashed process, a slow or broken link), then run the "
+               "doctor again; the same layout must be passed to every rank.");
+    std::fflush(stderr);
+    throw;
+  }
+}
+
+// Every group of `kind` checked; one row per group with its slowest member's
+// figures (one world all-reduce), and a problem for each wrong result.
+std::vector<Row> checkKind(Runtime& runtime, ProcessGroups& groups, const Layout& layout, GroupKind kind,
+                           const Options& options, std::vector<std::string>& problems) {
+  const CommunicatorPtr& comm = groups.get(kind);
+  const int me = runtime.world().rank();
+  const size_t count = layout.groups(kind).size();
+  // Per group of the kind: create ms, warm ms, op ms, wrong.
+  at::Tensor stats = at::zeros({static_cast<int64_t>(4 * count)}, at::kDouble);
+  if (int index = layout.groupIndex(kind, me); index >= 0) {
+    const GroupReport& mine = groups.report()[static_cast<size_t>(kind)];
+    Measured measured;
+    if (comm->size() > 1) {
+      try {
+        measured = measure(*comm, kind, options.bytes, options.iterations,
+                           Deadline::afterSeconds(options.deadlineSeconds));
+      } catch (const Error& e) {
+        fmt::print(stderr, "bulkhead-doctor: DIAGNOSIS (rank {}): group {} failed its check.\n  {}\n", me,
+                   comm->name(), e.what());
+        std::fflush(stderr);
+        throw;
+      }
+    }
+    double* s = stats.data_ptr<double>() + 4 * index;
+    s[0] = mine.createMs;
+    s[1] = mine.warmMs;
+    s[2] = measured.medianMs;
+    s[3] = measured.ok ? 0 : 1;
+  }
+  runtime.cpuWorld()
+      .allReduce(stats, {.op = ReduceOp::Max, .deadline = Deadline::afterSeconds(options.deadlineSeconds)})
+      ->wait();
+  std::vector<Row> ofKind;
+  for (size_t g = 0; g < count; ++g) {
+    const double* s = stats.data_ptr<double>() + 4 * g;
+    Row row{.name = fmt::format("{}[{}]", toString(kind), g),
+            .size = static_cast<int>(layout.groups(kind)[g].size()),
+            .createMs = s[0], .warmMs = s[1], .opMs = s[2], .ok = s[3] == 0};
+    row.bytes = row.size > 1 ? std::max<int64_t>(row.size, options.bytes / 4 / row.size * row.size) * 4 : 0;
+    if (kind == GroupKind::Pp) row.bytes *= 2;  // a message forward and one backward
+    row.check = checkName(kind);
+    if (!row.ok)
+      problems.push_back(fmt::format("{} (ranks {}) returned a WRONG {} result: check its links and GPUs", row.name,
+                                     fmt::join(layout.groups(kind)[g], ","), checkName(kind)));
+    ofKind.push_back(row);
+  }
+  return ofKind;
+}
+
+// Same kind means same size and same traffic: a group under kSlowFraction of
+// its kind's median bandwidth is a problem.
+void flagSlow(const Layout& layout, GroupKind kind, const std::vector<Row>& ofKind,
+              std::vector<std::string>& problems) {
+  std::vector<double> speeds;
+  for (const Row& row : ofKind)
+    if (row.size > 1) speeds.push_back(row.gbps());
+  if (speeds.size() < 2) return;
+  const double typical = median(speeds);
+  for (size_t g = 0; g < ofKind.size(); ++g) {
+    const Row& row = ofKind[g];
+    if (row.size > 1 && row.gbps() < kSlowFraction * typical)
+      problems.push_back(fmt::format(
+          "{} (ranks {}) is SLOW: {:.3f} GB/s, under {:.0f}% of the median {:.3f} GB/s of the {} {} groups; "
+          "look for a degraded link, a busy or throttled GPU, or a rank placed on another node",
+          row.name, fmt::join(layout.groups(kind)[g], ","), row.gbps(), kSlowFraction * 100, typical,
+          speeds.size(), toString(kind)));
+  }
+}
+
+// The first kRowsPerKind rows of a kind as they are, the rest folded into one
+// row with the worst of each figure.
+void appendFolded(const std::vector<Row>& ofKind, GroupKind kind, std::vector<Row>& rows) {
+  for (size_t g = 0; g < ofKind.size() && g < kRowsPerKind; ++g) rows.push_back(ofKind[g]);
+  if (ofKind.size() <= kRowsPerKind) return;
+  const size_t g = kRowsPerKind;
+  Row rest{.name = fmt::format("{}[{}..{}]", toString(kind), g, ofKind.size() - 1), .size = ofKind[g].size};
+  for (size_t h = g; h < ofKind.size(); ++h) {
+    rest.createMs = std::max(rest.createMs, ofKind[h].createMs);
+    rest.warmMs = std::max(rest.warmMs, ofKind[h].warmMs);
+    rest.opMs = std::max(rest.opMs, ofKind[h].opMs);
+    rest.ok = rest.ok && ofKind[h].ok;
+  }
+  rest.bytes = ofKind[g].bytes;
+  rest.check = ofKind[g].check;
+  rows.push_back(rest);
+}
+
+void printReport(const std::vector<Row>& rows, const std::vector<std::string>& problems) {
+  fmt::print("{:<22} {:>5} {:>10} {:>10} {:>11} {:>6} {:>10}\n", "group", "size", "create ms", "warm ms", "check",
+             "ok", "GB/s");
+  for (const Row& row : rows) {
+    const bool traffic = row.size > 1;
+    fmt::print("{:<22} {:>5} {:>10.2f} {:>10.2f} {:>11} {:>6} {:>10}\n", row.name, row.size, row.createMs,
+               row.warmMs, !traffic ? "-" : row.check, !traffic ? "-" : row.ok ? "ok" : "WRONG",
+               traffic ? fmt::format("{:.3f}", row.gbps()) : "-");
+  }
+  if (problems.empty()) {
+    fmt::print("all {} groups built and correct; none under {:.0f}% of the median bandwidth of its kind\n",
+               rows.size(), kSlowFraction * 100);
+  } else {
+    fmt::print("bulkhead-doctor: DIAGNOSIS: {} problem{}:\n", problems.size(), problems.size() > 1 ? "s" : "");
+    for (const std::string& problem : problems) fmt::print("  {}\n", problem);
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -179,10 +302,9 @@ int main(int argc, char** argv) {
   return guardedMain([&] {
     auto runtime = init({.backend = options.backend, .deadline = Deadline::afterSeconds(options.deadlineSeconds)});
     Communicator& world = runtime->world();
-    Communicator& cpuWorld = runtime->cpuWorld();
-    int me = world.rank();
-    Layout layout = Layout::create(world.size(), options.layout);
-    uint64_t firstSplit = world.ledger().heads().lastIssued + 1;
+    const int me = world.rank();
+    const Layout layout = Layout::create(world.size(), options.layout);
+    const uint64_t firstSplit = world.ledger().heads().lastIssued + 1;
     if (me == 0) {
       fmt::print("bulkhead-doctor: {} ranks, backend {}, {} bytes per rank, {} iterations\n{}\n", world.size(),
                  world.backend(), options.bytes, options.iterations, layout.describe());
@@ -190,124 +312,15 @@ int main(int argc, char** argv) {
                  firstSplit + allGroupKinds().size() - 1);
       std::fflush(stdout);
     }
-
-    std::optional<ProcessGroups> built;
-    try {
-      built = ProcessGroups::create(runtime->worldPtr(), layout,
-                                    {.deadline = Deadline::afterSeconds(options.deadlineSeconds),
-                                     .warmupBytes = std::min<int64_t>(options.bytes, 1 << 20),
-                                     .localSize = runtime->info().localSize});
-    } catch (const Error& e) {
-      fmt::print(stderr,
-                 "bulkhead-doctor: DIAGNOSIS (rank {}): building the process groups failed.\n  {}\n  {}\n", me,
-                 e.what(),
-                 "Fix the rank(s) named above (a stalled or crashed process, a slow or broken link), then run the "
-                 "doctor again; the same layout must be passed to every rank.");
-      std::fflush(stderr);
-      throw;
-    }
-    ProcessGroups& groups = *built;
-
+    ProcessGroups groups = buildGroups(*runtime, layout, options);
     std::vector<Row> rows;
     std::vector<std::string> problems;
     for (GroupKind kind : allGroupKinds()) {
-      const CommunicatorPtr& comm = groups.get(kind);
-      size_t count = layout.groups(kind).size();
-      // Per group of the kind: create ms, warm ms, op ms, wrong; the max over
-      // its members (the slowest rank), through one world all-reduce.
-      at::Tensor stats = at::zeros({static_cast<int64_t>(4 * count)}, at::kDouble);
-      int index = layout.groupIndex(kind, me);
-      if (index >= 0) {
-        const GroupReport& mine = groups.report()[static_cast<size_t>(kind)];
-        Measured measured;
-        if (comm->size() > 1) {
-          try {
-            measured = measure(*comm, kind, options.bytes, options.iterations,
-                               Deadline::afterSeconds(options.deadlineSeconds));
-          } catch (const Error& e) {
-            fmt::print(stderr, "bulkhead-doctor: DIAGNOSIS (rank {}): group {} failed its check.\n  {}\n", me,
-                       comm->name(), e.what());
-            std::fflush(stderr);
-            throw;
-          }
-        }
-        double* s = stats.data_ptr<double>() + 4 * index;
-        s[0] = mine.createMs;
-        s[1] = mine.warmMs;
-        s[2] = measured.medianMs;
-        s[3] = measured.ok ? 0 : 1;
-      }
-      cpuWorld.allReduce(stats, {.op = ReduceOp::Max, .deadline = Deadline::afterSeconds(options.deadlineSeconds)})
-          ->wait();
-
-      std::vector<Row> ofKind;
-      for (size_t g = 0; g < count; ++g) {
-        const double* s = stats.data_ptr<double>() + 4 * g;
-        Row row{.name = fmt::format("{}[{}]", toString(kind), g),
-                .size = static_cast<int>(layout.groups(kind)[g].size()),
-                .createMs = s[0], .warmMs = s[1], .opMs = s[2], .ok = s[3] == 0};
-        row.bytes = row.size > 1 ? std::max<int64_t>(row.size, options.bytes / 4 / row.size * row.size) * 4 : 0;
-        if (kind == GroupKind::Pp) row.bytes *= 2;  // a message forward and one backward
-        row.check = checkName(kind);
-        if (!row.ok)
-          problems.push_back(fmt::format("{} (ranks {}) returned a WRONG {} result: check its links and GPUs",
-                                         row.name, fmt::join(layout.groups(kind)[g], ","),
-                                         checkName(kind)));
-        ofKind.push_back(row);
-      }
-      // Same kind means same size and same traffic: compare within the kind.
-      std::vector<double> speeds;
-      for (const Row& row : ofKind)
-        if (row.size > 1) speeds.push_back(row.gbps());
-      if (speeds.size() >= 2) {
-        double typical = median(speeds);
-        for (const Row& row : ofKind)
-          if (row.size > 1 && row.gbps() < kSlowFraction * typical)
-            problems.push_back(fmt::format(
-                "{} (ranks {}) is SLOW: {:.3f} GB/s, under {:.0f}% of the median {:.3f} GB/s of the {} {} groups; "
-                "look for a degraded link, a busy or throttled GPU, or a rank placed on another node",
-                row.name, fmt::join(layout.groups(kind)[static_cast<size_t>(&row - ofKind.data())], ","),
-                row.gbps(), kSlowFraction * 100, typical, speeds.size(), toString(kind)));
-      }
-      for (size_t g = 0; g < ofKind.size(); ++g) {
-        if (g < kRowsPerKind) {
-          rows.push_back(ofKind[g]);
-        } else {
-          Row rest{.name = fmt::format("{}[{}..{}]", toString(kind), g, ofKind.size() - 1), .size = ofKind[g].size};
-          double slowest = 0;
-          for (size_t h = g; h < ofKind.size(); ++h) {
-            rest.createMs = std::max(rest.createMs, ofKind[h].createMs);
-            rest.warmMs = std::max(rest.warmMs, ofKind[h].warmMs);
-            slowest = std::max(slowest, ofKind[h].opMs);
-            rest.ok = rest.ok && ofKind[h].ok;
-          }
-          rest.opMs = slowest;
-          rest.bytes = ofKind[g].bytes;
-          rest.check = ofKind[g].check;
-          rows.push_back(rest);
-          break;
-        }
-      }
+      const std::vector<Row> ofKind = checkKind(*runtime, groups, layout, kind, options, problems);
+      flagSlow(layout, kind, ofKind, problems);
+      appendFolded(ofKind, kind, rows);
     }
-
-    if (me == 0) {
-      fmt::print("{:<22} {:>5} {:>10} {:>10} {:>11} {:>6} {:>10}\n", "group", "size", "create ms", "warm ms",
-                 "check", "ok", "GB/s");
-      for (const Row& row : rows) {
-        bool traffic = row.size > 1;
-        fmt::print("{:<22} {:>5} {:>10.2f} {:>10.2f} {:>11} {:>6} {:>10}\n", row.name, row.size, row.createMs,
-                   row.warmMs, !traffic ? "-" : row.check,
-                   !traffic ? "-" : row.ok ? "ok" : "WRONG", traffic ? fmt::format("{:.3f}", row.gbps()) : "-");
-      }
-      if (problems.empty()) {
-        fmt::print("all {} groups built and correct; none under {:.0f}% of the median bandwidth of its kind\n",
-                   rows.size(), kSlowFraction * 100);
-      } else {
-        fmt::print("bulkhead-doctor: DIAGNOSIS: {} problem{}:\n", problems.size(), problems.size() > 1 ? "s" : "");
-        for (const std::string& problem : problems) fmt::print("  {}\n", problem);
-      }
-      std::fflush(stdout);
-    }
+    if (me == 0) printReport(rows, problems);
     runtime->shutdown();
     return problems.empty() ? 0 : 1;
   });

@@ -1,5 +1,5 @@
 #pragma once
-// CUDA kernels behind moe::groupByKey (moe/routes.h), on raw pointers so
+// CUDA kernels behind moe::groupByKey (moe/dispatch_routes.h), on raw pointers so
 // this header and its .cu need no libtorch. Launched on `stream`; they never
 // synchronize.
 //

@@ -1,8 +1,8 @@
 #pragma once
-// CUDA kernels behind the dispatcher's planning and packing (moe/routes.h),
+// CUDA kernels behind the dispatcher's planning and packing (moe/dispatch_routes.h),
 // on raw pointers so this header and its .cu need no libtorch. Launched on
 // `stream`; they never synchronize. Their results equal the ATen forms' in
-// moe/routes.cc bit for bit.
+// moe/dispatch_routes.cc bit for bit.
 //
 // Slots: indices [T, k] (global expert ids) and keep [T, k]. With L local
 // experts per rank, slot (t, j) goes to rank indices / L as local expert

@@ -395,7 +395,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   [[noreturn]] void timeout(const Op& op) {
     double waited = secondsSince(op.issuedAt);
     Diagnosis diagnosis = monitor() ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
-                                    : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited, ""), false};
+                                    : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited), false};
     std::string message = diagnosis.message + " The communicator is aborted; restart from the last checkpoint.";
     log::error("comm", "{}", message);
     {
@@ -433,7 +433,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
     Injected injected = injectFault(op->fingerprint);
     if (injected == Injected::Skip) return false;
-    op->stalled = injected == Injected::Stall;
+    op->stalled = injected == Injected::Altered;
     op->seq = ledger_->issue(op->fingerprint);
     checkStrict(op->seq, op->fingerprint, op->deadline);
     return true;

@@ -333,7 +333,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   [[noreturn]] void timeout(const PendingOp& op) {
     double waited = secondsSince(op.issuedAt);
     Diagnosis diagnosis = monitor() ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
-                                    : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited, ""), false};
+                                    : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited), false};
     std::string message = diagnosis.message +
                           " MPI cannot cancel it: the communicator is aborted and this process exits with code 3 at "
                           "shutdown.";
@@ -372,7 +372,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
     Injected injected = injectFault(op->fingerprint);
     if (injected == Injected::Skip) return fault::skippedWork();
-    op->stalled = injected == Injected::Stall;
+    op->stalled = injected == Injected::Altered;
     op->seq = ledger_->issue(op->fingerprint);
     checkStrict(op->seq, op->fingerprint, op->deadline);
     std::lock_guard<std::mutex> pendingLock(mutex_);

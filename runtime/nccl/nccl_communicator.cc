@@ -173,7 +173,7 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   cudaStream_t cudaStream = streamFor(stream);
   Injected injected = injectFault(op->fingerprint);
   if (injected == Injected::Skip) return fault::skippedWork();
-  op->stalled = injected == Injected::Stall;
+  op->stalled = injected == Injected::Altered;
   DeviceGuard guard(device_);
   std::unique_lock<std::mutex> lock(enqueueMutex_);
   ensureUsable();

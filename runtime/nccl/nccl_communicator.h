@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/cuda_device.h"
 #include "runtime/nccl/nccl_backend.h"
 #include "runtime/nccl/nccl_check.h"
 
@@ -48,16 +49,7 @@ struct NcclOp {
   std::atomic<bool> timingOut{false};  // claimed by the one thread that explains its timeout
 };
 
-// Sets the current CUDA device for a scope and restores the caller's.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device);
-  ~DeviceGuard();
-
- private:
-  int previous_ = -1;
-  bool changed_ = false;
-};
+using cuda::DeviceGuard;  // runtime/cuda_device.h
 
 // Polls a non-blocking communicator until its init, split or enqueue has
 // finished. False on expiry; CommError if NCCL reports an error.

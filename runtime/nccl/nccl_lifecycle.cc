@@ -111,14 +111,6 @@ NcclOp::~NcclOp() {
   if (done && events && status == OpStatus::Completed) events->give(done);
 }
 
-DeviceGuard::DeviceGuard(int device) {
-  if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) changed_ = cudaSetDevice(device) == cudaSuccess;
-}
-
-DeviceGuard::~DeviceGuard() {
-  if (changed_) cudaSetDevice(previous_);
-}
-
 int deviceCount() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -341,7 +333,7 @@ void NcclCommunicator::timeout(NcclOp& op) {
   }
   double waited = secondsSince(op.issuedAt);
   Diagnosis diagnosis = monitor() && !aborted_ ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
-                                               : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited, ""),
+                                               : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited),
                                                            false};
   std::string message =
       diagnosis.message + " The communicator is aborted (ncclCommAbort) and refuses further operations.";

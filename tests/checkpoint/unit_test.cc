@@ -294,6 +294,9 @@ TEST_CASE("fault specs parse, and a malformed one is a ConfigError showing the f
   CHECK_THROWS_AS(fault::parse("rank=1,action=explode"), ConfigError);
   CHECK_THROWS_AS(fault::parse("action=exit"), ConfigError);
   CHECK_THROWS_AS(fault::parse("rank=x,action=exit"), ConfigError);
+  CHECK_THROWS_AS(fault::parse("rank=1,action=stall"), ConfigError);      // stall needs its seconds
+  CHECK_THROWS_AS(fault::parse("rank=1,action=exit:3"), ConfigError);     // exit takes none
+  CHECK_THROWS_AS(fault::parse("rank=1,rank=2,action=exit"), ConfigError);
 }
 
 TEST_CASE("one rank saves and loads through a file store; folder names carry the step and the job") {

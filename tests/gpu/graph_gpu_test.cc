@@ -193,7 +193,7 @@ TEST_CASE("NCCL collectives captured in a graph replay on every rank; one captur
     INFO(text);
     CHECK(text.find("checked region 'graph-extra' #1") != std::string::npos);
     CHECK(text.find("diverged at collective 2 of the region") != std::string::npos);
-    CHECK(text.find(fmt::format("rank {} issued all_reduce fp32 [1024] sum", n - 1)) != std::string::npos);
+    CHECK(text.find(fmt::format("rank {} issued all_reduce float32 [1024] sum", n - 1)) != std::string::npos);
   }
   extra->abort("a capture check failed");
 }

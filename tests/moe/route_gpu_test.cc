@@ -1,4 +1,4 @@
-// The dispatcher's planning, packing and expansion kernels (moe/routes.h,
+// The dispatcher's planning, packing and expansion kernels (moe/dispatch_routes.h,
 // gatherRows) against the ATen forms the CPU runs, on one GPU: equal values,
 // bit for bit. Part of bulkhead_moe_gpu_tests (its main skips without a GPU).
 #include <ATen/ATen.h>
@@ -9,7 +9,7 @@
 
 #include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
-#include "moe/routes.h"
+#include "moe/dispatch_routes.h"
 #include "tests/catch_compat.h"
 #include "tests/support/inputs.h"
 

@@ -86,7 +86,7 @@ TEST_CASE("non-contiguous, undefined and mis-sized tensors are rejected") {
   rejectsBeforeCommunicating([&] { world().allGather(at::ones({3}), at::empty({3 * n + 1})); }, "elements");
   rejectsBeforeCommunicating([&] { world().reduceScatter(at::ones({3 * n + 1}), at::empty({3})); }, "elements");
   rejectsBeforeCommunicating([&] { world().allGather(at::ones({3}), at::empty({3 * n}, at::kDouble)); },
-                             "input is fp32 but output is fp64");
+                             "input is float32 but output is float64");
   rejectsBeforeCommunicating([&] { world().allToAll(at::ones({n, 2}), at::empty({n, 3}), {}, {}); },
                              "rows differ");
 }

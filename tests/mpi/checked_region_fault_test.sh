@@ -24,10 +24,10 @@ code=$?
 others="ranks $(seq -s, 0 $((odd - 1)))"
 [ "$odd" -eq 1 ] && others="rank 0"
 case $mode in
-  mismatch-op)   want="collective 3 of the region: $others issued all_reduce fp32 \[1024\] sum (seq 6); rank $odd issued broadcast fp32 \[1024\] root 0 (seq 6)" ;;
-  mismatch-size) want="collective 3 of the region: $others issued all_reduce fp32 \[1024\] sum (seq 6); rank $odd issued all_reduce fp32 \[1025\] sum (seq 6)" ;;
-  skip)          want="collective 3 of the region: $others issued all_reduce fp32 \[1024\] sum (seq 6); rank $odd issued all_to_all fp32 \[$((8 * ranks)) x 16\]" ;;
-  extra)         want="collective 6 of the region: $others issued nothing there (no more than 5 collectives on this group in the region); rank $odd issued all_reduce fp32 \[32\] sum (seq 9)" ;;
+  mismatch-op)   want="collective 3 of the region: $others issued all_reduce float32 \[1024\] sum (seq 6); rank $odd issued broadcast float32 \[1024\] root 0 (seq 6)" ;;
+  mismatch-size) want="collective 3 of the region: $others issued all_reduce float32 \[1024\] sum (seq 6); rank $odd issued all_reduce float32 \[1025\] sum (seq 6)" ;;
+  skip)          want="collective 3 of the region: $others issued all_reduce float32 \[1024\] sum (seq 6); rank $odd issued all_to_all float32 \[$((8 * ranks)) x 16\]" ;;
+  extra)         want="collective 6 of the region: $others issued nothing there (no more than 5 collectives on this group in the region); rank $odd issued all_reduce float32 \[32\] sum (seq 9)" ;;
 esac
 for ((r = 0; r < ranks; r++)); do
   file="$out/rank_$r.txt"

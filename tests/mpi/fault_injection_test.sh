@@ -37,11 +37,11 @@ echo "job exited with code $code after $elapsed_ms ms"
 case $action in
   skip | delay:*) kind=TimeoutError want="rank $guilty last completed seq 3 and never issued seq 4" ;;
   exit) kind=TimeoutError want="rank $guilty is dead" ;;
-  mismatch-op) kind=DesyncError want="rank $guilty issued broadcast fp32 \[4096\]" ;;
-  mismatch-size) kind=DesyncError want="rank $guilty issued all_reduce fp32 \[4097\]" ;;
+  mismatch-op) kind=DesyncError want="rank $guilty issued broadcast float32 \[4096\]" ;;
+  mismatch-size) kind=DesyncError want="rank $guilty issued all_reduce float32 \[4097\]" ;;
 esac
 limit=4.0
-if [ "$strict" = 1 ]; then limit=1.0; want="rank $guilty issues all_reduce fp32 \[4097\]"; fi
+if [ "$strict" = 1 ]; then limit=1.0; want="rank $guilty issues all_reduce float32 \[4097\]"; fi
 for ((r = 0; r < ranks; r++)); do
   [ "$r" -eq "$guilty" ] && continue
   file="$out/rank_$r.txt"

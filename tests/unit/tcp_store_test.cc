@@ -25,8 +25,8 @@ namespace {
 auto seconds(double value) { return Deadline::afterSeconds(value); }
 
 // A plain blocking socket to the server, reads bounded to 3 s.
-net::FileDescriptor rawConnect(uint16_t port) {
-  net::FileDescriptor fd(::socket(AF_INET, SOCK_STREAM, 0));
+Fd rawConnect(uint16_t port) {
+  Fd fd(::socket(AF_INET, SOCK_STREAM, 0));
   REQUIRE(fd.valid());
   sockaddr_in address{};
   address.sin_family = AF_INET;
@@ -86,7 +86,7 @@ std::string hello(const std::string& token) {
 
 // A port on 127.0.0.1 that nobody listens on: bound, then released.
 uint16_t closedPort() {
-  net::FileDescriptor probe = net::listenOn("127.0.0.1", 0, 1);
+  Fd probe = net::listenOn("127.0.0.1", 0, 1);
   return net::localPort(probe.get());
 }
 
@@ -125,7 +125,7 @@ TEST_CASE("an oversized frame is refused from its header, its connection closed,
   TcpStoreClient good({.port = server.port(), .token = token, .maxMessageBytes = kLimit});
   checkServes(good, rng);
   for (uint32_t announced : {uint32_t(kLimit + 1), uint32_t(0xfffffff0)}) {
-    net::FileDescriptor raw = rawConnect(server.port());
+    Fd raw = rawConnect(server.port());
     std::string header(wire::kHeaderBytes, '\0');
     std::string frame = hello(token);  // the header of a frame: magic, then the announced length
     header.replace(0, 4, frame.substr(0, 4));
@@ -177,7 +177,7 @@ TEST_CASE("random bytes, a garbled body or a request before hello are refused an
   };
   for (const Case& bad : cases) {
     INFO(bad.what);
-    net::FileDescriptor raw = rawConnect(harness.server.port());
+    Fd raw = rawConnect(harness.server.port());
     rawSend(raw.get(), bad.bytes);
     bool closed = false;
     std::vector<std::string> replies = frames(readUntilClosed(raw.get(), closed));
@@ -200,7 +200,7 @@ TEST_CASE("a client of a port where nobody listens raises TimeoutError within th
 }
 
 TEST_CASE("a client of a socket that listens but never accepts raises TimeoutError within the deadline") {
-  net::FileDescriptor silent = net::listenOn("127.0.0.1", 0, 4);
+  Fd silent = net::listenOn("127.0.0.1", 0, 4);
   uint16_t port = net::localPort(silent.get());
   TcpStoreClient client({.port = port, .token = "t"});
   auto [error, elapsed] = expectError<TimeoutError>([&] { client.set("k", "v", seconds(0.4)); });
@@ -285,7 +285,7 @@ TEST_CASE("the server holds more connections than a poll loop's old cap of 4,096
     return;
   }
   std::mt19937_64 rng(4097);
-  std::vector<net::FileDescriptor> sockets;
+  std::vector<Fd> sockets;
   std::vector<std::string> keys, values;
   for (int i = 0; i < connections; ++i) {
     keys.push_back(fmt::format("alive/{}", i));

@@ -15,7 +15,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "moe/differentiable.h"
+#include "moe/all_to_all_autograd.h"
 #include "moe/router.h"
 
 namespace bulkhead::moe {

@@ -1,4 +1,4 @@
-#include "moe/routes.h"
+#include "moe/dispatch_routes.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

@@ -1,4 +1,4 @@
-#include "moe/differentiable.h"
+#include "moe/all_to_all_autograd.h"
 
 #include "moe/gather_sum.h"
 #include "parallel/tensor_parallel.h"
