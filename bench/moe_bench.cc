@@ -19,7 +19,7 @@
 // the routed path against the same layer running it in line, in R alternating
 // rounds in this one process; prints each round and the medians, then stops.
 //
-// The raw reference is bare NCCL (runtime/nccl/raw_nccl.h): no ledger,
+// The raw reference is bare NCCL (bench/raw_nccl.h): no ledger,
 // watchdog or per-operation deadline.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -54,7 +54,7 @@
 #include "runtime/cuda_graph.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "runtime/nccl/raw_nccl.h"
+#include "bench/raw_nccl.h"
 
 using namespace bulkhead;
 

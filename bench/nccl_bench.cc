@@ -4,7 +4,7 @@
 //
 //   mpirun -np 2 bulkhead-nccl-bench [--max-bytes 1G] [--out bench/results/nccl.md]
 //
-// The reference is bare NCCL (runtime/nccl/raw_nccl.h): no ledger, watchdog or
+// The reference is bare NCCL (bench/raw_nccl.h): no ledger, watchdog or
 // per-operation deadline.
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
@@ -22,7 +22,7 @@
 #include "bench/bench_check.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "runtime/nccl/raw_nccl.h"
+#include "bench/raw_nccl.h"
 
 using namespace bulkhead;
 

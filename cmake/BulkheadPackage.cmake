@@ -1,16 +1,45 @@
 # install() rules and an exported package: a custom trainer does
 #   find_package(Bulkhead REQUIRED)
-#   target_link_libraries(trainer PRIVATE bulkhead::launch)
+#   target_link_libraries(trainer PRIVATE bulkhead::bulkhead)
 include(CMakePackageConfigHelpers)
 
-install(TARGETS bulkhead_runtime bulkhead_parallel bulkhead_moe bulkhead_optim bulkhead_checkpoint bulkhead_launch
+install(TARGETS bulkhead bulkhead_runtime bulkhead_parallel bulkhead_moe bulkhead_optim bulkhead_checkpoint
+                bulkhead_launch
         EXPORT BulkheadTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-foreach(folder runtime parallel moe optim checkpoint launch)
-  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${folder}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/bulkhead/${folder}
-          FILES_MATCHING PATTERN "*.h")
+
+# The public API: the headers a trainer may include, each of which compiles on
+# its own (tests/package checks both). Every other header is internal to its
+# library (a backend's error conversion, a kernel's launcher, a save's steps)
+# and is not installed: runtime/nccl/nccl_communicator.h, nccl_check.h,
+# runtime/mpi/mpi_check.h, runtime/gloo/gloo_check.h, gloo_context.h,
+# runtime/cuda_device.h, parallel/layout_grid.h, tensor_parallel_detail.h,
+# moe/kernel_support.h, moe/cuda/*, optim/parameter_checks.h,
+# checkpoint/save_job.h, box.h.
+set(BULKHEAD_PUBLIC_HEADERS
+  runtime/backoff.h runtime/checked_region.h runtime/communicator.h runtime/cpu_share.h runtime/cuda_graph.h
+  runtime/deadline.h runtime/diagnosis.h runtime/dtype.h runtime/env.h runtime/errors.h runtime/fault.h
+  runtime/fault_spec.h runtime/fd.h runtime/file_store.h runtime/gloo/gloo_backend.h runtime/host_staged.h
+  runtime/ledger.h runtime/log.h runtime/monitor.h runtime/monitor_record.h runtime/mpi/mpi_backend.h
+  runtime/nccl/nccl_backend.h runtime/node_relay.h runtime/op_checks.h runtime/prefix_store.h
+  runtime/progress_bar.h runtime/socket.h runtime/store.h runtime/store_protocol.h runtime/tcp_store.h
+  parallel/grad_sync.h parallel/layout.h parallel/linear.h parallel/parameter.h parallel/pipeline.h
+  parallel/pipeline_schedule.h parallel/process_groups.h parallel/shard_init.h parallel/tensor_parallel.h
+  parallel/topology_checks.h parallel/vocab_parallel.h
+  moe/all_to_all_autograd.h moe/dispatch_routes.h moe/dispatcher.h moe/experts.h moe/gather_sum.h moe/moe_layer.h
+  moe/router.h moe/router_scores.h moe/static_dispatch.h moe/swiglu.h
+  optim/adamw.h optim/clip.h optim/distributed_optimizer.h optim/fused_update.h optim/lr_schedule.h
+  optim/shard_layout.h
+  checkpoint/checkpointer.h checkpoint/checksum.h checkpoint/chunking.h checkpoint/commit.h checkpoint/convert.h
+  checkpoint/dtype.h checkpoint/fault.h checkpoint/folder.h checkpoint/fs.h checkpoint/hdf5.h checkpoint/inspect.h
+  checkpoint/key_map.h checkpoint/manifest.h checkpoint/parallel_for.h checkpoint/rank_file.h checkpoint/reader.h
+  checkpoint/safetensors.h checkpoint/staging.h checkpoint/state_dict.h checkpoint/tensor_reader.h
+  launch/bootstrap.h launch/cli.h launch/init.h launch/rendezvous.h launch/world.h)
+foreach(header ${BULKHEAD_PUBLIC_HEADERS})
+  get_filename_component(folder ${header} DIRECTORY)
+  install(FILES ${PROJECT_SOURCE_DIR}/${header} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/bulkhead/${folder})
 endforeach()
 install(EXPORT BulkheadTargets NAMESPACE bulkhead:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/Bulkhead)
 

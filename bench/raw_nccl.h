@@ -3,7 +3,7 @@
 // against (its nccl backend, the MoE dispatcher). Calls are enqueued on the
 // given stream exactly as NCCL does them: no ledger, no watchdog, no
 // per-operation deadline. Only bootstrap is bounded. Not for training.
-// This header does not include nccl.h; only runtime/nccl sees it.
+// This header does not include nccl.h; bench/raw_nccl.cc does.
 
 #include <ATen/core/Tensor.h>
 

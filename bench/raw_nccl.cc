@@ -1,4 +1,4 @@
-#include "runtime/nccl/raw_nccl.h"
+#include "bench/raw_nccl.h"
 
 #include <fmt/format.h>
 
