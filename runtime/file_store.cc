@@ -36,7 +36,9 @@ constexpr const char* kLockFileName = "lock";
 
 // Serialises this process's writers: flock does not exclude threads of one
 // process on file systems that emulate it with fcntl locks (NFS).
-std::timed_mutex processWriters;
+// Polled with try_lock, as flock is, so that the wait is bounded by the deadline
+// without pthread_mutex_clocklock (which ThreadSanitizer does not see).
+std::mutex processWriters;
 
 }  // namespace
 
@@ -49,9 +51,12 @@ class FileStore::WriteLock {
     auto started = Clock::now();
     if (fd_.get() < 0) raiseIoError(fmt::format("opening the lock file of store {}", store.describe()), errno,
                                     store.options_.rank);
-    bool locked = deadline.isNever() ? (processWriters.lock(), true) : processWriters.try_lock_until(deadline.when());
-    if (!locked) timeout(store, subject, started);
     Backoff backoff(store.options_.pollCap);
+    if (deadline.isNever()) processWriters.lock();
+    while (!deadline.isNever() && !processWriters.try_lock()) {
+      if (deadline.expired()) timeout(store, subject, started);
+      backoff.pause(deadline);
+    }
     while (::flock(fd_.get(), LOCK_EX | LOCK_NB) != 0) {
       int error = errno;
       if (error != EWOULDBLOCK && error != EINTR) {
