@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Builds only what a sanitizer run needs (a build folder of its own, no NCCL)
+# and runs it:
+#   .ci/sanitize.sh address   the unit tests (store protocol, fault specs, env, layouts, ledger), the checkpoint
+#                             unit tests (hostile safetensors and manifests) and the checkpoint corruption test on
+#                             4 ranks, under AddressSanitizer and UndefinedBehaviorSanitizer
+#   .ci/sanitize.sh thread    the store, store server, client, node relay, monitor and ledger tests under
+#                             ThreadSanitizer
+# Any report fails the run. BULKHEAD_BUILD_DIR (default build) names the main build; this one is <it>-<kind>.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. cmake/torch-prefix.sh
+kind=${1:?usage: .ci/sanitize.sh address|thread}
+build=${BULKHEAD_BUILD_DIR:-build}-$kind
+if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+prefix=$(torch_cmake_prefix)
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="-O0" -DBULKHEAD_SANITIZE="$kind" \
+  -DBULKHEAD_NCCL=OFF ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"} >/dev/null
+bin=$build/bin
+case "$kind" in
+  address)
+    cmake --build "$build" -j "$(nproc)" --target bulkhead_unit_tests bulkhead_checkpoint_unit_tests \
+      bulkhead_checkpoint_mpi_tests
+    # Leaks at exit are libtorch's and Open MPI's, not reports about Bulkhead's memory use.
+    export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1
+    export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+    "$bin/bulkhead_unit_tests"
+    "$bin/bulkhead_checkpoint_unit_tests"
+    BULKHEAD_COLLECTIVE_TIMEOUT=120 mpirun --oversubscribe -np 4 -x ASAN_OPTIONS -x UBSAN_OPTIONS \
+      "$bin/bulkhead_checkpoint_mpi_tests" "every kind of damage*"
+    ;;
+  thread)
+    cmake --build "$build" -j "$(nproc)" --target bulkhead_unit_tests
+    export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/.ci/tsan.supp"
+    "$bin/bulkhead_unit_tests" "[store],*server*,*client*,*relay*,*ledger*,*thread*"
+    ;;
+  *)
+    echo "usage: .ci/sanitize.sh address|thread" >&2
+    exit 2
+    ;;
+esac
+echo "sanitize: $kind: passed"
