@@ -6,8 +6,9 @@
 
 #include "runtime/errors.h"
 
-#define BENCH_CHECK(call)                                                                                     \
-  do {                                                                                                        \
-    auto rc = (call);                                                                                         \
-    if (rc != decltype(rc){}) throw bulkhead::CommError(fmt::format("{} failed with {}", #call, static_cast<int>(rc))); \
+#define BENCH_CHECK(call)                                                                       \
+  do {                                                                                          \
+    auto rc = (call);                                                                           \
+    if (rc != decltype(rc){})                                                                   \
+      throw bulkhead::CommError(fmt::format("{} failed with {}", #call, static_cast<int>(rc))); \
   } while (0)

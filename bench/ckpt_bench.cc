@@ -130,7 +130,8 @@ int main(int argc, char** argv) {
     if (options.phase == "save") {
       auto reserving = std::chrono::steady_clock::now();
       ckpt->reserve(state);  // the staging memory, once, before the first save
-      double reserve = slowest(*runtime, std::chrono::duration<double>(std::chrono::steady_clock::now() - reserving).count());
+      double reserve =
+          slowest(*runtime, std::chrono::duration<double>(std::chrono::steady_clock::now() - reserving).count());
       if (rank == 0) std::printf("BULKHEAD_RESULT phase=reserve seconds=%.4f\n", reserve);
       for (int i = 0; i < options.iters; ++i) {
         sync(*runtime);
@@ -151,10 +152,12 @@ int main(int argc, char** argv) {
       auto started = std::chrono::steady_clock::now();
       LoadResult loaded = ckpt->load(state);
       sync(*runtime);
-      double seconds = slowest(*runtime, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+      double seconds =
+          slowest(*runtime, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
       StateDict expected = expectedAfterLoad(options, rank, world, savedWorld, runtime->device());
       bool equal = true;
-      for (size_t i = 0; i < state.tensors.size(); ++i) equal = equal && at::equal(state.tensors[i].local, expected.tensors[i].local);
+      for (size_t i = 0; i < state.tensors.size(); ++i)
+        equal = equal && at::equal(state.tensors[i].local, expected.tensors[i].local);
       double allEqual = -slowest(*runtime, equal ? -1.0 : 0.0);
       if (rank == 0)
         std::printf("BULKHEAD_RESULT phase=load step=%lld seconds=%.4f bytes=%lld equal=%d saved_world=%d world=%d\n",

@@ -42,7 +42,8 @@ int main(int argc, char** argv) {
       if (!groupsOut.empty()) {
         nlohmann::json json = nlohmann::json::array();
         for (GroupKind kind : allGroupKinds())
-          for (const auto& members : layout.groups(kind)) json.push_back({{"kind", toString(kind)}, {"ranks", members}});
+          for (const auto& members : layout.groups(kind))
+            json.push_back({{"kind", toString(kind)}, {"ranks", members}});
         std::ofstream file(groupsOut);
         file << json.dump() << '\n';
         if (!file) throw IoError(fmt::format("cannot write {}", groupsOut));

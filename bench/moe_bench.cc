@@ -22,11 +22,11 @@
 // The raw reference is bare NCCL (bench/raw_nccl.h): no ledger,
 // watchdog or per-operation deadline.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #if BULKHEAD_TORCH_CUDA
@@ -43,18 +43,18 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_check.h"
+#include "bench/raw_nccl.h"
+#include "bench/timed_communicator.h"
 #include "launch/cli.h"
 #include "launch/init.h"
 #include "moe/all_to_all_autograd.h"
 #include "moe/moe_layer.h"
 #include "moe/static_dispatch.h"
 #include "parallel/process_groups.h"
-#include "bench/bench_check.h"
-#include "bench/timed_communicator.h"
 #include "runtime/cuda_graph.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "bench/raw_nccl.h"
 
 using namespace bulkhead;
 
@@ -156,9 +156,10 @@ AllocatedMb allocatedMb(int device, bool reset = false) {
 }
 
 int main(int argc, char** argv) {
-  cli::App app("The MoE layer's forward + backward step on GPUs (NCCL, bf16), and its exchanges beside raw NCCL "
-               "moving the same rows (bench/run_moe_bench.sh).",
-               "bulkhead-moe-bench");
+  cli::App app(
+      "The MoE layer's forward + backward step on GPUs (NCCL, bf16), and its exchanges beside raw NCCL "
+      "moving the same rows (bench/run_moe_bench.sh).",
+      "bulkhead-moe-bench");
   Options options;
   addFlags(app, options);
   if (auto code = cli::parse(app, argc, argv)) return *code;
@@ -167,15 +168,14 @@ int main(int argc, char** argv) {
     const int ranks = runtime->world().size(), me = runtime->world().rank();
     auto groups = parallel::ProcessGroups::create(runtime->worldPtr(), parallel::LayoutOptions{.ep = ranks});
     const auto tensorOptions = at::TensorOptions().dtype(at::kBFloat16).device(runtime->device());
-    moe::MoEOptions layerOptions{.hidden = options.hidden,
-                                 .ffnHidden = options.ffn,
-                                 .router = {.numExperts = options.experts,
-                                            .topK = options.topK,
-                                            .capacityFactor = options.capacity},
-                                 .oncePerRank = !options.perSlot,
-                                 .sharedExpertHidden = options.sharedFfn,
-                                 .overlapSharedExpert = !options.sharedInLine,
-                                 .staticShapes = options.graph};
+    moe::MoEOptions layerOptions{
+        .hidden = options.hidden,
+        .ffnHidden = options.ffn,
+        .router = {.numExperts = options.experts, .topK = options.topK, .capacityFactor = options.capacity},
+        .oncePerRank = !options.perSlot,
+        .sharedExpertHidden = options.sharedFfn,
+        .overlapSharedExpert = !options.sharedInLine,
+        .staticShapes = options.graph};
     if (options.graph && (options.capacity <= 0 || ranks > 1))
       throw ConfigError("--graph needs --capacity and one rank: the captured layer has static shapes, at ep 1");
     moe::MoELayer layer(layerOptions, groups, tensorOptions);
@@ -249,9 +249,10 @@ int main(int argc, char** argv) {
       torch::autograd::backward({out.output, out.auxLoss}, {gradOutput, at::ones_like(out.auxLoss)});
       BENCH_CHECK(cudaDeviceSynchronize());
       const AllocatedMb whole = allocatedMb(device);
-      fmt::print("MEMORY_MB rank {} between_steps {:.1f} after_forward {:.1f} forward_peak {:.1f} step_peak {:.1f} "
-                 "after_step {:.1f}\n",
-                 me, rest.now, forward.now, forward.peak, whole.peak, whole.now);
+      fmt::print(
+          "MEMORY_MB rank {} between_steps {:.1f} after_forward {:.1f} forward_peak {:.1f} step_peak {:.1f} "
+          "after_step {:.1f}\n",
+          me, rest.now, forward.now, forward.peak, whole.peak, whole.now);
       // Whether memory held between steps settles: right after each step's
       // device sync, and again 20 ms later (the NCCL watchdog polls every 2 ms).
       for (int i = 0; i < options.memorySteps; ++i) {
@@ -259,7 +260,8 @@ int main(int argc, char** argv) {
         BENCH_CHECK(cudaDeviceSynchronize());
         const double synced = allocatedMb(device).now;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        fmt::print("MEMORY_STEP rank {} step {} synced {:.1f} settled {:.1f}\n", me, i, synced, allocatedMb(device).now);
+        fmt::print("MEMORY_STEP rank {} step {} synced {:.1f} settled {:.1f}\n", me, i, synced,
+                   allocatedMb(device).now);
       }
       if (me == 0) fmt::print("STEP_MS {:.3f}\nPEAK_ALLOCATED_MB {:.1f}\n", stepMs, peakMb);
       runtime->shutdown();

@@ -17,12 +17,12 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_check.h"
+#include "bench/raw_nccl.h"
 #include "launch/cli.h"
 #include "launch/init.h"
-#include "bench/bench_check.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "bench/raw_nccl.h"
 
 using namespace bulkhead;
 
@@ -127,7 +127,8 @@ int main(int argc, char** argv) {
         double rawUs = median(rawTimes), ourUs = median(ourTimes);
         double factor = op == "all_reduce" ? 2.0 * (n - 1) / n : double(n - 1) / n;
         double payload = static_cast<double>(elements) * 2;
-        rows.push_back({op, elements * 2, rawUs, ourUs, payload / rawUs / 1e3 * factor, payload / ourUs / 1e3 * factor});
+        rows.push_back(
+            {op, elements * 2, rawUs, ourUs, payload / rawUs / 1e3 * factor, payload / ourUs / 1e3 * factor});
       }
     }
 
@@ -161,8 +162,8 @@ int main(int argc, char** argv) {
       double worstLarge[2] = {1e9, 1e9};
       for (const Row& row : rows) {
         double ratio = row.bulkheadBusBw / row.rawBusBw;
-        text += fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.3f} |\n", row.op, row.bytes,
-                            row.rawUs, row.bulkheadUs, row.rawBusBw, row.bulkheadBusBw, ratio);
+        text += fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.3f} |\n", row.op, row.bytes, row.rawUs,
+                            row.bulkheadUs, row.rawBusBw, row.bulkheadBusBw, ratio);
         if (row.bytes >= (16 << 20)) {
           double& worst = worstLarge[row.op == "all_reduce" ? 0 : 1];
           worst = std::min(worst, ratio);

@@ -45,10 +45,10 @@ struct Options {
   std::vector<int> ranks = {1024, 2048, 4096, 8192, 16384};
   double seconds = 20;
   double heartbeat = 0.5;
-  int threads = 64;  // client threads; each drives ranks / threads simulated ranks
+  int threads = 64;        // client threads; each drives ranks / threads simulated ranks
   int maxConnections = 0;  // the server's cap; 0: none (its default)
-  int ranksPerNode = 8;     // 1: no relay
-  int recordBytes = 256;    // a ledger record's size: heads and newest entries of one group
+  int ranksPerNode = 8;    // 1: no relay
+  int recordBytes = 256;   // a ledger record's size: heads and newest entries of one group
 };
 
 struct Percentiles {
@@ -174,14 +174,15 @@ Row run(int ranks, const Options& options) {
   const auto period = std::chrono::duration<double>(options.heartbeat);
   while (Clock::now() - begin < std::chrono::duration<double>(options.seconds)) {
     auto start = Clock::now();
-    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            std::chrono::system_clock::now().time_since_epoch())
-                            .count();
+    const int64_t now =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
     const std::string text = fmt::format("t {}\ng world\n", now) + record;
     forEach([&](int r) {
       if (!ok[r]) return;
       try {
-        if (relays.members.empty()) return clients[r]->set(monitor_record::stateKey(r), text, Deadline::afterSeconds(10));
+        if (relays.members.empty())
+          return clients[r]->set(monitor_record::stateKey(r), text, Deadline::afterSeconds(10));
         relays.members[r]->write(r % options.ranksPerNode, r, text);
       } catch (const std::exception&) {
         ok[r] = 0;
@@ -220,9 +221,10 @@ Row run(int ranks, const Options& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::App app("The rendezvous store at job scale: N simulated ranks publishing heartbeats and ledger records, and "
-               "a diagnosis read of all of them.",
-               "bulkhead-store-scale-bench");
+  cli::App app(
+      "The rendezvous store at job scale: N simulated ranks publishing heartbeats and ledger records, and "
+      "a diagnosis read of all of them.",
+      "bulkhead-store-scale-bench");
   Options options;
   app.add_option("--ranks", options.ranks, "simulated ranks, comma-separated")->delimiter(',');
   app.add_option("--seconds", options.seconds, "seconds of publishing per N")->check(cli::positive());
@@ -230,19 +232,20 @@ int main(int argc, char** argv) {
   app.add_option("--threads", options.threads, "client threads driving the simulated ranks")->check(cli::positive());
   app.add_option("--ranks-per-node", options.ranksPerNode, "ranks per simulated node relay (1: none)")
       ->check(cli::positive());
-  app.add_option("--record-bytes", options.recordBytes, "bytes of ledger state in each record")
-      ->check(cli::positive());
+  app.add_option("--record-bytes", options.recordBytes, "bytes of ledger state in each record")->check(cli::positive());
   app.add_option("--max-connections", options.maxConnections, "the server's connection cap (0: none)")
       ->check(cli::nonNegative());
   if (auto code = cli::parse(app, argc, argv)) return *code;
-  fmt::print("store scale: {} s per N, a record every {} s per rank (heartbeat time + {} B of ledger state), {}, {} "
-             "client threads, {} CPUs\n",
-             options.seconds, options.heartbeat, options.recordBytes,
-             options.ranksPerNode > 1 ? fmt::format("relayed per node of {} ranks", options.ranksPerNode)
-                                      : std::string("one request per rank"),
-             options.threads, std::thread::hardware_concurrency());
-  fmt::print("| ranks | connected | server CPU | publish round p50 / p99 / max ms | rounds over the period | "
-             "diagnosis read p50 / p99 / max ms |\n|---:|---:|---:|---|---:|---|\n");
+  fmt::print(
+      "store scale: {} s per N, a record every {} s per rank (heartbeat time + {} B of ledger state), {}, {} "
+      "client threads, {} CPUs\n",
+      options.seconds, options.heartbeat, options.recordBytes,
+      options.ranksPerNode > 1 ? fmt::format("relayed per node of {} ranks", options.ranksPerNode)
+                               : std::string("one request per rank"),
+      options.threads, std::thread::hardware_concurrency());
+  fmt::print(
+      "| ranks | connected | server CPU | publish round p50 / p99 / max ms | rounds over the period | "
+      "diagnosis read p50 / p99 / max ms |\n|---:|---:|---:|---|---:|---|\n");
   for (int ranks : options.ranks) {
     Row row = run(ranks, options);
     fmt::print("| {} | {} | {:.0f}% | {:.1f} / {:.1f} / {:.1f} | {} of {} | {:.1f} / {:.1f} / {:.1f} |\n", row.ranks,

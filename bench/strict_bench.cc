@@ -81,9 +81,10 @@ std::string regionTable(Runtime& runtime) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::App app("The cost of strict mode (the same all-reduces with the cross-rank fingerprint check off and on) "
-               "and of a checked region's end.",
-               "bulkhead-strict-bench");
+  cli::App app(
+      "The cost of strict mode (the same all-reduces with the cross-rank fingerprint check off and on) "
+      "and of a checked region's end.",
+      "bulkhead-strict-bench");
   std::string out;
   app.add_option("--out", out, "also write the table to this file");
   if (auto code = cli::parse(app, argc, argv)) return *code;
@@ -92,7 +93,8 @@ int main(int argc, char** argv) {
     Communicator& world = runtime->world();
     auto& monitor = *runtime->monitor();
     std::string table = fmt::format(
-        "# Strict mode cost\n\n{} ranks, backend {}, all-reduce fp32 waited per call, median of 5 alternating rounds.\n\n"
+        "# Strict mode cost\n\n{} ranks, backend {}, all-reduce fp32 waited per call, median of 5 alternating "
+        "rounds.\n\n"
         "| bytes | off us/call | strict us/call | added us/call |\n|---:|---:|---:|---:|\n",
         world.size(), world.backend());
     for (int64_t bytes : {int64_t{8}, int64_t{64} << 10, int64_t{1} << 20}) {

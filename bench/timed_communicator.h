@@ -59,8 +59,8 @@ class TimedCommunicator final : public Communicator {
     pairs_.push_back(pair);
     auto stream = static_cast<cudaStream_t>(options.stream);
     BENCH_CHECK(cudaEventRecord(pair.first, stream));
-    WorkPtr work = inner_->allToAll(std::move(send), std::move(recv), std::move(sendSplits), std::move(recvSplits),
-                                    options);
+    WorkPtr work =
+        inner_->allToAll(std::move(send), std::move(recv), std::move(sendSplits), std::move(recvSplits), options);
     BENCH_CHECK(cudaEventRecord(pair.second, stream));
     return work;
   }
@@ -82,8 +82,12 @@ class TimedCommunicator final : public Communicator {
     return inner_->broadcast(tensor, root, options);
   }
   WorkPtr barrier(CallOptions options) override { return inner_->barrier(options); }
-  WorkPtr send(at::Tensor tensor, int peer, CallOptions options) override { return inner_->send(tensor, peer, options); }
-  WorkPtr recv(at::Tensor tensor, int peer, CallOptions options) override { return inner_->recv(tensor, peer, options); }
+  WorkPtr send(at::Tensor tensor, int peer, CallOptions options) override {
+    return inner_->send(tensor, peer, options);
+  }
+  WorkPtr recv(at::Tensor tensor, int peer, CallOptions options) override {
+    return inner_->recv(tensor, peer, options);
+  }
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name, SplitOptions options) override {
     return inner_->split(color, key, name, options);
   }

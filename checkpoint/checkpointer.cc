@@ -97,7 +97,8 @@ SaveResult SaveHandle::wait(Deadline deadline) const {
   auto started = Deadline::Clock::now();
   std::unique_lock<std::mutex> lock(state_->mutex);
   auto done = [&] { return state_->done; };
-  if (deadline.isNever()) state_->changed.wait(lock, done);
+  if (deadline.isNever())
+    state_->changed.wait(lock, done);
   else if (!state_->changed.wait_until(lock, deadline.when(), done))
     throw TimeoutError(fmt::format("the save of step {} was still running after {:.1f} s of waiting; it goes on in "
                                    "the background, bounded by its own deadline",
@@ -130,10 +131,11 @@ void warnIfCramped() {
   std::call_once(warned, [] {
     const CpuShare share = cpuShare();
     if (!share.crampedToOne()) return;
-    log::warn("checkpoint", "this rank may run on one core ({} of the host's {} CPUs; its launcher's binding), so "
+    log::warn("checkpoint",
+              "this rank may run on one core ({} of the host's {} CPUs; its launcher's binding), so "
               "a save's background writing shares it with the training loop and slows its steps; give each rank "
-              "several cores: mpirun --map-by slot:PE=4 (or --bind-to none), srun --cpus-per-task=4", share.allowed,
-              share.online);
+              "several cores: mpirun --map-by slot:PE=4 (or --bind-to none), srun --cpus-per-task=4",
+              share.allowed, share.online);
   });
 }
 
@@ -197,8 +199,10 @@ void joinWhenFinished(const SaveHandle& handle, std::thread& worker, Deadline de
   if (over) {
     worker.join();
   } else {
-    log::error("checkpoint", "the thread of the save of step {} was still removing old checkpoints at the deadline; "
-               "leaving it behind", state.step);
+    log::error("checkpoint",
+               "the thread of the save of step {} was still removing old checkpoints at the deadline; "
+               "leaving it behind",
+               state.step);
     worker.detach();
   }
 }
@@ -271,8 +275,7 @@ SaveHandle Checkpointer::save(int64_t step, const StateDict& state) {
   auto called = Deadline::Clock::now();
   double timeout = timeoutSeconds();
   Deadline deadline = Deadline::afterSeconds(timeout);
-  if (step < 0)
-    throw ConfigError(fmt::format("save of step {}: steps are non-negative", step), {.rank = rank_});
+  if (step < 0) throw ConfigError(fmt::format("save of step {}: steps are non-negative", step), {.rank = rank_});
   settlePrevious(deadline);
 
   auto handleState = std::make_shared<SaveHandle::State>();

@@ -67,21 +67,21 @@ namespace bulkhead::checkpoint {
 class HostBuffer;  // staging.h
 
 struct CheckpointOptions {
-  std::string dir;                          // the checkpoint folder, on storage every rank reaches
-  int keep = 3;                             // committed checkpoints kept; 0 keeps all
-  std::optional<double> timeoutSeconds;     // each save and load; unset: BULKHEAD_CHECKPOINT_TIMEOUT
-  bool continueOnFailure = true;            // false: a failed save raises from the next save() or wait()
-  int64_t chunkBytes = int64_t{8} << 20;    // target size of an HDF5 chunk
-  std::optional<int> threads;               // unset: BULKHEAD_CHECKPOINT_THREADS
-  std::optional<int> backgroundNice;        // niceness of a save's background part; unset: BULKHEAD_CHECKPOINT_NICE
+  std::string dir;                        // the checkpoint folder, on storage every rank reaches
+  int keep = 3;                           // committed checkpoints kept; 0 keeps all
+  std::optional<double> timeoutSeconds;   // each save and load; unset: BULKHEAD_CHECKPOINT_TIMEOUT
+  bool continueOnFailure = true;          // false: a failed save raises from the next save() or wait()
+  int64_t chunkBytes = int64_t{8} << 20;  // target size of an HDF5 chunk
+  std::optional<int> threads;             // unset: BULKHEAD_CHECKPOINT_THREADS
+  std::optional<int> backgroundNice;      // niceness of a save's background part; unset: BULKHEAD_CHECKPOINT_NICE
 };
 
 struct SaveResult {
   int64_t step = -1;
   bool ok = false;
-  std::string path;        // the committed folder, when ok
-  std::string errorKind;   // "IoError", "TimeoutError", "CheckpointError", ... when not ok
-  std::string error;       // what() of the error that failed the save, when not ok
+  std::string path;            // the committed folder, when ok
+  std::string errorKind;       // "IoError", "TimeoutError", "CheckpointError", ... when not ok
+  std::string error;           // what() of the error that failed the save, when not ok
   double blockingSeconds = 0;  // inside save(): waiting for the previous save, staging
   double totalSeconds = 0;     // from save() to the verdict
   int64_t bytes = 0;           // this rank's file
@@ -186,8 +186,8 @@ class Checkpointer {
   int64_t resumedFrom_ = -1;
   std::vector<int64_t> newerThanResumed_;
   const SaveHandle::State* supersedingSave_ = nullptr;  // the last save that carried them
-  SaveHandle current_;                  // the last save
-  std::thread worker_;                  // its background part
+  SaveHandle current_;                                  // the last save
+  std::thread worker_;                                  // its background part
   // The save before it, whose thread may still be removing old checkpoints
   // after its result was out.
   SaveHandle finishing_;

@@ -26,11 +26,11 @@ namespace bulkhead::checkpoint::commit {
 // An outcome that is not success: the kind of error and its message, carried
 // between ranks as text and raised again with its type.
 struct Failure {
-  std::string kind;  // "IoError", "TimeoutError", "CheckpointError", "ConfigError", "CommError", "Error"
+  std::string kind;     // "IoError", "TimeoutError", "CheckpointError", "ConfigError", "CommError", "Error"
   std::string message;  // "on rank 3: <what happened> (expected: ...)"
 
   static Failure of(const std::exception& error);
-  std::string encode() const;                            // "failed <kind> <escaped message>"
+  std::string encode() const;  // "failed <kind> <escaped message>"
   static std::optional<Failure> decode(const std::string& text);
   [[noreturn]] void raise(int rank) const;
 };

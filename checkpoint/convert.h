@@ -40,15 +40,15 @@ struct ExportOptions {
   std::string map;              // a key map file; empty: every key keeps its name
   bool withOptimizer = false;
   int64_t shardBytes = 5'000'000'000;
-  int threads = 4;              // reader threads
-  ProgressFn progress;          // bytes written
+  int threads = 4;      // reader threads
+  ProgressFn progress;  // bytes written
 };
 
 struct ExportReport {
   int64_t step = 0;
-  std::string folder;           // the step folder read
-  int64_t tensors = 0;          // written
-  int64_t bytes = 0;            // of tensor data
+  std::string folder;   // the step folder read
+  int64_t tensors = 0;  // written
+  int64_t bytes = 0;    // of tensor data
   std::vector<std::string> files;
   double seconds = 0;
 };
@@ -56,17 +56,17 @@ struct ExportReport {
 ExportReport exportSafetensors(const ExportOptions& options);
 
 struct ImportOptions {
-  std::string source;  // a folder of safetensors files (with or without an index), or one file
-  std::string dir;     // the checkpoint folder to write
-  std::string map;     // empty: every name is a Bulkhead key
-  int64_t step = 0;    // the step the checkpoint is saved as
-  ProgressFn progress; // bytes read
+  std::string source;   // a folder of safetensors files (with or without an index), or one file
+  std::string dir;      // the checkpoint folder to write
+  std::string map;      // empty: every name is a Bulkhead key
+  int64_t step = 0;     // the step the checkpoint is saved as
+  ProgressFn progress;  // bytes read
 };
 
 struct ImportReport {
   int64_t step = 0;
-  std::string path;    // the committed step folder
-  int64_t tensors = 0; // Bulkhead tensors written
+  std::string path;     // the committed step folder
+  int64_t tensors = 0;  // Bulkhead tensors written
   int64_t bytes = 0;
   double seconds = 0;
 };
@@ -74,9 +74,9 @@ struct ImportReport {
 ImportReport importSafetensors(const ImportOptions& options);
 
 struct DiffOptions {
-  std::string a, b;                          // checkpoint folders
+  std::string a, b;  // checkpoint folders
   std::string stepA = "latest", stepB = "latest";
-  double rtol = 0, atol = 0;                 // close when |a - b| <= atol + rtol * |b| everywhere
+  double rtol = 0, atol = 0;  // close when |a - b| <= atol + rtol * |b| everywhere
   int threads = 4;
 };
 
@@ -93,7 +93,9 @@ struct DiffReport {
   std::vector<KeyDiff> keys;  // by key
   int count(KeyDiff::Kind kind) const;
   // Nothing missing on either side and nothing beyond the tolerance.
-  bool same() const { return count(KeyDiff::Kind::Differs) + count(KeyDiff::Kind::OnlyInA) + count(KeyDiff::Kind::OnlyInB) == 0; }
+  bool same() const {
+    return count(KeyDiff::Kind::Differs) + count(KeyDiff::Kind::OnlyInA) + count(KeyDiff::Kind::OnlyInB) == 0;
+  }
 };
 
 // Every tensor key of both (the per-rank state under "_bulkhead/" left out).

@@ -83,10 +83,10 @@ void checkTensor(const Manifest& manifest, const TensorRecord& tensor, const std
                             {.rank = rank, .expected = "one global shape per key on every rank"});
     for (size_t d = 0; d < dims; ++d)
       if (slice.offsets[d] < 0 || slice.offsets[d] + slice.shape[d] > global[d])
-        throw CheckpointError(fmt::format("key '{}': rank {} wrote a slice at {} outside the global shape [{}]",
-                                          tensor.key, slice.rank, region(slice.offsets, slice.shape),
-                                          fmt::join(global, ", ")),
-                              {.rank = rank, .expected = "slices inside their global shape"});
+        throw CheckpointError(
+            fmt::format("key '{}': rank {} wrote a slice at {} outside the global shape [{}]", tensor.key, slice.rank,
+                        region(slice.offsets, slice.shape), fmt::join(global, ", ")),
+            {.rank = rank, .expected = "slices inside their global shape"});
     int64_t elements = volume(slice.shape);
     if (elements == 0) continue;  // an empty slice covers nothing
     covered += elements;
@@ -122,8 +122,7 @@ void checkTensor(const Manifest& manifest, const TensorRecord& tensor, const std
     const Box& box = boxes[b];
     for (size_t d = 0; d < dims; ++d) {
       first[d] = std::lower_bound(cuts[d].begin(), cuts[d].end(), (*box.offsets)[d]) - cuts[d].begin();
-      last[d] = std::lower_bound(cuts[d].begin(), cuts[d].end(), (*box.offsets)[d] + (*box.shape)[d]) -
-                cuts[d].begin();
+      last[d] = std::lower_bound(cuts[d].begin(), cuts[d].end(), (*box.offsets)[d] + (*box.shape)[d]) - cuts[d].begin();
     }
     at = first;
     for (;;) {

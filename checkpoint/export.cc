@@ -88,8 +88,8 @@ std::vector<Group> plan(const Manifest& manifest, const KeyMap& map, const Expor
                             {.expected = "a rule for every model tensor"});
     for (const auto& piece : outward->pieces)
       if (!names.insert(piece.name).second)
-        throw ConfigError(fmt::format("key map {} gives two tensors the name '{}' (the second from '{}')",
-                                      map.source(), piece.name, record.key),
+        throw ConfigError(fmt::format("key map {} gives two tensors the name '{}' (the second from '{}')", map.source(),
+                                      piece.name, record.key),
                           {.expected = "one external name per tensor"});
     Item item{static_cast<int>(t), *outward, pieceShapeOf(record.globalShape, *outward)};
     groups[optimizer ? 1 : 0].items.push_back(std::move(item));
@@ -103,9 +103,9 @@ void refuseExisting(const std::string& out) {
   for (const auto& name : fs::list(out, -1)) {
     const bool safetensors = name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0;
     if (safetensors || name.find(".safetensors.index.json") != std::string::npos)
-      throw ConfigError(fmt::format("{} already holds an export ({}); export into an empty folder, or remove it first",
-                                    out, name),
-                        {.expected = "a new or empty --to folder"});
+      throw ConfigError(
+          fmt::format("{} already holds an export ({}); export into an empty folder, or remove it first", out, name),
+          {.expected = "a new or empty --to folder"});
   }
 }
 
@@ -114,7 +114,8 @@ void refuseExisting(const std::string& out) {
 void writeGroup(const Group& group, WholeTensorReader& reader, const ExportOptions& options, ExportReport& report,
                 const std::map<std::string, std::string>& metadata, int64_t& written, int64_t total) {
   if (group.items.empty()) return;
-  nlohmann::ordered_json index = {{"metadata", {{"total_size", group.bytes}}}, {"weight_map", nlohmann::ordered_json::object()}};
+  nlohmann::ordered_json index = {{"metadata", {{"total_size", group.bytes}}},
+                                  {"weight_map", nlohmann::ordered_json::object()}};
   std::unique_ptr<SafetensorsWriter> writer;
   int open = -1;
   size_t external = 0;
@@ -173,8 +174,7 @@ ExportReport exportSafetensors(const ExportOptions& options) {
   std::vector<Group> groups = plan(reader.manifest(), map, options);
   refuseExisting(options.out);
   fs::makeDirectories(options.out, -1);
-  const std::map<std::string, std::string> metadata{{"format", "pt"},
-                                                    {"bulkhead_step", std::to_string(report.step)}};
+  const std::map<std::string, std::string> metadata{{"format", "pt"}, {"bulkhead_step", std::to_string(report.step)}};
   int64_t written = 0;
   const int64_t total = groups[0].bytes + groups[1].bytes;
   for (const auto& group : groups) writeGroup(group, reader, options, report, metadata, written, total);

@@ -51,10 +51,14 @@ std::vector<FolderEntry> scanFolder(const std::string& dir, int rank) {
     entry.step = *step;
     if (dot != std::string::npos) {
       std::string rest = name.substr(dot + 1);
-      if (rest.rfind("tmp.", 0) == 0) entry.kind = FolderEntry::Kind::Temporary;
-      else if (rest.rfind("deleting.", 0) == 0) entry.kind = FolderEntry::Kind::Deleting;
-      else if (rest.rfind("superseded.", 0) == 0) entry.kind = FolderEntry::Kind::Superseded;
-      else continue;
+      if (rest.rfind("tmp.", 0) == 0)
+        entry.kind = FolderEntry::Kind::Temporary;
+      else if (rest.rfind("deleting.", 0) == 0)
+        entry.kind = FolderEntry::Kind::Deleting;
+      else if (rest.rfind("superseded.", 0) == 0)
+        entry.kind = FolderEntry::Kind::Superseded;
+      else
+        continue;
       entry.job = rest.substr(rest.find('.') + 1);
     }
     entry.ageSeconds = fs::ageSeconds(fs::join(dir, name)).value_or(0);
@@ -71,9 +75,9 @@ std::optional<int64_t> readLatest(const std::string& dir, int rank) {
   auto text = fs::readFile(path, &error);
   if (!text) {
     if (error == ENOENT) return std::nullopt;
-    throw CheckpointError(fmt::format("cannot read {}: {} ; check the permissions of the checkpoint folder", path,
-                                      std::strerror(error)),
-                          {.rank = rank, .expected = "a readable `latest` file"});
+    throw CheckpointError(
+        fmt::format("cannot read {}: {} ; check the permissions of the checkpoint folder", path, std::strerror(error)),
+        {.rank = rank, .expected = "a readable `latest` file"});
   }
   std::string name = *text;
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();

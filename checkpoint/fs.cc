@@ -32,9 +32,9 @@ std::string parentOf(const std::string& path) {
 void raise(const std::string& what, int error, int rank) {
   const char* advice = error == ENOSPC || error == EDQUOT
                            ? "free space on that file system (or point the checkpoint folder elsewhere)"
-                           : error == EACCES || error == EPERM || error == EROFS
-                                 ? "check the permissions of the checkpoint folder and that it is writable"
-                                 : "check that the checkpoint folder exists on a file system every rank reaches";
+                       : error == EACCES || error == EPERM || error == EROFS
+                           ? "check the permissions of the checkpoint folder and that it is writable"
+                           : "check that the checkpoint folder exists on a file system every rank reaches";
   throw IoError(fmt::format("{} failed: {} (errno {}); {}", what, std::strerror(error), error, advice),
                 {.rank = rank, .expected = "a readable, writable checkpoint folder with room"});
 }
@@ -87,8 +87,9 @@ std::vector<std::string> list(const std::string& dir, int rank) {
 
 bool removeTree(const std::string& path) {
   if (!exists(path)) return true;
-  ::nftw(path.c_str(), [](const char* entry, const struct stat*, int, struct FTW*) { return ::remove(entry), 0; }, 16,
-         FTW_DEPTH | FTW_PHYS);
+  ::nftw(
+      path.c_str(), [](const char* entry, const struct stat*, int, struct FTW*) { return ::remove(entry), 0; }, 16,
+      FTW_DEPTH | FTW_PHYS);
   return !exists(path);
 }
 

@@ -70,11 +70,13 @@ T check(T rc, const char* call, const std::string& what, const Where& where, Mod
   std::string subject = where.key.empty() ? where.file : fmt::format("key '{}' in {}", where.key, where.file);
   std::string message = fmt::format("{} ({}) for {} failed: {}", what, call, subject, errorStack());
   if (mode == Mode::Write)
-    throw IoError(message + "; check free space and permissions of the checkpoint folder. This save is abandoned; "
-                            "the previous checkpoint and `latest` stay as they were",
+    throw IoError(message +
+                      "; check free space and permissions of the checkpoint folder. This save is abandoned; "
+                      "the previous checkpoint and `latest` stay as they were",
                   {.rank = where.rank, .expected = "a writable checkpoint folder with room"});
-  throw CheckpointError(message + "; the file is damaged, truncated or was replaced: run `bulkhead-ckpt verify` on "
-                                  "the checkpoint, restore the file from a copy, or load an older step",
+  throw CheckpointError(message +
+                            "; the file is damaged, truncated or was replaced: run `bulkhead-ckpt verify` on "
+                            "the checkpoint, restore the file from a copy, or load an older step",
                         {.rank = where.rank, .expected = "an intact rank file written by this checkpoint"});
 }
 
@@ -110,18 +112,28 @@ namespace {
 std::unique_ptr<Id> owned(hid_t id, herr_t (*close)(hid_t)) { return std::make_unique<Id>(id, close); }
 
 std::unique_ptr<Id> fileType(c10::ScalarType dtype, const Where& where) {
-  auto copy = [&](hid_t type) { return owned(check(H5Tcopy(type), "H5Tcopy", "a file type", where, Mode::Write), H5Tclose); };
+  auto copy = [&](hid_t type) {
+    return owned(check(H5Tcopy(type), "H5Tcopy", "a file type", where, Mode::Write), H5Tclose);
+  };
   switch (dtype) {
-    case c10::ScalarType::Float: return copy(H5T_IEEE_F32LE);
-    case c10::ScalarType::Double: return copy(H5T_IEEE_F64LE);
-    case c10::ScalarType::Long: return copy(H5T_STD_I64LE);
-    case c10::ScalarType::Int: return copy(H5T_STD_I32LE);
-    case c10::ScalarType::Short: return copy(H5T_STD_I16LE);
-    case c10::ScalarType::Char: return copy(H5T_STD_I8LE);
+    case c10::ScalarType::Float:
+      return copy(H5T_IEEE_F32LE);
+    case c10::ScalarType::Double:
+      return copy(H5T_IEEE_F64LE);
+    case c10::ScalarType::Long:
+      return copy(H5T_STD_I64LE);
+    case c10::ScalarType::Int:
+      return copy(H5T_STD_I32LE);
+    case c10::ScalarType::Short:
+      return copy(H5T_STD_I16LE);
+    case c10::ScalarType::Char:
+      return copy(H5T_STD_I8LE);
     case c10::ScalarType::Byte:
-    case c10::ScalarType::Bool: return copy(H5T_STD_U8LE);
+    case c10::ScalarType::Bool:
+      return copy(H5T_STD_U8LE);
     // HDF5 has no bfloat16: its bits as uint16 (the "dtype" attribute says bfloat16).
-    case c10::ScalarType::BFloat16: return copy(H5T_STD_U16LE);
+    case c10::ScalarType::BFloat16:
+      return copy(H5T_STD_U16LE);
     case c10::ScalarType::Half: {
       // IEEE half the way h5py builds it, so h5py reads it as float16.
       auto type = copy(H5T_IEEE_F32LE);
@@ -130,7 +142,8 @@ std::unique_ptr<Id> fileType(c10::ScalarType dtype, const Where& where) {
       check(H5Tset_ebias(type->get(), 15), "H5Tset_ebias", "a float16 type", where, Mode::Write);
       return type;
     }
-    default: requireStored(dtype);  // raises ConfigError naming the dtype
+    default:
+      requireStored(dtype);  // raises ConfigError naming the dtype
   }
   return nullptr;
 }
@@ -151,7 +164,8 @@ void writeString(hid_t object, const std::string& name, const std::string& value
 void writeIntegers(hid_t object, const std::string& name, const std::vector<int64_t>& values, const Where& where) {
   std::string what = fmt::format("writing attribute '{}'", name);
   hsize_t count = values.size();
-  auto space = owned(check(H5Screate_simple(1, &count, nullptr), "H5Screate_simple", what, where, Mode::Write), H5Sclose);
+  auto space =
+      owned(check(H5Screate_simple(1, &count, nullptr), "H5Screate_simple", what, where, Mode::Write), H5Sclose);
   auto attribute = owned(check(H5Acreate2(object, name.c_str(), H5T_STD_I64LE, space->get(), H5P_DEFAULT, H5P_DEFAULT),
                                "H5Acreate2", what, where, Mode::Write),
                          H5Aclose);
@@ -183,9 +197,12 @@ std::optional<std::string> readString(hid_t object, const std::string& name, con
 std::string datasetName(const std::string& key) {
   std::string name;
   for (char c : key) {
-    if (c == '/') name += "%2F";
-    else if (c == '%') name += "%25";
-    else name += c;
+    if (c == '/')
+      name += "%2F";
+    else if (c == '%')
+      name += "%25";
+    else
+      name += c;
   }
   return name == "." ? "%2E" : name;
 }
@@ -220,12 +237,12 @@ size_t Dataset::readChunk(const std::vector<int64_t>& offsets, void* buffer, siz
   check(H5Dget_chunk_storage_size(id_->get(), at.data(), &stored), "H5Dget_chunk_storage_size", what, where_,
         Mode::Read);
   if (stored == 0 || stored > capacity)
-    throw CheckpointError(fmt::format("{} for key '{}' in {}: the chunk is {} ({} bytes stored, {} expected); the file "
-                                      "is damaged or was not written by this checkpoint: run `bulkhead-ckpt verify`, "
-                                      "restore the file, or load an older step",
-                                      what, where_.key, where_.file, stored == 0 ? "missing" : "too large", stored,
-                                      capacity),
-                          {.rank = where_.rank, .expected = "every chunk of the dataset, of its planned size"});
+    throw CheckpointError(
+        fmt::format("{} for key '{}' in {}: the chunk is {} ({} bytes stored, {} expected); the file "
+                    "is damaged or was not written by this checkpoint: run `bulkhead-ckpt verify`, "
+                    "restore the file, or load an older step",
+                    what, where_.key, where_.file, stored == 0 ? "missing" : "too large", stored, capacity),
+        {.rank = where_.rank, .expected = "every chunk of the dataset, of its planned size"});
   uint32_t filters = 0;
   check(H5Dread_chunk(id_->get(), H5P_DEFAULT, at.data(), &filters, buffer), "H5Dread_chunk", what, where_, Mode::Read);
   if (filters != 0)
@@ -253,32 +270,33 @@ std::optional<Dataset::Location> Dataset::chunkLocation(const std::vector<int64_
 
 std::vector<int64_t> Dataset::dims() {
   Guard guard;
-  auto space = owned(check(H5Dget_space(id_->get()), "H5Dget_space", "reading the shape", where_, Mode::Read), H5Sclose);
+  auto space =
+      owned(check(H5Dget_space(id_->get()), "H5Dget_space", "reading the shape", where_, Mode::Read), H5Sclose);
   int rank = check(H5Sget_simple_extent_ndims(space->get()), "H5Sget_simple_extent_ndims", "reading the shape", where_,
                    Mode::Read);
   std::vector<hsize_t> dims(rank);
-  check(H5Sget_simple_extent_dims(space->get(), dims.data(), nullptr), "H5Sget_simple_extent_dims",
-        "reading the shape", where_, Mode::Read);
+  check(H5Sget_simple_extent_dims(space->get(), dims.data(), nullptr), "H5Sget_simple_extent_dims", "reading the shape",
+        where_, Mode::Read);
   return std::vector<int64_t>(dims.begin(), dims.end());
 }
 
 std::vector<int64_t> Dataset::chunkDims() {
   Guard guard;
-  auto plist = owned(check(H5Dget_create_plist(id_->get()), "H5Dget_create_plist", "reading the layout", where_,
-                           Mode::Read),
-                     H5Pclose);
+  auto plist =
+      owned(check(H5Dget_create_plist(id_->get()), "H5Dget_create_plist", "reading the layout", where_, Mode::Read),
+            H5Pclose);
   if (H5Pget_layout(plist->get()) != H5D_CHUNKED) return {};
   hsize_t chunk[H5S_MAX_RANK];
-  int rank = check(H5Pget_chunk(plist->get(), H5S_MAX_RANK, chunk), "H5Pget_chunk", "reading the layout", where_,
-                   Mode::Read);
+  int rank =
+      check(H5Pget_chunk(plist->get(), H5S_MAX_RANK, chunk), "H5Pget_chunk", "reading the layout", where_, Mode::Read);
   return std::vector<int64_t>(chunk, chunk + rank);
 }
 
 bool Dataset::fletcher32Only() {
   Guard guard;
-  auto plist = owned(check(H5Dget_create_plist(id_->get()), "H5Dget_create_plist", "reading the filters", where_,
-                           Mode::Read),
-                     H5Pclose);
+  auto plist =
+      owned(check(H5Dget_create_plist(id_->get()), "H5Dget_create_plist", "reading the filters", where_, Mode::Read),
+            H5Pclose);
   if (H5Pget_nfilters(plist->get()) != 1) return false;
   unsigned flags = 0, config = 0;
   size_t values = 0;
@@ -302,15 +320,15 @@ std::optional<std::vector<int64_t>> Dataset::integersAttribute(const std::string
   if (!attribute) return std::nullopt;
   std::string what = fmt::format("reading attribute '{}'", name);
   auto space = owned(check(H5Aget_space(attribute->get()), "H5Aget_space", what, where_, Mode::Read), H5Sclose);
-  hssize_t count = check(H5Sget_simple_extent_npoints(space->get()), "H5Sget_simple_extent_npoints", what, where_,
-                         Mode::Read);
+  hssize_t count =
+      check(H5Sget_simple_extent_npoints(space->get()), "H5Sget_simple_extent_npoints", what, where_, Mode::Read);
   std::vector<int64_t> values(static_cast<size_t>(count));
-  if (count > 0)
-    check(H5Aread(attribute->get(), H5T_NATIVE_INT64, values.data()), "H5Aread", what, where_, Mode::Read);
+  if (count > 0) check(H5Aread(attribute->get(), H5T_NATIVE_INT64, values.data()), "H5Aread", what, where_, Mode::Read);
   return values;
 }
 
-File::File(std::unique_ptr<Id> id, Where where, Mode mode) : id_(std::move(id)), where_(std::move(where)), mode_(mode) {}
+File::File(std::unique_ptr<Id> id, Where where, Mode mode)
+    : id_(std::move(id)), where_(std::move(where)), mode_(mode) {}
 File::File(File&&) noexcept = default;
 
 File::~File() {
@@ -325,16 +343,16 @@ File File::create(const std::string& path, int rank) {
   auto fapl = owned(check(H5Pcreate(H5P_FILE_ACCESS), "H5Pcreate", "creating the file", where, Mode::Write), H5Pclose);
   check(H5Pset_libver_bounds(fapl->get(), H5F_LIBVER_V110, H5F_LIBVER_V110), "H5Pset_libver_bounds",
         "creating the file", where, Mode::Write);
-  hid_t file = check(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl->get()), "H5Fcreate",
-                     "creating the file", where, Mode::Write);
+  hid_t file = check(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl->get()), "H5Fcreate", "creating the file",
+                     where, Mode::Write);
   return File(owned(file, H5Fclose), where, Mode::Write);
 }
 
 File File::open(const std::string& path, int rank) {
   Guard guard;
   Where where{.file = path, .rank = rank};
-  hid_t file = check(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "H5Fopen", "opening the file", where,
-                     Mode::Read);
+  hid_t file =
+      check(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "H5Fopen", "opening the file", where, Mode::Read);
   return File(owned(file, H5Fclose), where, Mode::Read);
 }
 
@@ -366,9 +384,9 @@ Dataset File::createDataset(const std::string& name, const std::string& key, con
   auto space = owned(check(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), "H5Screate_simple",
                            what, where, Mode::Write),
                      H5Sclose);
-  hid_t dataset = check(H5Dcreate2(id_->get(), name.c_str(), type->get(), space->get(), H5P_DEFAULT, dcpl->get(),
-                                   H5P_DEFAULT),
-                        "H5Dcreate2", what, where, Mode::Write);
+  hid_t dataset =
+      check(H5Dcreate2(id_->get(), name.c_str(), type->get(), space->get(), H5P_DEFAULT, dcpl->get(), H5P_DEFAULT),
+            "H5Dcreate2", what, where, Mode::Write);
   return Dataset(owned(dataset, H5Dclose), where, Mode::Write);
 }
 

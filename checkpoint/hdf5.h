@@ -93,8 +93,7 @@ class File {
 
   // A dataset for `plan` (chunked with Fletcher-32; contiguous and empty when
   // the plan has no chunks) storing `dtype`. `name` must be unique in the file.
-  Dataset createDataset(const std::string& name, const std::string& key, const ChunkPlan& plan,
-                        c10::ScalarType dtype);
+  Dataset createDataset(const std::string& name, const std::string& key, const ChunkPlan& plan, c10::ScalarType dtype);
   Dataset openDataset(const std::string& name, const std::string& key);
 
   // Asks the kernel to start writing the file's dirty pages to disk now

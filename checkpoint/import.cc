@@ -8,19 +8,19 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
 #include <chrono>
 #include <map>
 #include <memory>
 #include <set>
-#include <cerrno>
 
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/convert.h"
 #include "checkpoint/fs.h"
 #include "checkpoint/key_map.h"
 #include "checkpoint/safetensors.h"
-#include "runtime/errors.h"
 #include "runtime/deadline.h"
+#include "runtime/errors.h"
 #include "runtime/file_store.h"
 
 namespace bulkhead::checkpoint {
@@ -48,8 +48,8 @@ std::map<std::string, std::string> readIndex(const std::string& path) {
     const std::string value = file.get<std::string>();
     if (value.empty() || value.find('/') != std::string::npos || value == "." || value == ".." ||
         !endsWith(value, ".safetensors"))
-      badSource(fmt::format("{}: '{}' names file '{}', which is not a .safetensors file in the same folder", path,
-                            name, value));
+      badSource(fmt::format("{}: '{}' names file '{}', which is not a .safetensors file in the same folder", path, name,
+                            value));
     files[name] = value;
   }
   return files;
@@ -98,7 +98,8 @@ Source openSource(const std::string& source) {
     }
   }
   for (const auto& [name, file] : indexed)
-    if (!seen.count(name)) badSource(fmt::format("the index names tensor '{}' in {}, which does not hold it", name, file));
+    if (!seen.count(name))
+      badSource(fmt::format("the index names tensor '{}' in {}, which does not hold it", name, file));
   return out;
 }
 
@@ -120,7 +121,8 @@ at::Tensor assemble(const std::string& key, const Assembly& assembly, int64_t& d
   for (int64_t s : sizes) expected *= s;
   std::vector<int64_t> inner = first->shape;
   if (assembly.transpose) {
-    if (inner.size() < 2) badSource(fmt::format("key '{}': '{}' has fewer than the 2 dimensions a transpose needs", key, first->name));
+    if (inner.size() < 2)
+      badSource(fmt::format("key '{}': '{}' has fewer than the 2 dimensions a transpose needs", key, first->name));
     std::swap(inner[inner.size() - 2], inner[inner.size() - 1]);
   }
   for (const auto& [index, piece] : assembly.pieces) {
@@ -166,11 +168,13 @@ ImportReport importSafetensors(const ImportOptions& options) {
   std::map<std::string, Assembly> assemblies;
   for (const auto& [file, tensor] : source.tensors) {
     // Optimizer state travels under its own keys.
-    auto inward = tensor->name.rfind("optim.", 0) == 0 ? KeyMap::identity().inward(tensor->name) : map.inward(tensor->name);
+    auto inward =
+        tensor->name.rfind("optim.", 0) == 0 ? KeyMap::identity().inward(tensor->name) : map.inward(tensor->name);
     if (!inward)
-      badSource(fmt::format("tensor '{}' of {} is not covered by the key map {}: pass the map it was exported with, "
-                            "or add a rule for it (see docs/checkpoints.md)",
-                            tensor->name, file->path(), map.source()));
+      badSource(
+          fmt::format("tensor '{}' of {} is not covered by the key map {}: pass the map it was exported with, "
+                      "or add a rule for it (see docs/checkpoints.md)",
+                      tensor->name, file->path(), map.source()));
     Assembly& assembly = assemblies[inward->key];
     if (assembly.pieces.empty()) {
       assembly.splitSizes = inward->splitSizes;

@@ -77,12 +77,12 @@ std::string resolveStepFolder(const std::string& dir, const std::string& which) 
   std::string partial;
   for (const auto& entry : scanFolder(dir, -1))
     if (entry.step == step && entry.kind == FolderEntry::Kind::Temporary) partial = entry.name;
-  throw CheckpointError(fmt::format("step {} is not committed in {} ({}); `bulkhead-ckpt list {}` shows what is there",
-                                    step, dir,
-                                    partial.empty() ? "no folder " + stepFolderName(step)
-                                                    : "only the partial folder " + partial + " of an interrupted save",
-                                    dir),
-                        {.expected = "a committed step folder"});
+  throw CheckpointError(
+      fmt::format("step {} is not committed in {} ({}); `bulkhead-ckpt list {}` shows what is there", step, dir,
+                  partial.empty() ? "no folder " + stepFolderName(step)
+                                  : "only the partial folder " + partial + " of an interrupted save",
+                  dir),
+      {.expected = "a committed step folder"});
 }
 
 Manifest readManifest(const std::string& stepFolder) {
@@ -90,9 +90,9 @@ Manifest readManifest(const std::string& stepFolder) {
   int error = 0;
   auto text = fs::readFile(path, &error);
   if (!text)
-    throw CheckpointError(fmt::format("cannot read the manifest {}: {}; the step folder is incomplete", path,
-                                      std::strerror(error)),
-                          {.expected = "a committed checkpoint with its manifest"});
+    throw CheckpointError(
+        fmt::format("cannot read the manifest {}: {}; the step folder is incomplete", path, std::strerror(error)),
+        {.expected = "a committed checkpoint with its manifest"});
   return Manifest::parse(*text, path, -1);
 }
 
@@ -113,8 +113,8 @@ VerifyReport verifyCheckpoint(const std::string& stepFolder, int threads,
     report.problems.push_back(error.message());
   }
   std::string expected = stepFolderName(manifest.step);
-  if (stepFolder.size() < expected.size() || stepFolder.compare(stepFolder.size() - expected.size(), expected.size(),
-                                                                expected) != 0)
+  if (stepFolder.size() < expected.size() ||
+      stepFolder.compare(stepFolder.size() - expected.size(), expected.size(), expected) != 0)
     report.problems.push_back(fmt::format("the manifest is for step {} but sits in {}", manifest.step, stepFolder));
 
   CheckpointReader reader(stepFolder, manifest, -1, threads);

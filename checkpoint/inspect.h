@@ -18,7 +18,7 @@ struct StepInfo {
   std::string state;  // "committed", "partial (in progress or abandoned)", "being removed",
                       // "superseded (left by a resumed run)"
   bool latest = false;
-  std::string job;    // the saving job's nonce
+  std::string job;  // the saving job's nonce
   double ageSeconds = 0;
   int64_t bytes = 0;  // sum of its files
   int files = 0;      // rank files present

@@ -27,7 +27,8 @@ using Choices = std::map<std::string, const std::vector<std::string>*>;
 
 bool validName(const std::string& name) {
   if (name.empty() || std::isdigit(static_cast<unsigned char>(name[0]))) return false;
-  return std::all_of(name.begin(), name.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+  return std::all_of(name.begin(), name.end(),
+                     [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
 }
 
 std::vector<KeyMap::Token> tokenize(const std::string& pattern, const std::string& where) {
@@ -145,7 +146,8 @@ KeyMap::Rule parseRule(const nlohmann::json& entry, const std::string& where) {
   }
   for (const auto& name : outer)
     if (!inner.count(name) && !splitNames.count(name))
-      badMap(where, fmt::format("placeholder '{{{}}}' of the \"hf\" pattern is neither in \"bulkhead\" nor a split", name));
+      badMap(where,
+             fmt::format("placeholder '{{{}}}' of the \"hf\" pattern is neither in \"bulkhead\" nor a split", name));
   for (const auto& name : splitNames)
     if (!outer.count(name)) badMap(where, fmt::format("split '{}' does not appear in the \"hf\" pattern", name));
   return rule;
@@ -159,8 +161,7 @@ KeyMap KeyMap::parse(const std::string& json, const std::string& source) {
   nlohmann::json root = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded() || !root.is_object()) badMap(source, "not a JSON object");
   auto format = root.find("format");
-  if (format == root.end() || *format != "bulkhead-keymap 1")
-    badMap(source, "\"format\" is not \"bulkhead-keymap 1\"");
+  if (format == root.end() || *format != "bulkhead-keymap 1") badMap(source, "\"format\" is not \"bulkhead-keymap 1\"");
   auto tensors = root.find("tensors");
   if (tensors == root.end() || !tensors->is_array() || tensors->empty()) badMap(source, "no \"tensors\" rules");
   KeyMap map;
@@ -209,8 +210,8 @@ std::optional<KeyMap::Outward> KeyMap::outward(const std::string& key, const std
       }
       for (size_t d = 0; d < k; ++d) {
         const auto& split = rule.split[d];
-        bindings[split.variable] = split.names.empty() ? std::to_string(piece.index[d])
-                                                       : split.names[static_cast<size_t>(piece.index[d])];
+        bindings[split.variable] =
+            split.names.empty() ? std::to_string(piece.index[d]) : split.names[static_cast<size_t>(piece.index[d])];
       }
       piece.name = substitute(rule.external, bindings);
       out.pieces.push_back(std::move(piece));

@@ -31,11 +31,11 @@ namespace {
 // buffer it was read into) or through a host copy uploaded at the end.
 struct Destination {
   std::string key;
-  at::Tensor tensor;              // the target; after planning, what the reads write
-  std::vector<int64_t> offsets;   // of the slice in the global tensor
-  std::vector<int64_t> shape;     // stored shape ([1] for a scalar)
-  std::vector<int64_t> strides;   // of `tensor`, in elements
-  bool direct = false;            // a CUDA tensor written chunk by chunk from pinned buffers
+  at::Tensor tensor;             // the target; after planning, what the reads write
+  std::vector<int64_t> offsets;  // of the slice in the global tensor
+  std::vector<int64_t> shape;    // stored shape ([1] for a scalar)
+  std::vector<int64_t> strides;  // of `tensor`, in elements
+  bool direct = false;           // a CUDA tensor written chunk by chunk from pinned buffers
 };
 
 // Rank 0: the step to load, or the error that says why there is none.
@@ -54,14 +54,13 @@ int64_t resolveStep(const std::string& dir, std::optional<int64_t> asked, int ra
     if (entry.step == *step && entry.kind == FolderEntry::Kind::Temporary) partial = entry.name;
   throw CheckpointError(
       partial.empty()
-          ? fmt::format("step {} is not in {} (no folder {}); `bulkhead-ckpt list {}` shows the committed steps",
-                        *step, dir, stepFolderName(*step), dir)
+          ? fmt::format("step {} is not in {} (no folder {}); `bulkhead-ckpt list {}` shows the committed steps", *step,
+                        dir, stepFolderName(*step), dir)
           : fmt::format("step {} in {} is partial: only {} exists, a save that was interrupted before its commit; load "
                         "an earlier step (see `bulkhead-ckpt list {}`)",
                         *step, dir, partial, dir),
       {.rank = rank, .expected = "a committed step folder"});
 }
-
 
 // Rank 0 resolves the step and publishes it (or why there is none); the others read it.
 int64_t agreeOnStep(commit::Exchange& exchange, const std::string& dir, std::optional<int64_t> asked, int rank,
@@ -94,8 +93,8 @@ Manifest readStepManifest(const std::string& folder, int64_t step, int rank) {
                           {.rank = rank, .expected = "a committed checkpoint with its manifest"});
   Manifest manifest = Manifest::parse(*text, manifestPath, rank);
   if (manifest.step != step)
-    throw CheckpointError(fmt::format("the manifest {} is for step {}, not {}: a folder renamed by hand?",
-                                      manifestPath, manifest.step, step),
+    throw CheckpointError(fmt::format("the manifest {} is for step {}, not {}: a folder renamed by hand?", manifestPath,
+                                      manifest.step, step),
                           {.rank = rank, .expected = "the manifest of the step folder it sits in"});
   return manifest;
 }
@@ -103,8 +102,8 @@ Manifest readStepManifest(const std::string& folder, int64_t step, int rank) {
 // What this rank reads: the targets, then its own saved state and the user blob.
 struct Destinations {
   std::vector<Destination> list;
-  std::vector<int> tensorOf;                               // manifest tensor of each destination
-  std::vector<std::pair<std::string, at::Tensor>> blobs;   // (reserved key, its bytes)
+  std::vector<int> tensorOf;                              // manifest tensor of each destination
+  std::vector<std::pair<std::string, at::Tensor>> blobs;  // (reserved key, its bytes)
 
   void add(const std::string& key, at::Tensor tensor, std::vector<int64_t> offsets, int index) {
     Destination destination{key, tensor, std::move(offsets), tensor.sizes().vec(), {}};
@@ -138,12 +137,12 @@ Destinations destinationsOf(StateDict& targets, const Manifest& manifest, const 
     }
     const TensorRecord& saved = manifest.tensors[index];
     if (saved.globalShape != target.shard.globalShape || saved.dtype != target.local.scalar_type())
-      throw CheckpointError(fmt::format("key '{}': the checkpoint holds {} [{}] but the state dict asks for {} [{}]; "
-                                        "the model's configuration differs from the saved one",
-                                        target.key, dtypeName(saved.dtype), fmt::join(saved.globalShape, ", "),
-                                        dtypeName(target.local.scalar_type()),
-                                        fmt::join(target.shard.globalShape, ", ")),
-                            {.rank = rank, .expected = "the saved dtype and global shape"});
+      throw CheckpointError(
+          fmt::format("key '{}': the checkpoint holds {} [{}] but the state dict asks for {} [{}]; "
+                      "the model's configuration differs from the saved one",
+                      target.key, dtypeName(saved.dtype), fmt::join(saved.globalShape, ", "),
+                      dtypeName(target.local.scalar_type()), fmt::join(target.shard.globalShape, ", ")),
+          {.rank = rank, .expected = "the saved dtype and global shape"});
     out.add(target.key, target.local, target.shard.offsets, index);
   }
   for (size_t t = 0; t < manifest.tensors.size(); ++t) {

@@ -38,8 +38,10 @@ std::string escape(const std::string& text) {
   std::string out;
   out.reserve(text.size());
   for (unsigned char c : text) {
-    if (c <= ' ' || c >= 0x7f || c == '%') out += fmt::format("%{:02X}", c);
-    else out += static_cast<char>(c);
+    if (c <= ' ' || c >= 0x7f || c == '%')
+      out += fmt::format("%{:02X}", c);
+    else
+      out += static_cast<char>(c);
   }
   return out.empty() ? "%" : out;  // "%" alone: the empty string (a token is never empty)
 }
@@ -100,7 +102,8 @@ std::string Manifest::serialize() const {
                      worldSize, created, layout ? escape(layout->text()) : "-");
   for (const auto& file : files) out += fmt::format("file {} {} {}\n", file.rank, escape(file.name), file.bytes);
   for (const auto& tensor : tensors)
-    out += fmt::format("tensor {} {} {}\n", escape(tensor.key), dtypeName(tensor.dtype), formatDims(tensor.globalShape));
+    out +=
+        fmt::format("tensor {} {} {}\n", escape(tensor.key), dtypeName(tensor.dtype), formatDims(tensor.globalShape));
   for (const auto& slice : slices)
     out += fmt::format("slice {} {} {} {} {} {}\n", slice.tensor, slice.rank, escape(slice.dataset),
                        formatDims(slice.offsets), formatDims(slice.shape), hex64(slice.digest));

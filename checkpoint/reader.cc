@@ -87,8 +87,9 @@ void CheckpointReader::checkFile(int fileRank) {
   auto size = fs::fileSize(path);
   if (!size) fail(path, "", "the rank file listed in the manifest is missing");
   if (*size != record->bytes)
-    fail(path, "", fmt::format("the file has {} bytes but was saved with {} ({})", *size, record->bytes,
-                               *size < record->bytes ? "truncated" : "grown"));
+    fail(path, "",
+         fmt::format("the file has {} bytes but was saved with {} ({})", *size, record->bytes,
+                     *size < record->bytes ? "truncated" : "grown"));
 }
 
 CheckpointReader::File& CheckpointReader::file(int fileRank) {
@@ -103,9 +104,10 @@ CheckpointReader::File& CheckpointReader::file(int fileRank) {
   auto expect = [&](const char* name, const std::string& wanted) {
     auto value = opened->hdf5->stringAttribute(name);
     if (!value || *value != wanted)
-      fail(opened->path, "", fmt::format("its '{}' attribute is '{}' but the manifest says '{}' (a file from another "
-                                         "checkpoint or job?)",
-                                         name, value.value_or("<missing>"), wanted));
+      fail(opened->path, "",
+           fmt::format("its '{}' attribute is '{}' but the manifest says '{}' (a file from another "
+                       "checkpoint or job?)",
+                       name, value.value_or("<missing>"), wanted));
   };
   expect("format", kFormat);
   expect("job", manifest_.job);
@@ -131,16 +133,19 @@ CheckpointReader::Slice& CheckpointReader::slice(int index) {
   std::vector<int64_t> stored = record.shape.empty() ? std::vector<int64_t>{1} : record.shape;
   std::vector<int64_t> dims = dataset.dims();
   if (dims != stored)
-    fail(owner.path, tensor.key, fmt::format("dataset '{}' has shape [{}] but the manifest records [{}]",
-                                             record.dataset, fmt::join(dims, ", "), fmt::join(stored, ", ")));
+    fail(owner.path, tensor.key,
+         fmt::format("dataset '{}' has shape [{}] but the manifest records [{}]", record.dataset, fmt::join(dims, ", "),
+                     fmt::join(stored, ", ")));
   int64_t elementSize = dtypeSize(tensor.dtype);
   if (dataset.fileElementSize() != elementSize)
-    fail(owner.path, tensor.key, fmt::format("dataset '{}' stores {}-byte elements, but {} takes {}", record.dataset,
-                                             dataset.fileElementSize(), dtypeName(tensor.dtype), elementSize));
+    fail(owner.path, tensor.key,
+         fmt::format("dataset '{}' stores {}-byte elements, but {} takes {}", record.dataset, dataset.fileElementSize(),
+                     dtypeName(tensor.dtype), elementSize));
   std::vector<int64_t> chunk = dataset.chunkDims();
   if (!ChunkPlan::fromFile(dims, chunk, elementSize, opened->plan))
-    fail(owner.path, tensor.key, fmt::format("dataset '{}' has chunks [{}] that Bulkhead does not write",
-                                             record.dataset, fmt::join(chunk, ", ")));
+    fail(owner.path, tensor.key,
+         fmt::format("dataset '{}' has chunks [{}] that Bulkhead does not write", record.dataset,
+                     fmt::join(chunk, ", ")));
   if (opened->plan.count > 0 && !dataset.fletcher32Only())
     fail(owner.path, tensor.key, fmt::format("dataset '{}' is not stored with Fletcher-32 checksums", record.dataset));
   opened->sums.assign(opened->plan.count, 0);
@@ -175,11 +180,13 @@ void CheckpointReader::read(const std::vector<Piece>& pieces, const Deliver& del
     const std::string& key = manifest_.tensors[record.tensor].key;
     auto location = opened.dataset->chunkLocation(opened.plan.offsets(piece.chunk));
     int64_t expected = opened.plan.chunkBytes() + 4;
-    if (!location) fail(owner.path, key, fmt::format("chunk {} of dataset '{}' is missing", piece.chunk, record.dataset));
+    if (!location)
+      fail(owner.path, key, fmt::format("chunk {} of dataset '{}' is missing", piece.chunk, record.dataset));
     if (location->filterMask != 0 || static_cast<int64_t>(location->bytes) != expected)
-      fail(owner.path, key, fmt::format("chunk {} of dataset '{}' is stored with {} bytes (filter mask {}), {} "
-                                        "expected",
-                                        piece.chunk, record.dataset, location->bytes, location->filterMask, expected));
+      fail(owner.path, key,
+           fmt::format("chunk {} of dataset '{}' is stored with {} bytes (filter mask {}), {} "
+                       "expected",
+                       piece.chunk, record.dataset, location->bytes, location->filterMask, expected));
     jobs.push_back({&piece, &opened, &owner, location->address});
     largest = std::max(largest, expected);
   }
@@ -206,20 +213,25 @@ void CheckpointReader::read(const std::vector<Piece>& pieces, const Deliver& del
       uint64_t begin = job.address / kDirectAlignment * kDirectAlignment;
       uint64_t end = (job.address + size + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment;
       size_t lead = static_cast<size_t>(job.address - begin);
-      outcome = readSpan(job.file->directFd.get(), buffer, static_cast<size_t>(end - begin), begin, lead + size, readFailed);
-      if (outcome == ReadOutcome::Unsupported) job.file->direct = false;
-      else buffer += lead;
+      outcome =
+          readSpan(job.file->directFd.get(), buffer, static_cast<size_t>(end - begin), begin, lead + size, readFailed);
+      if (outcome == ReadOutcome::Unsupported)
+        job.file->direct = false;
+      else
+        buffer += lead;
     }
-    if (outcome == ReadOutcome::Unsupported) outcome = readSpan(job.file->fd.get(), buffer, size, job.address, size, readFailed);
+    if (outcome == ReadOutcome::Unsupported)
+      outcome = readSpan(job.file->fd.get(), buffer, size, job.address, size, readFailed);
     if (outcome == ReadOutcome::EndOfFile)
       fail(job.file->path, key, fmt::format("chunk {} ends past the end of the file (truncated)", job.piece->chunk));
     uint32_t stored = loadLe32(buffer + size - 4);
     uint32_t actual = fletcher32(buffer, size - 4);
     if (stored != actual)
-      fail(job.file->path, key, fmt::format("chunk {} of dataset '{}' (offsets [{}]) fails its Fletcher-32 checksum "
-                                            "({:08x} stored, {:08x} computed)",
-                                            job.piece->chunk, record.dataset,
-                                            fmt::join(job.slice->plan.offsets(job.piece->chunk), ", "), stored, actual));
+      fail(job.file->path, key,
+           fmt::format("chunk {} of dataset '{}' (offsets [{}]) fails its Fletcher-32 checksum "
+                       "({:08x} stored, {:08x} computed)",
+                       job.piece->chunk, record.dataset, fmt::join(job.slice->plan.offsets(job.piece->chunk), ", "),
+                       stored, actual));
     job.slice->sums[job.piece->chunk] = stored;
     deliver(worker, *job.piece, buffer);
     bytes += static_cast<int64_t>(size);

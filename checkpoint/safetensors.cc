@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -21,9 +21,9 @@ namespace bulkhead::checkpoint {
 namespace {
 
 constexpr std::pair<c10::ScalarType, const char*> kNames[] = {
-    {c10::ScalarType::Double, "F64"}, {c10::ScalarType::Float, "F32"},  {c10::ScalarType::Half, "F16"},
-    {c10::ScalarType::BFloat16, "BF16"}, {c10::ScalarType::Long, "I64"}, {c10::ScalarType::Int, "I32"},
-    {c10::ScalarType::Short, "I16"},  {c10::ScalarType::Char, "I8"},    {c10::ScalarType::Byte, "U8"},
+    {c10::ScalarType::Double, "F64"},    {c10::ScalarType::Float, "F32"}, {c10::ScalarType::Half, "F16"},
+    {c10::ScalarType::BFloat16, "BF16"}, {c10::ScalarType::Long, "I64"},  {c10::ScalarType::Int, "I32"},
+    {c10::ScalarType::Short, "I16"},     {c10::ScalarType::Char, "I8"},   {c10::ScalarType::Byte, "U8"},
     {c10::ScalarType::Bool, "BOOL"},
 };
 

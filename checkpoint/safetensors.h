@@ -19,8 +19,8 @@
 
 #include <cstdint>
 #include <future>
-#include <memory>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -116,8 +116,8 @@ class SafetensorsWriter {
   int64_t fileBytes_ = 0;
   std::unique_ptr<uint8_t, Aligned> staging_[2];
   int current_ = 0;
-  int64_t staged_ = 0;      // bytes in staging_[current_]
-  int64_t stagedAt_ = 0;    // the file offset they go to
+  int64_t staged_ = 0;    // bytes in staging_[current_]
+  int64_t stagedAt_ = 0;  // the file offset they go to
   std::future<void> inFlight_;
 };
 

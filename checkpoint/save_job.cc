@@ -12,11 +12,11 @@
 #include <thread>
 #include <unordered_map>
 
+#include "checkpoint/checksum.h"
 #include "checkpoint/dtype.h"
 #include "checkpoint/folder.h"
 #include "checkpoint/fs.h"
 #include "checkpoint/manifest.h"
-#include "checkpoint/checksum.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
 
@@ -116,8 +116,10 @@ void yieldToTraining(int nice, int rank) {
   errno = 0;
   const int current = ::getpriority(PRIO_PROCESS, self);
   if (errno == 0 && ::setpriority(PRIO_PROCESS, self, std::min(19, current + nice)) == 0) return;
-  log::warn("checkpoint", "rank {}: the save's background thread keeps the training loop's priority ({}); "
-            "BULKHEAD_CHECKPOINT_NICE has no effect", rank, std::strerror(errno));
+  log::warn("checkpoint",
+            "rank {}: the save's background thread keeps the training loop's priority ({}); "
+            "BULKHEAD_CHECKPOINT_NICE has no effect",
+            rank, std::strerror(errno));
 }
 }  // namespace
 
@@ -153,8 +155,8 @@ std::optional<Failure> SaveJob::writeOwn(commit::Exchange& exchange, SaveResult&
                                      timeoutSeconds, rank, step),
                          {.rank = rank, .expected = "the save within BULKHEAD_CHECKPOINT_TIMEOUT"});
     fs::makeDirectories(folder, rank);
-    result.bytes = writeRankFile(fs::join(folder, name), {job, step, rank, worldSize}, slices, threads,
-                                 fault::at(rank, step));
+    result.bytes =
+        writeRankFile(fs::join(folder, name), {job, step, rank, worldSize}, slices, threads, fault::at(rank, step));
     fs::sync(folder, rank);
     if (auto failure = abandonIfFailed()) return failure;
     exchange.publish(encodeReport(name, result.bytes, slices), roundTrip());
@@ -239,9 +241,9 @@ void SaveJob::coordinate(commit::Exchange& exchange, SaveResult& result) {
     // Another job's save never outlives its own deadline, which may be far longer than ours.
     doomed = cleanFolder(dir, keep, step, job, "", std::max(2 * timeoutSeconds, kStaleSeconds), rank);
   } catch (const std::exception& error) {
-    Failure latestFailure{Failure::of(error).kind,
-                          fmt::format("step {} is complete in {}, but `latest` could not be updated: {}", step, final,
-                                      error.what())};
+    Failure latestFailure{
+        Failure::of(error).kind,
+        fmt::format("step {} is complete in {}, but `latest` could not be updated: {}", step, final, error.what())};
     exchange.setCommitted(latestFailure.encode(), roundTrip());
     throw latestFailure;
   }
@@ -293,10 +295,11 @@ void SaveJob::moveAside(int64_t newer) const {
 void SaveJob::follow(commit::Exchange& exchange, SaveResult& result) {
   auto verdict = exchange.verdict(graceDeadline(1));
   if (!verdict) {
-    Failure gaveUp{"TimeoutError",
-                   fmt::format("rank {} saw no verdict on step {} from rank 0 within the checkpoint deadline ({:.1f} s) "
-                               "plus {:.1f} s: rank 0 may be stalled or dead",
-                               rank, step, timeoutSeconds, commitGraceSeconds(timeoutSeconds))};
+    Failure gaveUp{
+        "TimeoutError",
+        fmt::format("rank {} saw no verdict on step {} from rank 0 within the checkpoint deadline ({:.1f} s) "
+                    "plus {:.1f} s: rank 0 may be stalled or dead",
+                    rank, step, timeoutSeconds, commitGraceSeconds(timeoutSeconds))};
     verdict = exchange.claim(gaveUp.encode(), roundTrip());
   }
   if (*verdict != "commit") throw Failure::decode(*verdict).value_or(Failure{"CheckpointError", *verdict});
@@ -319,8 +322,10 @@ void SaveJob::run() {
   std::optional<Failure> own;
   try {
     own = writeOwn(exchange, result);
-    if (rank == 0) coordinate(exchange, result);
-    else follow(exchange, result);
+    if (rank == 0)
+      coordinate(exchange, result);
+    else
+      follow(exchange, result);
   } catch (const Failure& failure) {
     const Failure& reported = own ? *own : failure;  // this rank's own error is the more precise one
     result.errorKind = reported.kind;

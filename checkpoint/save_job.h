@@ -24,7 +24,7 @@ struct SaveHandle::State {
   std::condition_variable changed;
   bool done = false;      // `result` is final
   bool finished = false;  // the background thread's work is over (old checkpoints removed too)
-  bool raised = false;  // a failure already raised to the caller (continueOnFailure false)
+  bool raised = false;    // a failure already raised to the caller (continueOnFailure false)
   SaveResult result;
 };
 

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <type_traits>
 #include <cstring>
+#include <type_traits>
 
 #include "checkpoint/parallel_for.h"
 #include "runtime/backoff.h"
@@ -40,8 +40,10 @@ HostBuffer::~HostBuffer() { release(); }
 void HostBuffer::release() {
   if (!data_) return;
 #if BULKHEAD_TORCH_CUDA
-  if (pinned_) cudaFreeHost(data_);
-  else std::free(data_);
+  if (pinned_)
+    cudaFreeHost(data_);
+  else
+    std::free(data_);
 #else
   std::free(data_);
 #endif
@@ -64,8 +66,10 @@ uint8_t* HostBuffer::reserve(size_t bytes, bool pinned, int rank) {
       return data_;
     }
     cudaGetLastError();
-    log::warn("checkpoint", "could not page-lock {:.2f} GiB of host memory; staging in pageable memory (slower "
-              "device-to-host copies)", size / double(1ull << 30));
+    log::warn("checkpoint",
+              "could not page-lock {:.2f} GiB of host memory; staging in pageable memory (slower "
+              "device-to-host copies)",
+              size / double(1ull << 30));
   }
 #endif
   void* memory = nullptr;
@@ -208,9 +212,9 @@ void awaitEvent(cudaEvent_t event, Deadline deadline, int device, int rank) {
     if (rc == cudaSuccess) return;
     if (rc != cudaErrorNotReady) cudaCheck(rc, "host-to-device copies of a loaded checkpoint", rank);
     if (deadline.expired())
-      throw TimeoutError(fmt::format("host-to-device copies on cuda:{} did not finish in {:.1f} s", device,
-                                     secondsSince(started)),
-                         {.rank = rank, .expected = "the load within the checkpoint deadline"});
+      throw TimeoutError(
+          fmt::format("host-to-device copies on cuda:{} did not finish in {:.1f} s", device, secondsSince(started)),
+          {.rank = rank, .expected = "the load within the checkpoint deadline"});
     backoff.pause(deadline);
   }
 }
@@ -232,8 +236,9 @@ DeviceLanding::DeviceLanding(int device, int threads, size_t bufferBytes, int ra
       void* memory = nullptr;
       if (cudaHostAlloc(&memory, bufferBytes_, cudaHostAllocDefault) != cudaSuccess) {
         cudaGetLastError();
-        throw IoError(fmt::format("cannot page-lock {:.1f} MiB of host memory to load a checkpoint", bufferBytes_ / 1048576.0),
-                      {.rank = rank, .expected = "a few chunks of page-locked memory per reader thread"});
+        throw IoError(
+            fmt::format("cannot page-lock {:.1f} MiB of host memory to load a checkpoint", bufferBytes_ / 1048576.0),
+            {.rank = rank, .expected = "a few chunks of page-locked memory per reader thread"});
       }
       lane->buffers[b] = static_cast<uint8_t*>(memory);
       cudaCheck(cudaEventCreateWithFlags(&lane->uploaded[b], cudaEventDisableTiming), "creating an upload event", rank);

@@ -1,7 +1,7 @@
 #include "checkpoint/state_dict.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -37,15 +37,24 @@ std::optional<LayoutRecord> LayoutRecord::parse(const std::string& text) {
     if (equals == std::string::npos) return std::nullopt;
     std::string name = field.substr(0, equals), value = field.substr(equals + 1);
     try {
-      if (name == "order") record.options.order = value;
-      else if (name == "world") record.worldSize = std::stoi(value);
-      else if (name == "tp") record.options.tp = std::stoi(value);
-      else if (name == "cp") record.options.cp = std::stoi(value);
-      else if (name == "pp") record.options.pp = std::stoi(value);
-      else if (name == "ep") record.options.ep = std::stoi(value);
-      else if (name == "etp") record.options.etp = std::stoi(value);
-      else if (name == "optimizer_instances") record.options.optimizerInstances = std::stoi(value);
-      else return std::nullopt;
+      if (name == "order")
+        record.options.order = value;
+      else if (name == "world")
+        record.worldSize = std::stoi(value);
+      else if (name == "tp")
+        record.options.tp = std::stoi(value);
+      else if (name == "cp")
+        record.options.cp = std::stoi(value);
+      else if (name == "pp")
+        record.options.pp = std::stoi(value);
+      else if (name == "ep")
+        record.options.ep = std::stoi(value);
+      else if (name == "etp")
+        record.options.etp = std::stoi(value);
+      else if (name == "optimizer_instances")
+        record.options.optimizerInstances = std::stoi(value);
+      else
+        return std::nullopt;
     } catch (const std::exception&) {
       return std::nullopt;
     }

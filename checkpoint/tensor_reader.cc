@@ -25,8 +25,9 @@ int64_t WholeTensorReader::bytesRead() const { return reader_->bytesRead(); }
 at::Tensor WholeTensorReader::read(const std::string& key) {
   const int index = manifest_.findTensor(key);
   if (index < 0)
-    throw CheckpointError(fmt::format("{} has no tensor '{}'; `bulkhead-ckpt inspect` lists what it holds", folder_, key),
-                          {.expected = "a key the manifest lists"});
+    throw CheckpointError(
+        fmt::format("{} has no tensor '{}'; `bulkhead-ckpt inspect` lists what it holds", folder_, key),
+        {.expected = "a key the manifest lists"});
   return read(index);
 }
 
@@ -37,8 +38,8 @@ at::Tensor WholeTensorReader::read(int index, const at::Tensor& storage) {
   const int64_t bytes = volume(record.globalShape) * static_cast<int64_t>(c10::elementSize(record.dtype));
   at::Tensor whole;
   if (storage.defined() && static_cast<int64_t>(storage.nbytes()) >= bytes)
-    whole = at::from_blob(storage.data_ptr(), record.globalShape, [keep = storage](void*) {},
-                          at::TensorOptions(record.dtype));
+    whole = at::from_blob(
+        storage.data_ptr(), record.globalShape, [keep = storage](void*) {}, at::TensorOptions(record.dtype));
   else
     whole = at::empty(record.globalShape, at::TensorOptions(record.dtype));
   Region region;

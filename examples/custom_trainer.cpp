@@ -24,7 +24,8 @@ using namespace bulkhead;
 // Model weights and optimizer state, each under its global key.
 checkpoint::StateDict stateOf(const moe::MoELayer& layer, optim::DistributedOptimizer& optimizer, int64_t step) {
   checkpoint::StateDict state;
-  for (const auto& parameter : layer.parameters()) state.add(parameter.name, parameter.tensor.detach(), parameter.shard);
+  for (const auto& parameter : layer.parameters())
+    state.add(parameter.name, parameter.tensor.detach(), parameter.shard);
   for (const auto& slice : optimizer.state()) state.add(slice.key, slice.local, slice.shard);
   state.dataPosition = std::to_string(step);
   return state;
@@ -41,7 +42,6 @@ int main(int argc, char** argv) {
   if (auto code = cli::parse(app, argc, argv)) return *code;
 
   return guardedMain([&] {
-
     // 1. The runtime (MPI or NCCL, chosen from the machine) and every group,
     //    built and warmed now rather than at the first collective.
     auto runtime = init();
@@ -50,8 +50,8 @@ int main(int argc, char** argv) {
     const auto options = at::TensorOptions(at::kFloat).device(runtime->device());
 
     // 2. A student MoE layer and a teacher with other weights (another seed).
-    moe::MoEOptions layerOptions{.hidden = 32, .ffnHidden = 64, .router = {.numExperts = 8, .topK = 2},
-                                 .globalAuxLoss = true, .initStd = 0.1};
+    moe::MoEOptions layerOptions{
+        .hidden = 32, .ffnHidden = 64, .router = {.numExperts = 8, .topK = 2}, .globalAuxLoss = true, .initStd = 0.1};
     moe::MoELayer student(layerOptions, groups, options);
     layerOptions.seed = 99;
     moe::MoELayer teacher(layerOptions, groups, options);
@@ -96,8 +96,8 @@ int main(int argc, char** argv) {
       runtime->cpuWorld().broadcast(stamp, 0)->wait(Deadline::afterSeconds(30));
       dir = fmt::format("/tmp/bulkhead_custom_trainer_{}", stamp.item<int64_t>());
     }
-    auto checkpointer = checkpoint::Checkpointer::create({.dir = dir, .keep = 2}, runtime->store(), rank,
-                                                         runtime->world().size());
+    auto checkpointer =
+        checkpoint::Checkpointer::create({.dir = dir, .keep = 2}, runtime->store(), rank, runtime->world().size());
     checkpointer->save(steps, stateOf(student, optimizer, steps));
     auto saved = checkpointer->wait(Deadline::afterSeconds(60));
     const double before = lossAt(steps, false);

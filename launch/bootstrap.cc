@@ -48,19 +48,21 @@ std::pair<std::string, int> storeAddress(const WorldInfo& world) {
   if (host.empty() && (world.size == 1 || world.localSize == world.size)) host = "127.0.0.1";
   if (host.empty()) host = world.masterAddr;
   if (host.empty())
-    throw ConfigError("MASTER_ADDR is not set: ranks started without MPI meet at rank 0's store; export MASTER_ADDR "
-                      "(rank 0's host) and MASTER_PORT on every rank",
-                      {.rank = world.rank, .expected = "MASTER_ADDR set"});
+    throw ConfigError(
+        "MASTER_ADDR is not set: ranks started without MPI meet at rank 0's store; export MASTER_ADDR "
+        "(rank 0's host) and MASTER_PORT on every rank",
+        {.rank = world.rank, .expected = "MASTER_ADDR set"});
   if (world.masterPort <= 0)
-    throw ConfigError("MASTER_PORT is not set: ranks started without MPI meet at rank 0's store on that port; export "
-                      "the same free MASTER_PORT on every rank",
-                      {.rank = world.rank, .expected = "MASTER_PORT set"});
+    throw ConfigError(
+        "MASTER_PORT is not set: ranks started without MPI meet at rank 0's store on that port; export "
+        "the same free MASTER_PORT on every rank",
+        {.rank = world.rank, .expected = "MASTER_PORT set"});
   return {host, world.masterPort};
 }
 
 bool isNumeric(const std::string& host) {
-  return host.find_first_not_of("0123456789.:abcdefABCDEF") == std::string::npos && host.find_first_of(".:") !=
-                                                                                         std::string::npos;
+  return host.find_first_not_of("0123456789.:abcdefABCDEF") == std::string::npos &&
+         host.find_first_of(".:") != std::string::npos;
 }
 
 // Reads every arrival so far and raises on a contradiction; returns the ranks

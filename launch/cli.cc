@@ -50,16 +50,16 @@ void checkNames(const CLI::App& app, int argc, char** argv) {
     }
     if (arg.size() > 1 && arg[0] == '-') continue;  // short flags and negative numbers: CLI11 judges them
     auto subcommands = current->get_subcommands([](const CLI::App*) { return true; });
-    auto match = std::find_if(subcommands.begin(), subcommands.end(),
-                              [&](const CLI::App* sub) { return sub->check_name(arg); });
+    auto match =
+        std::find_if(subcommands.begin(), subcommands.end(), [&](const CLI::App* sub) { return sub->check_name(arg); });
     if (match != subcommands.end()) {
       current = *match;
       positionalSeen = false;
     } else if (!subcommands.empty() && current->get_require_subcommand_min() > 0 && !positionalSeen) {
       std::vector<std::string> names;
       for (const CLI::App* sub : subcommands) names.push_back(sub->get_name());
-      throw CLI::ValidationError(fmt::format("unknown subcommand '{}': expected one of {}", arg,
-                                             fmt::join(names, ", ")));
+      throw CLI::ValidationError(
+          fmt::format("unknown subcommand '{}': expected one of {}", arg, fmt::join(names, ", ")));
     } else {
       positionalSeen = true;
     }

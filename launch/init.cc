@@ -8,17 +8,21 @@
 #include "runtime/host_staged.h"
 #include "runtime/log.h"
 #include "runtime/mpi/mpi_backend.h"
-#include "runtime/node_relay.h"
 #include "runtime/nccl/nccl_backend.h"
+#include "runtime/node_relay.h"
 
 namespace bulkhead {
 
 const char* toString(Backend backend) {
   switch (backend) {
-    case Backend::Auto: return "auto";
-    case Backend::Mpi: return "mpi";
-    case Backend::Nccl: return "nccl";
-    case Backend::Gloo: return "gloo";
+    case Backend::Auto:
+      return "auto";
+    case Backend::Mpi:
+      return "mpi";
+    case Backend::Nccl:
+      return "nccl";
+    case Backend::Gloo:
+      return "gloo";
   }
   return "?";
 }
@@ -145,10 +149,10 @@ std::unique_ptr<Runtime> init(InitOptions options) {
   log::debug("launch", "world of {} ranks from {}, bootstrap {}, backend {}", info.size, launch::toString(info.source),
              launch::toString(bootstrap), toString(backend));
   auto monitor = std::make_shared<Monitor>(rendezvous.store, info.rank);
-  monitor->relayThrough(joinNodeRelay(*rendezvous.store,
-                                      {.localRank = info.localRank, .localSize = info.localSize, .worldRank = info.rank},
-                                      deadline),
-                        info.localRank);
+  monitor->relayThrough(
+      joinNodeRelay(*rendezvous.store,
+                    {.localRank = info.localRank, .localSize = info.localSize, .worldRank = info.rank}, deadline),
+      info.localRank);
   auto glooWorld = [&] {
     return gloo::initWorld(rendezvous.store, info.rank, info.size, {.deadline = deadline, .host = glooHost(info)});
   };
@@ -156,8 +160,8 @@ std::unique_ptr<Runtime> init(InitOptions options) {
   if (bootstrap == launch::Bootstrap::Store && backend == Backend::Nccl) {
     // NCCL's unique id through the store; the CPU world is Gloo's, or (a build
     // without Gloo) CPU tensors staged through the NCCL world.
-    backendWorld = nccl::initWorld(*rendezvous.store, info.rank, info.size,
-                                   {.deadline = deadline, .localRank = info.localRank});
+    backendWorld =
+        nccl::initWorld(*rendezvous.store, info.rank, info.size, {.deadline = deadline, .localRank = info.localRank});
     monitor->watch(backendWorld);
     cpuWorld = gloo::available() ? glooWorld() : stagedOnHost(backendWorld);
     if (gloo::available()) monitor->watch(cpuWorld);

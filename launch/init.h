@@ -31,8 +31,8 @@ const char* toString(Backend backend);
 Backend parseBackend(std::string_view text);
 
 struct InitOptions {
-  std::optional<Backend> backend;   // unset: BULKHEAD_BACKEND
-  std::optional<Deadline> deadline; // unset: BULKHEAD_INIT_TIMEOUT from the call
+  std::optional<Backend> backend;    // unset: BULKHEAD_BACKEND
+  std::optional<Deadline> deadline;  // unset: BULKHEAD_INIT_TIMEOUT from the call
 };
 
 class Runtime {

@@ -52,11 +52,11 @@ Rendezvous startRendezvous(Communicator& cpuWorld, const WorldInfo& world, Deadl
     std::string host = advertisedHost(world);
     std::string token = env::kStoreToken.text().empty() ? randomToken() : env::kStoreToken.text();
     // A name is advertised, but the server binds to every interface.
-    rendezvous.server = std::make_unique<TcpStoreServer>(TcpStoreOptions{
-        .host = isNumericAddress(host) ? host : "0.0.0.0",
-        .port = static_cast<uint16_t>(world.masterPort > 0 ? world.masterPort : 0),
-        .token = token,
-        .rank = 0});
+    rendezvous.server = std::make_unique<TcpStoreServer>(
+        TcpStoreOptions{.host = isNumericAddress(host) ? host : "0.0.0.0",
+                        .port = static_cast<uint16_t>(world.masterPort > 0 ? world.masterPort : 0),
+                        .token = token,
+                        .rank = 0});
     std::string text = fmt::format("{}\n{}\n{}", host, rendezvous.server->port(), token);
     if (static_cast<int64_t>(text.size()) >= kAddressBytes)
       throw ConfigError(fmt::format("the store address '{}' is too long", host), {.rank = 0});

@@ -10,9 +10,12 @@ namespace bulkhead::launch {
 
 const char* toString(WorldSource source) {
   switch (source) {
-    case WorldSource::OpenMpi: return "Open MPI";
-    case WorldSource::Slurm: return "Slurm";
-    case WorldSource::Generic: return "environment";
+    case WorldSource::OpenMpi:
+      return "Open MPI";
+    case WorldSource::Slurm:
+      return "Slurm";
+    case WorldSource::Generic:
+      return "environment";
   }
   return "?";
 }
@@ -36,9 +39,9 @@ struct Reader {
     char* end = nullptr;
     long value = std::strtol(text->c_str(), &end, 10);
     if (text->empty() || *end != '\0' || value < 0 || value > 1 << 30)
-      throw ConfigError(fmt::format("{}='{}' is not a non-negative integer; fix the launcher's environment", name,
-                                    *text),
-                        {.expected = fmt::format("{} as a non-negative integer", name)});
+      throw ConfigError(
+          fmt::format("{}='{}' is not a non-negative integer; fix the launcher's environment", name, *text),
+          {.expected = fmt::format("{} as a non-negative integer", name)});
     return static_cast<int>(value);
   }
 

@@ -20,7 +20,7 @@ struct WorldInfo {
   int rank = 0;
   int size = 1;
   int localRank = 0;
-  int localSize = -1;  // -1 when the launcher does not say
+  int localSize = -1;      // -1 when the launcher does not say
   std::string masterAddr;  // empty when unknown (MPI carries the rendezvous then)
   int masterPort = -1;
 };

@@ -74,7 +74,8 @@ struct RoutedBackward : Node {
   std::string name() const override { return "bulkhead::RoutedExchangeBackward"; }
   variable_list apply(variable_list&& grads) override {
     parallel::refuseDoubleBackward("bulkhead::RoutedExchangeBackward");
-    at::Tensor rows = exchangeRows(*group, materialize(grads[0], rowsShape, rowOptions), recvSplits, sendSplits, timeout);
+    at::Tensor rows =
+        exchangeRows(*group, materialize(grads[0], rowsShape, rowOptions), recvSplits, sendSplits, timeout);
     at::Tensor weights =
         exchangeRows(*group, materialize(grads[1], weightsShape, weightOptions), recvSplits, sendSplits, timeout);
     return {gatherSum(rows, tokenTable, at::Tensor()), gatherSum(weights, weightTable, at::Tensor())};
@@ -121,13 +122,14 @@ RoutedRows exchangeRouted(const CommunicatorPtr& group, const RoutedSend& send, 
   if (send.bytes.dim() != 2 || send.bytes.size(1) != layout.width || send.bytes.scalar_type() != at::kByte ||
       send.weights.dim() != 2 || send.weights.size(1) != layout.columns ||
       send.weights.scalar_type() != layout.sideType || send.tokens.scalar_type() != layout.tokenType) {
-    throw ConfigError(fmt::format("routed exchange on {}: bytes [{}], tokens [{}] and weights [{}] do not fit a "
-                                  "layout of {}-byte rows with {} weights",
-                                  group->name(), fmt::join(send.bytes.sizes(), ", "),
-                                  fmt::join(send.tokens.sizes(), ", "), fmt::join(send.weights.sizes(), ", "),
-                                  layout.width, layout.columns),
-                      {.rank = group->rank(), .group = group->name(),
-                       .expected = "bytes [rows, width] packed from tokens [T, H] and weights [S, m] of the layout"});
+    throw ConfigError(
+        fmt::format("routed exchange on {}: bytes [{}], tokens [{}] and weights [{}] do not fit a "
+                    "layout of {}-byte rows with {} weights",
+                    group->name(), fmt::join(send.bytes.sizes(), ", "), fmt::join(send.tokens.sizes(), ", "),
+                    fmt::join(send.weights.sizes(), ", "), layout.width, layout.columns),
+        {.rank = group->rank(),
+         .group = group->name(),
+         .expected = "bytes [rows, width] packed from tokens [T, H] and weights [S, m] of the layout"});
   }
   RoutedRows arrived = layout.parts(exchangeRows(*group, send.bytes, sendSplits, recvSplits, timeout));
   const bool tracked =

@@ -44,7 +44,7 @@ void planWithAten(const Routing& routing, const RouteShape& shape, RoutePlan& pl
   at::Tensor outgoing = plan.counts.select(0, 0);
   outgoing.view(-1).scatter_add_(0, (expert + 2 * destination).reshape(-1), sent.to(at::kLong).reshape(-1));
   outgoing.select(1, L + 1).fill_(routing.keep.sum() - sent.sum());  // the invalid slots, for every rank
-  at::Tensor rankOrNone = at::where(sent, destination, R);  // [T, k]
+  at::Tensor rankOrNone = at::where(sent, destination, R);           // [T, k]
   at::Tensor rowsColumn = outgoing.select(1, L);
   if (shape.perSlot) {
     rowsColumn.copy_(outgoing.narrow(1, 0, L).sum(1));  // a row per kept slot
@@ -84,7 +84,8 @@ void checkPackInputs(const RoutedLayout& layout, const at::Tensor& tokens, const
                         plan.key.device() == device;
   const bool fits = together && plan.key.dim() == 2 && plan.key.size(0) == routing.indices.size(0) &&
                     plan.key.size(1) == columns && tokens.dim() == 2 && tokens.size(0) == routing.indices.size(0) &&
-                    tokens.scalar_type() == layout.tokenType && tokens.size(1) * tokens.element_size() == layout.rowBytes &&
+                    tokens.scalar_type() == layout.tokenType &&
+                    tokens.size(1) * tokens.element_size() == layout.rowBytes &&
                     weights.sizes() == routing.indices.sizes() && weights.scalar_type() == layout.sideType &&
                     routing.keep.sizes() == routing.indices.sizes() && layout.columns == (shape.perSlot ? 1 : slots);
   if (fits) return;
@@ -147,9 +148,8 @@ Grouping groupByKey(const at::Tensor& key, int64_t groups, int64_t count) {
   at::Tensor sorted = std::get<1>(at::sort(key.reshape(-1), /*stable=*/true, 0, false));
   at::TensorOptions longs = key.options().dtype(at::kLong);
   grouping.order = sorted.narrow(0, 0, count);
-  grouping.table = at::full({key.numel()}, -1, longs)
-                       .scatter_(0, grouping.order, at::arange(count, longs))
-                       .view(key.sizes());
+  grouping.table =
+      at::full({key.numel()}, -1, longs).scatter_(0, grouping.order, at::arange(count, longs)).view(key.sizes());
   return grouping;
 }
 

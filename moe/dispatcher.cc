@@ -17,8 +17,8 @@
 #include <utility>
 
 #include "moe/all_to_all_autograd.h"
-#include "moe/gather_sum.h"
 #include "moe/dispatch_routes.h"
+#include "moe/gather_sum.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/backoff.h"
 #include "runtime/errors.h"
@@ -52,8 +52,10 @@ class HostCopy {
       while (!copied_->query()) {
         // Raises, or returns with the copy right behind the completed collective.
         if (deadline.expired() || work.exception()) work.wait(deadline);
-        if (Deadline::Clock::now() < spinUntil) std::this_thread::yield();
-        else backoff.pause(deadline);
+        if (Deadline::Clock::now() < spinUntil)
+          std::this_thread::yield();
+        else
+          backoff.pause(deadline);
       }
     }
     work.wait(deadline);  // already complete on a GPU, unless it failed: then this raises why
@@ -95,12 +97,14 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   if (tokens.dim() != 2 || routing.indices.dim() != 2 || routing.indices.size(0) != tokens.size(0) ||
       routing.weights.sizes() != routing.indices.sizes() || routing.keep.sizes() != routing.indices.sizes() ||
       routing.indices.scalar_type() != at::kLong || routing.keep.scalar_type() != at::kBool) {
-    throw ConfigError(fmt::format("dispatch on {}: tokens [{}] with routing indices [{}] ({}), weights [{}], keep [{}] ({})",
-                                  ep_->name(), fmt::join(tokens.sizes(), ", "), fmt::join(routing.indices.sizes(), ", "),
-                                  c10::toString(routing.indices.scalar_type()), fmt::join(routing.weights.sizes(), ", "),
-                                  fmt::join(routing.keep.sizes(), ", "), c10::toString(routing.keep.scalar_type())),
-                      {.rank = ep_->rank(), .group = ep_->name(),
-                       .expected = "tokens [T, H]; indices (int64), weights, keep (bool) [T, k]"});
+    throw ConfigError(
+        fmt::format("dispatch on {}: tokens [{}] with routing indices [{}] ({}), weights [{}], keep [{}] ({})",
+                    ep_->name(), fmt::join(tokens.sizes(), ", "), fmt::join(routing.indices.sizes(), ", "),
+                    c10::toString(routing.indices.scalar_type()), fmt::join(routing.weights.sizes(), ", "),
+                    fmt::join(routing.keep.sizes(), ", "), c10::toString(routing.keep.scalar_type())),
+        {.rank = ep_->rank(),
+         .group = ep_->name(),
+         .expected = "tokens [T, H]; indices (int64), weights, keep (bool) [T, k]"});
   }
   // Before any collective, so a misplaced tensor fails on its own rank at once
   // (a kernel would read a host pointer, or the packing raise between exchanges).

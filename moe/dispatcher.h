@@ -33,8 +33,8 @@
 #include <optional>
 #include <vector>
 
-#include "moe/router.h"
 #include "moe/dispatch_routes.h"
+#include "moe/router.h"
 #include "runtime/communicator.h"
 
 namespace bulkhead::moe {

@@ -52,16 +52,19 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
     : options_(options), groupedMm_(options.groupedMm), firstExpert_(firstExpert), expertTp_(std::move(expertTp)) {
   const int etp = expertTp_->size();
   if (options_.ffnHidden % etp != 0) {
-    throw ConfigError(fmt::format("experts: ffn hidden size {} does not divide over the {} ranks of {}",
-                                  options_.ffnHidden, etp, expertTp_->name()),
-                      {.rank = expertTp_->rank(), .group = expertTp_->name(), .expected = "ffnHidden a multiple of etp"});
+    throw ConfigError(
+        fmt::format("experts: ffn hidden size {} does not divide over the {} ranks of {}", options_.ffnHidden, etp,
+                    expertTp_->name()),
+        {.rank = expertTp_->rank(), .group = expertTp_->name(), .expected = "ffnHidden a multiple of etp"});
   }
   const int64_t hidden = options_.hidden, ffn = options_.ffnHidden, ffnLocal = ffn / etp;
   if (groupedMm_ && (hidden % 8 != 0 || ffnLocal % 8 != 0)) {
     groupedMm_ = false;
     if (tensorOptions.device().is_cuda() && tensorOptions.dtype() == at::kBFloat16 && expertTp_->rank() == 0) {
-      log::info("moe", "experts: hidden {} and ffn hidden per etp rank {} are not both multiples of 8; one matrix "
-                "product per expert instead of at::_grouped_mm", hidden, ffnLocal);
+      log::info("moe",
+                "experts: hidden {} and ffn hidden per etp rank {} are not both multiples of 8; one matrix "
+                "product per expert instead of at::_grouped_mm",
+                hidden, ffnLocal);
     }
   }
   const int64_t column = expertTp_->rank() * ffnLocal;
@@ -82,7 +85,8 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
 
 at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
                                    const at::Tensor& groupEnds) const {
-  const parallel::TpGroup etp{.comm = expertTp_, .timeout = options_.timeout, .paramGroup = parallel::ParamGroup::Expert};
+  const parallel::TpGroup etp{
+      .comm = expertTp_, .timeout = options_.timeout, .paramGroup = parallel::ParamGroup::Expert};
   at::Tensor x = parallel::copyToTensorParallel(tokens, etp);
   const at::Tensor ends = groupEndsFor(x, groupEnds, groupedMm_);
   // One product for both projections: one gradient to x, none to sum.

@@ -34,12 +34,12 @@
 namespace bulkhead::moe {
 
 struct ExpertOptions {
-  int numExperts = 8;      // global
+  int numExperts = 8;  // global
   int hidden = 64;
-  int ffnHidden = 128;     // global, before etp sharding
+  int ffnHidden = 128;  // global, before etp sharding
   double initStd = 0.02;
   uint64_t seed = 1234;
-  bool groupedMm = true;   // use at::_grouped_mm where available and the shapes fit (see above)
+  bool groupedMm = true;  // use at::_grouped_mm where available and the shapes fit (see above)
   std::optional<std::chrono::milliseconds> timeout;  // expert-tp collectives
 };
 
@@ -52,8 +52,7 @@ class GroupedExperts {
   // tokens [N, H] ordered by local expert; counts: rows per local expert on
   // the host; groupEnds: their running sum as int32 on the tokens' device.
   // counts may be empty where groupedFor(tokens): the device ends suffice.
-  at::Tensor forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
-                     const at::Tensor& groupEnds) const;
+  at::Tensor forward(const at::Tensor& tokens, const std::vector<int64_t>& counts, const at::Tensor& groupEnds) const;
   // Whether rows like `tokens` go through at::_grouped_mm (which takes the
   // group ends on the device and needs no counts on the host).
   bool groupedFor(const at::Tensor& tokens) const;

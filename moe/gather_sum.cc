@@ -62,8 +62,8 @@ struct SourceShape {
 cuda::GatherSumArgs kernelArgs(const SourceShape& source, const at::Tensor& table, const at::Tensor& weights) {
   cuda::GatherSumArgs args;
   args.rowType = *kernelDtype(c10::typeMetaToScalarType(source.options.dtype()));  // checked by the caller
-  args.weightType = weights.defined() && weights.scalar_type() == at::kDouble ? cuda::Dtype::Float64
-                                                                               : cuda::Dtype::Float32;
+  args.weightType =
+      weights.defined() && weights.scalar_type() == at::kDouble ? cuda::Dtype::Float64 : cuda::Dtype::Float32;
   args.outputs = table.size(0);
   args.columns = table.size(1);
   args.width = source.width;
@@ -93,8 +93,8 @@ struct GatherSumBackward : Node {
     parallel::refuseDoubleBackward("bulkhead::GatherSumBackward");
     const at::Tensor source = savedSource.unpack(), weights = savedWeights.unpack();  // undefined where not saved
     const c10::cuda::CUDAGuard onDevice(shape.options.device());
-    at::Tensor gradOut = grads[0].defined() ? grads[0].contiguous()
-                                            : at::zeros({table.size(0), shape.width}, shape.options);
+    at::Tensor gradOut =
+        grads[0].defined() ? grads[0].contiguous() : at::zeros({table.size(0), shape.width}, shape.options);
     at::Tensor gradSource = named == SourceRows::Some ? at::zeros({shape.rows, shape.width}, shape.options)
                                                       : at::empty({shape.rows, shape.width}, shape.options);
     at::Tensor gradWeights = source.defined() ? at::empty_like(weights) : at::Tensor();
@@ -111,12 +111,13 @@ struct GatherSumBackward : Node {
 
 at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights, SourceRows named,
                      const at::Tensor& namedRows) {
-  if (named == SourceRows::Prefix && (!namedRows.defined() || namedRows.scalar_type() != at::kInt || namedRows.numel() != 1))
+  if (named == SourceRows::Prefix &&
+      (!namedRows.defined() || namedRows.scalar_type() != at::kInt || namedRows.numel() != 1))
     throw ConfigError("gatherSum: SourceRows::Prefix needs namedRows, one int32",
                       {.expected = "namedRows: an int32 tensor of one element"});
 #if BULKHEAD_MOE_KERNELS
-  const bool floating = weights.defined() ? (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kDouble)
-                                          : true;
+  const bool floating =
+      weights.defined() ? (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kDouble) : true;
   if (source.is_cuda() && kernelDtype(source.scalar_type()) && floating && table.size(1) <= 64) {
     const c10::cuda::CUDAGuard onDevice(source.device());
     at::Tensor src = source.contiguous(), index = table.contiguous();
@@ -192,11 +193,11 @@ namespace {
 void checkGatherArgs(const char* call, const at::Tensor& source, const at::Tensor& table, int64_t rows) {
   if (source.dim() != 2 || table.dim() != 2 || table.size(0) != source.size(0) || table.scalar_type() != at::kLong ||
       table.device() != source.device() || rows < 0) {
-    throw ConfigError(fmt::format("{}: {} rows from source [{}] on {} by table [{}] ({}) on {}", call, rows,
-                                  fmt::join(source.sizes(), ", "), source.device().str(),
-                                  fmt::join(table.sizes(), ", "), c10::toString(table.scalar_type()),
-                                  table.device().str()),
-                      {.expected = "source [S, W] and an int64 table [S, m] on the source's device; rows >= 0"});
+    throw ConfigError(
+        fmt::format("{}: {} rows from source [{}] on {} by table [{}] ({}) on {}", call, rows,
+                    fmt::join(source.sizes(), ", "), source.device().str(), fmt::join(table.sizes(), ", "),
+                    c10::toString(table.scalar_type()), table.device().str()),
+        {.expected = "source [S, W] and an int64 table [S, m] on the source's device; rows >= 0"});
   }
 }
 

@@ -109,9 +109,9 @@ MoELayer::MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, co
       gate_(replicatedWeight(options_.seed, 101, {options_.router.numExperts, options_.hidden}, options_.initStd,
                              tensorOptions)),
       router_(options_.router, gate_),
-      dispatcher_(groups.ep(), {.numExperts = options_.router.numExperts,
-                                .oncePerRank = options_.oncePerRank,
-                                .timeout = options_.timeout}),
+      dispatcher_(
+          groups.ep(),
+          {.numExperts = options_.router.numExperts, .oncePerRank = options_.oncePerRank, .timeout = options_.timeout}),
       experts_({.numExperts = options_.router.numExperts,
                 .hidden = options_.hidden,
                 .ffnHidden = options_.ffnHidden,
@@ -175,8 +175,8 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
   std::optional<StaticPlan> fixed;
   at::Tensor expertOutput;
   if (options_.staticShapes) {
-    fixed = staticDispatch(tokens, routing, options_.router.numExperts,
-                           staticCapacity(options_.router, tokens.size(0)), experts_.groupedFor(tokens));
+    fixed = staticDispatch(tokens, routing, options_.router.numExperts, staticCapacity(options_.router, tokens.size(0)),
+                           experts_.groupedFor(tokens));
     expertOutput = experts_.forward(fixed->expertInput, fixed->rowsPerExpert, fixed->rowEnds);
   } else {
     plan = dispatcher_.dispatch(tokens, routing);
@@ -190,15 +190,16 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
                                     options_.name, dpCp_->name()),
                         {.rank = worldRank_, .group = dpCp_->name(), .expected = "globalAuxLoss off when capturing"});
     // Slot counts and the token count, summed over every replica's batch.
-    at::Tensor counts = at::cat({routing.tokensPerExpert, at::full({1}, tokens.size(0), routing.tokensPerExpert.options())});
+    at::Tensor counts =
+        at::cat({routing.tokensPerExpert, at::full({1}, tokens.size(0), routing.tokensPerExpert.options())});
     if (dpCp_->size() > 1 || !capturing) {  // under capture at dp 1 the sum is the counts
       const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
       auto work = dpCp_->allReduce(counts, {.deadline = deadline});
       if (!counts.is_cuda()) work->wait(deadline);
     }
     at::Tensor slots = counts.narrow(0, 0, options_.router.numExperts);
-    at::Tensor total = counts.narrow(0, options_.router.numExperts, 1).to(routing.meanProb.scalar_type()) *
-                       options_.router.topK;
+    at::Tensor total =
+        counts.narrow(0, options_.router.numExperts, 1).to(routing.meanProb.scalar_type()) * options_.router.topK;
     // An empty batch on every replica has no balance to measure: 0, not 0/0.
     routing.auxLoss = router_.switchLoss(slots, 1.0, routing.meanProb) / total.squeeze(0).clamp_min(1);
   }
@@ -223,9 +224,9 @@ MoEStats MoELayer::stats() const {
   MoEStats stats;
   if (!lastLoads_.defined()) return stats;
   // One copy to the host: the loads (exact in float64 below 2^53), then the two losses.
-  at::Tensor host = at::cat({lastLoads_.to(at::kDouble), lastAux_.to(at::kDouble).view(1),
-                             lastZ_.to(at::kDouble).view(1)})
-                        .to(at::kCPU);
+  at::Tensor host =
+      at::cat({lastLoads_.to(at::kDouble), lastAux_.to(at::kDouble).view(1), lastZ_.to(at::kDouble).view(1)})
+          .to(at::kCPU);
   const int64_t experts = lastLoads_.numel();
   const double* values = host.data_ptr<double>();
   stats.tokensPerExpert.assign(values, values + experts);

@@ -48,15 +48,15 @@ namespace bulkhead::moe {
 struct MoEOptions {
   std::string name = "moe";
   int hidden = 64;
-  int ffnHidden = 128;           // per expert, global (before etp)
-  RouterOptions router;          // numExperts, topK, losses, capacity, bias
-  bool oncePerRank = true;       // dispatch a token once per destination rank
+  int ffnHidden = 128;      // per expert, global (before etp)
+  RouterOptions router;     // numExperts, topK, losses, capacity, bias
+  bool oncePerRank = true;  // dispatch a token once per destination rank
   // Aux loss from slot counts summed over the dp x cp group (one small
   // all-reduce per step) instead of this rank's alone. P_i stays this rank's
   // mean, so the data-parallel mean of the loss is the global batch's, whatever
   // the layout, when the replicas hold equal numbers of tokens.
   bool globalAuxLoss = false;
-  int sharedExpertHidden = 0;    // 0: no shared expert
+  int sharedExpertHidden = 0;       // 0: no shared expert
   bool overlapSharedExpert = true;  // on a GPU: the shared expert on a stream of its own
   double initStd = 0.02;
   uint64_t seed = 1234;
@@ -131,7 +131,7 @@ class MoELayer {
   Router router_;
   TokenDispatcher dispatcher_;
   GroupedExperts experts_;
-  at::Tensor sharedW13_, sharedW2_;  // [2, F_s, H] (W1 then W3), [H, F_s]
+  at::Tensor sharedW13_, sharedW2_;          // [2, F_s, H] (W1 then W3), [H, F_s]
   std::optional<c10::Stream> sharedStream_;  // where the shared expert runs on a GPU
   at::Tensor lastLoads_, lastAux_, lastZ_;
   at::Tensor pendingLoads_;  // with expertBias: loads since the last updateExpertBias

@@ -15,9 +15,9 @@ namespace bulkhead::moe {
 
 Router::Router(RouterOptions options, at::Tensor gateWeight) : options_(options), gate_(std::move(gateWeight)) {
   if (options_.numExperts < 1 || options_.topK < 1 || options_.topK > options_.numExperts) {
-    throw ConfigError(fmt::format("router: top-k {} of {} experts is not a valid choice", options_.topK,
-                                  options_.numExperts),
-                      {.expected = "1 <= topK <= numExperts"});
+    throw ConfigError(
+        fmt::format("router: top-k {} of {} experts is not a valid choice", options_.topK, options_.numExperts),
+        {.expected = "1 <= topK <= numExperts"});
   }
   if (gate_.dim() != 2 || gate_.size(0) != options_.numExperts) {
     throw ConfigError(fmt::format("router: gate weight of shape {} does not score {} experts",
@@ -43,8 +43,10 @@ Routing Router::select(const at::Tensor& tokens, bool hostCounts) const {
   // Scores in at least float32: bf16 softmax over many experts loses the ranking.
   const auto scoreType = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   Routing routing;
-  if (auto mixed = mixedPrecisionLogits(tokens, gate_)) routing.logits = std::move(*mixed);
-  else routing.logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
+  if (auto mixed = mixedPrecisionLogits(tokens, gate_))
+    routing.logits = std::move(*mixed);
+  else
+    routing.logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
   if (auto fused = fusedScores(routing.logits, options_, options_.expertBias ? bias_ : at::Tensor())) {
     routing.indices = std::move(fused->indices);
     routing.weights = std::move(fused->weights);
@@ -82,9 +84,8 @@ void Router::addLosses(Routing& routing) const {
   if (routing.probSum.defined()) {
     routing.meanProb = routing.probSum / static_cast<double>(numTokens);
   } else if (numTokens > 0) {
-    at::Tensor probs = options_.scoreFunction == ScoreFunction::Softmax
-                           ? routing.scores
-                           : routing.scores / routing.scores.sum(-1, true);
+    at::Tensor probs = options_.scoreFunction == ScoreFunction::Softmax ? routing.scores
+                                                                        : routing.scores / routing.scores.sum(-1, true);
     routing.meanProb = probs.mean(0);
   } else {
     routing.meanProb = at::zeros({numExperts}, routing.logits.options());

@@ -39,23 +39,23 @@ struct RouterOptions {
   bool normalizeWeights = true;
   double auxLossCoeff = 1e-2;
   double zLossCoeff = 1e-3;
-  bool expertBias = false;          // aux-loss-free balancing
+  bool expertBias = false;  // aux-loss-free balancing
   double biasUpdateRate = 1e-3;
-  double capacityFactor = 0;        // 0: dropless
+  double capacityFactor = 0;  // 0: dropless
 };
 
 struct Routing {
-  at::Tensor indices;    // [T, k] int64 global expert ids
-  at::Tensor weights;    // [T, k] combine weights (autograd), dtype of the scores
-  at::Tensor keep;       // [T, k] bool; false where capacity dropped the slot
+  at::Tensor indices;  // [T, k] int64 global expert ids
+  at::Tensor weights;  // [T, k] combine weights (autograd), dtype of the scores
+  at::Tensor keep;     // [T, k] bool; false where capacity dropped the slot
   // With a capacity: [T, k] int64, each slot's place among its expert's slots
   // (best weight first, ties by slot order); kept where it is below the capacity.
   at::Tensor position;
-  at::Tensor auxLoss;    // scalar, coefficient applied
-  at::Tensor zLoss;      // scalar, coefficient applied
+  at::Tensor auxLoss;          // scalar, coefficient applied
+  at::Tensor zLoss;            // scalar, coefficient applied
   at::Tensor tokensPerExpert;  // [E] int64: slots selected per expert, before dropping
   at::Tensor meanProb;         // [E] P_i over this rank's tokens (autograd; zeros without tokens)
-  int64_t droppedSlots = 0;   // counted on the host, unless select() was told not to
+  int64_t droppedSlots = 0;    // counted on the host, unless select() was told not to
   at::Tensor dropped;          // with a capacity: the same count, a 0-dim int64 tensor on the device
   at::Tensor logits;           // [T, E] in the score dtype (autograd)
   // addLosses' inputs, not for callers: scores [T, E] may be undefined (the

@@ -57,7 +57,9 @@ struct ScoresBackward : torch::autograd::Node {
     if (!grads[0].defined() && !grads[1].defined() && !grads[2].defined()) return {at::Tensor()};
     const at::Tensor logits = savedLogits.unpack(), indices = savedIndices.unpack();
     const c10::cuda::CUDAGuard onDevice(logits.device());
-    auto flat = [&](const at::Tensor& grad) { return grad.defined() ? grad.to(logits.scalar_type()).contiguous() : grad; };
+    auto flat = [&](const at::Tensor& grad) {
+      return grad.defined() ? grad.to(logits.scalar_type()).contiguous() : grad;
+    };
     const at::Tensor weights = flat(grads[0]), probSum = flat(grads[1]), lseSquaredSum = flat(grads[2]);
     at::Tensor gradLogits = at::empty_like(logits);
     cuda::scoreBackward(scoreArgs(logits, options),
@@ -102,8 +104,8 @@ struct LogitsBackward : torch::autograd::Node {
 std::optional<at::Tensor> mixedPrecisionLogits(const at::Tensor& tokens, const at::Tensor& gate) {
 #if BULKHEAD_MOE_KERNELS && BULKHEAD_MM_OUT_DTYPE
   const at::ScalarType type = tokens.scalar_type();
-  const bool applies = tokens.is_cuda() && gate.device() == tokens.device() && tokens.dim() == 2 &&
-                       gate.dim() == 2 && tokens.size(0) > 0 && tokens.size(1) == gate.size(1) &&
+  const bool applies = tokens.is_cuda() && gate.device() == tokens.device() && tokens.dim() == 2 && gate.dim() == 2 &&
+                       tokens.size(0) > 0 && tokens.size(1) == gate.size(1) &&
                        (type == at::kBFloat16 || type == at::kHalf) && gate.scalar_type() == type;
   if (!applies) return std::nullopt;
   const c10::cuda::CUDAGuard onDevice(tokens.device());
@@ -143,8 +145,7 @@ std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOpt
   scores.lseSquaredSum = at::empty({}, input.options());
   at::Tensor probPartial = at::empty({rows, experts}, input.options());
   at::Tensor lsePartial = at::empty({rows}, input.options());
-  cuda::scoreForward(scoreArgs(input, options),
-                     biasOnDevice.defined() ? biasOnDevice.data_ptr<float>() : nullptr,
+  cuda::scoreForward(scoreArgs(input, options), biasOnDevice.defined() ? biasOnDevice.data_ptr<float>() : nullptr,
                      {.indices = scores.indices.data_ptr<int64_t>(),
                       .weights = scores.weights.data_ptr(),
                       .keep = scores.keep.defined() ? scores.keep.data_ptr<bool>() : nullptr,

@@ -38,11 +38,11 @@ namespace bulkhead::moe {
 struct StaticPlan {
   int64_t capacity = 0;
   bool packed = false;
-  at::Tensor expertInput;               // [E * C, H] padded, [T * k, H] packed
-  at::Tensor slotTable;                 // [T, k] int64: each slot's expert row, -1 where dropped
-  std::vector<int64_t> rowsPerExpert;   // padded: C each, on the host; packed: empty
-  at::Tensor rowEnds;                   // int32 group ends on the device (packed: the last is T * k)
-  at::Tensor keptRows;                  // packed: the kept rows, one int32 on the device
+  at::Tensor expertInput;              // [E * C, H] padded, [T * k, H] packed
+  at::Tensor slotTable;                // [T, k] int64: each slot's expert row, -1 where dropped
+  std::vector<int64_t> rowsPerExpert;  // padded: C each, on the host; packed: empty
+  at::Tensor rowEnds;                  // int32 group ends on the device (packed: the last is T * k)
+  at::Tensor keptRows;                 // packed: the kept rows, one int32 on the device
 };
 
 int64_t staticCapacity(const RouterOptions& router, int64_t tokens);

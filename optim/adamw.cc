@@ -61,8 +61,7 @@ void AdamW::step(double lr) {
 }
 
 void AdamW::zeroGrad() {
-  for (const parallel::Parameter& param : params_)
-    param.tensor.mutable_grad() = at::Tensor();
+  for (const parallel::Parameter& param : params_) param.tensor.mutable_grad() = at::Tensor();
 }
 
 std::vector<parallel::ShardedTensor> AdamW::state() {

@@ -22,8 +22,8 @@
 namespace bulkhead::optim {
 namespace {
 
-using parallel::ParamGroup;
 using parallel::Parameter;
+using parallel::ParamGroup;
 
 const char* groupName(ParamGroup group) { return group == ParamGroup::Expert ? "expert" : "dense"; }
 
@@ -223,7 +223,8 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
         counted.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
   }
   at::Tensor partial = at::zeros({1}, normOptions);
-  if (fusedKernels) partial = fused::sumOfSquares(counted, normOptions);
+  if (fusedKernels)
+    partial = fused::sumOfSquares(counted, normOptions);
   else
     for (const at::Tensor& piece : counted) addSquares(partial, piece);
   // The update's views are built while the device still sums the squares.
@@ -244,7 +245,8 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
     // weights and both moments for good (and into every later checkpoint).
     ++skippedSteps_;
     if (groups_.world()->rank() == 0)
-      log::warn("optim", "step skipped on every rank: the global gradient norm is {} (an inf or NaN gradient); the "
+      log::warn("optim",
+                "step skipped on every rank: the global gradient norm is {} (an inf or NaN gradient); the "
                 "parameters, the optimizer state and the step count are unchanged ({} skipped so far)",
                 norm, skippedSteps_);
     for (Bucket& bucket : buckets_) bucket.gradShard = at::Tensor();
@@ -272,14 +274,12 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
 }
 
 void DistributedOptimizer::zeroGrad() {
-  for (const Parameter& param : params_)
-    param.tensor.mutable_grad() = at::Tensor();
+  for (const Parameter& param : params_) param.tensor.mutable_grad() = at::Tensor();
 }
 
 int64_t DistributedOptimizer::stateElements() const {
   int64_t elements = 0;
-  for (const Bucket& bucket : buckets_)
-    elements += bucket.expAvg.numel() * (bucket.distinctMaster() ? 3 : 2);
+  for (const Bucket& bucket : buckets_) elements += bucket.expAvg.numel() * (bucket.distinctMaster() ? 3 : 2);
   return elements;
 }
 

@@ -112,9 +112,9 @@ class DistributedOptimizer {
     std::vector<size_t> members;  // indices into params_, in bucket order
     ShardLayout layout;
     std::vector<std::vector<ShardLayout::Piece>> pieces;  // per rank of comm
-    at::Tensor master;             // this rank's shard, when distinct from the parameters
-    at::Tensor expAvg, expAvgSq;   // this rank's shard
-    at::Tensor gradShard;          // the reduced gradient, during a step (shardMax long)
+    at::Tensor master;                                    // this rank's shard, when distinct from the parameters
+    at::Tensor expAvg, expAvgSq;                          // this rank's shard
+    at::Tensor gradShard;                                 // the reduced gradient, during a step (shardMax long)
     bool distinctMaster() const { return master.defined(); }
   };
 

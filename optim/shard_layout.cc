@@ -69,8 +69,8 @@ ShardLayout ShardLayout::create(const std::vector<std::vector<int64_t>>& shapes,
   ShardLayout layout;
   for (const auto& shape : shapes) {
     const int64_t numel = product(shape, 0, shape.size());
-    Param param{.offset = layout.total, .rows = shape.size() < 2 ? (shape.empty() ? 1 : shape[0])
-                                                                  : product(shape, 0, shape.size() - 1)};
+    Param param{.offset = layout.total,
+                .rows = shape.size() < 2 ? (shape.empty() ? 1 : shape[0]) : product(shape, 0, shape.size() - 1)};
     param.rowElems = param.rows == 0 ? 0 : numel / param.rows;
     layout.params.push_back(param);
     layout.total += numel;

@@ -33,10 +33,8 @@ std::array<std::string_view, 5> parseOrder(const std::string& order) {
     int axis = -1;
     for (int i = 0; i < 5; ++i)
       if (token == kAxisNames[i]) axis = i;
-    if (axis < 0)
-      throw ConfigError(fmt::format("order '{}' names an unknown axis '{}'; {}", order, token, kOrderHelp));
-    if (seen[axis]++)
-      throw ConfigError(fmt::format("order '{}' names {} twice; {}", order, token, kOrderHelp));
+    if (axis < 0) throw ConfigError(fmt::format("order '{}' names an unknown axis '{}'; {}", order, token, kOrderHelp));
+    if (seen[axis]++) throw ConfigError(fmt::format("order '{}' names {} twice; {}", order, token, kOrderHelp));
     tokens[count++] = kAxisNames[axis];
     if (dash == std::string_view::npos) break;
     rest = rest.substr(dash + 1);
@@ -103,21 +101,36 @@ std::string beforePp(const detail::Grid& grid, const char* const names[4]) {
 
 const char* toString(GroupKind kind) {
   switch (kind) {
-    case GroupKind::Tp: return "tp";
-    case GroupKind::Cp: return "cp";
-    case GroupKind::Pp: return "pp";
-    case GroupKind::Dp: return "dp";
-    case GroupKind::DpCp: return "dp-cp";
-    case GroupKind::TpCp: return "tp-cp";
-    case GroupKind::ModelParallel: return "mp";
-    case GroupKind::TpDpCp: return "tp-dp-cp";
-    case GroupKind::Ep: return "ep";
-    case GroupKind::ExpertTp: return "expert-tp";
-    case GroupKind::ExpertDp: return "expert-dp";
-    case GroupKind::ExpertModelParallel: return "tp-ep-pp";
-    case GroupKind::Embedding: return "embedding";
-    case GroupKind::ExpertDpIntraInstance: return "expert-dp-intra";
-    case GroupKind::ExpertDpInterInstance: return "expert-dp-inter";
+    case GroupKind::Tp:
+      return "tp";
+    case GroupKind::Cp:
+      return "cp";
+    case GroupKind::Pp:
+      return "pp";
+    case GroupKind::Dp:
+      return "dp";
+    case GroupKind::DpCp:
+      return "dp-cp";
+    case GroupKind::TpCp:
+      return "tp-cp";
+    case GroupKind::ModelParallel:
+      return "mp";
+    case GroupKind::TpDpCp:
+      return "tp-dp-cp";
+    case GroupKind::Ep:
+      return "ep";
+    case GroupKind::ExpertTp:
+      return "expert-tp";
+    case GroupKind::ExpertDp:
+      return "expert-dp";
+    case GroupKind::ExpertModelParallel:
+      return "tp-ep-pp";
+    case GroupKind::Embedding:
+      return "embedding";
+    case GroupKind::ExpertDpIntraInstance:
+      return "expert-dp-intra";
+    case GroupKind::ExpertDpInterInstance:
+      return "expert-dp-inter";
   }
   return "unknown";
 }
@@ -125,12 +138,21 @@ const char* toString(GroupKind kind) {
 const std::vector<GroupKind>& allGroupKinds() {
   // Declaration order: dense kinds, expert kinds, then the derived ones. Every
   // rank creates its communicators in this order, so the splits match.
-  static const std::vector<GroupKind> kinds = {
-      GroupKind::Tp,       GroupKind::Cp,       GroupKind::Pp,
-      GroupKind::Dp,       GroupKind::DpCp,     GroupKind::TpCp,
-      GroupKind::ModelParallel, GroupKind::TpDpCp, GroupKind::Ep,
-      GroupKind::ExpertTp, GroupKind::ExpertDp, GroupKind::ExpertModelParallel,
-      GroupKind::Embedding, GroupKind::ExpertDpIntraInstance, GroupKind::ExpertDpInterInstance};
+  static const std::vector<GroupKind> kinds = {GroupKind::Tp,
+                                               GroupKind::Cp,
+                                               GroupKind::Pp,
+                                               GroupKind::Dp,
+                                               GroupKind::DpCp,
+                                               GroupKind::TpCp,
+                                               GroupKind::ModelParallel,
+                                               GroupKind::TpDpCp,
+                                               GroupKind::Ep,
+                                               GroupKind::ExpertTp,
+                                               GroupKind::ExpertDp,
+                                               GroupKind::ExpertModelParallel,
+                                               GroupKind::Embedding,
+                                               GroupKind::ExpertDpIntraInstance,
+                                               GroupKind::ExpertDpInterInstance};
   return kinds;
 }
 
@@ -138,8 +160,12 @@ Layout Layout::create(int worldSize, const LayoutOptions& options) {
   if (worldSize < 1)
     throw ConfigError(fmt::format("a world of {} ranks cannot hold a layout; it needs at least 1 rank", worldSize));
   std::string small;
-  for (auto [name, size] : {std::pair{"tp", options.tp}, {"cp", options.cp}, {"pp", options.pp}, {"ep", options.ep},
-                            {"etp", options.etp}, {"optimizerInstances", options.optimizerInstances}})
+  for (auto [name, size] : {std::pair{"tp", options.tp},
+                            {"cp", options.cp},
+                            {"pp", options.pp},
+                            {"ep", options.ep},
+                            {"etp", options.etp},
+                            {"optimizerInstances", options.optimizerInstances}})
     if (size < 1) small += fmt::format("{}{} {}", small.empty() ? "" : ", ", name, size);
   if (!small.empty())
     throw ConfigError(
@@ -149,14 +175,16 @@ Layout Layout::create(int worldSize, const LayoutOptions& options) {
 
   Product dense = product({{"tp", options.tp}, {"cp", options.cp}, {"pp", options.pp}}, worldSize);
   if (dense.exceeds || worldSize % dense.value != 0)
-    throw ConfigError(fmt::format("{} does not divide the world of {} ranks: dp is derived as world / (tp x cp x pp); "
-                                  "choose tp, cp and pp whose product divides {}",
-                                  dense.text, worldSize, worldSize));
+    throw ConfigError(
+        fmt::format("{} does not divide the world of {} ranks: dp is derived as world / (tp x cp x pp); "
+                    "choose tp, cp and pp whose product divides {}",
+                    dense.text, worldSize, worldSize));
   Product expert = product({{"etp", options.etp}, {"ep", options.ep}, {"pp", options.pp}}, worldSize);
   if (expert.exceeds || worldSize % expert.value != 0)
-    throw ConfigError(fmt::format("{} does not divide the world of {} ranks: the expert grid derives expert dp as "
-                                  "world / (etp x ep x pp); choose etp and ep so that etp x ep x pp divides {}",
-                                  expert.text, worldSize, worldSize));
+    throw ConfigError(
+        fmt::format("{} does not divide the world of {} ranks: the expert grid derives expert dp as "
+                    "world / (etp x ep x pp); choose etp and ep so that etp x ep x pp divides {}",
+                    expert.text, worldSize, worldSize));
   int dp = worldSize / static_cast<int>(dense.value);
   int edp = worldSize / static_cast<int>(expert.value);
 
@@ -177,26 +205,31 @@ Layout Layout::create(int worldSize, const LayoutOptions& options) {
         options.order, beforePp(denseGrid, kDenseNames), beforePp(expertGrid, kExpertNames)));
   }
   if (edp % options.optimizerInstances != 0)
-    throw ConfigError(fmt::format("optimizerInstances {} does not divide expert dp {} (world {} / ({})): each "
-                                  "instance takes an equal contiguous share of every expert-dp group; "
-                                  "use a divisor of {}",
-                                  options.optimizerInstances, edp, worldSize,
-                                  expert.text.substr(0, expert.text.find(" =")), edp));
+    throw ConfigError(
+        fmt::format("optimizerInstances {} does not divide expert dp {} (world {} / ({})): each "
+                    "instance takes an equal contiguous share of every expert-dp group; "
+                    "use a divisor of {}",
+                    options.optimizerInstances, edp, worldSize, expert.text.substr(0, expert.text.find(" =")), edp));
   return Layout(worldSize, options, dp, edp, denseGrid, expertGrid);
 }
 
 void Layout::checkRank(int rank) const {
   if (rank < 0 || rank >= worldSize_)
-    throw ConfigError(fmt::format("rank {} is outside the world of {} ranks (valid: 0 to {})", rank, worldSize_,
-                                  worldSize_ - 1));
+    throw ConfigError(
+        fmt::format("rank {} is outside the world of {} ranks (valid: 0 to {})", rank, worldSize_, worldSize_ - 1));
 }
 
 Coordinates Layout::coordinates(int rank) const {
   checkRank(rank);
   auto d = gridCoordinates(dense_, rank);
   auto e = gridCoordinates(expert_, rank);
-  return {.tp = d[kSlotTp], .cp = d[kSlotCp], .dp = d[kSlotDp], .pp = d[kSlotPp],
-          .etp = e[kSlotEtp], .ep = e[kSlotEp], .edp = e[kSlotEdp]};
+  return {.tp = d[kSlotTp],
+          .cp = d[kSlotCp],
+          .dp = d[kSlotDp],
+          .pp = d[kSlotPp],
+          .etp = e[kSlotEtp],
+          .ep = e[kSlotEp],
+          .edp = e[kSlotEdp]};
 }
 
 std::string Layout::describe() const {

@@ -35,8 +35,8 @@ struct Grid {
 
 struct LayoutOptions {
   int tp = 1, cp = 1, pp = 1, ep = 1, etp = 1;  // dp and expert dp (edp) are derived
-  std::string order = "tp-cp-ep-dp-pp";          // leftmost varies fastest; names each of tp, cp, ep, dp, pp once
-  int optimizerInstances = 1;                    // distributed-optimizer instances (splits expert dp)
+  std::string order = "tp-cp-ep-dp-pp";         // leftmost varies fastest; names each of tp, cp, ep, dp, pp once
+  int optimizerInstances = 1;                   // distributed-optimizer instances (splits expert dp)
 };
 
 enum class GroupKind {
@@ -51,8 +51,8 @@ enum class GroupKind {
   Ep,
   ExpertTp,
   ExpertDp,
-  ExpertModelParallel,  // etp-ep-pp on the expert grid
-  Embedding,            // first and last stage of each pp group
+  ExpertModelParallel,    // etp-ep-pp on the expert grid
+  Embedding,              // first and last stage of each pp group
   ExpertDpIntraInstance,  // each expert-dp group cut into optimizerInstances contiguous chunks
   ExpertDpInterInstance   // the ranks at one position across those chunks
 };
@@ -107,7 +107,6 @@ class Layout {
   // A few lines that show the mesh: sizes, the order of each grid and, for
   // worlds of at most 64 ranks, each rank's coordinates.
   std::string describe() const;
-
 
  private:
   using Grid = detail::Grid;

@@ -25,21 +25,34 @@ constexpr unsigned kAllSlots = 0xFu;
 
 KindSpec specOf(GroupKind kind) {
   switch (kind) {
-    case GroupKind::Tp: return {Source::Dense, bit(kSlotTp)};
-    case GroupKind::Cp: return {Source::Dense, bit(kSlotCp)};
-    case GroupKind::Pp: return {Source::Dense, bit(kSlotPp)};
-    case GroupKind::Dp: return {Source::Dense, bit(kSlotDp)};
-    case GroupKind::DpCp: return {Source::Dense, bit(kSlotDp) | bit(kSlotCp)};
-    case GroupKind::TpCp: return {Source::Dense, bit(kSlotTp) | bit(kSlotCp)};
-    case GroupKind::ModelParallel: return {Source::Dense, bit(kSlotTp) | bit(kSlotPp)};
-    case GroupKind::TpDpCp: return {Source::Dense, bit(kSlotTp) | bit(kSlotDp) | bit(kSlotCp)};
-    case GroupKind::Ep: return {Source::Expert, bit(kSlotEp)};
-    case GroupKind::ExpertTp: return {Source::Expert, bit(kSlotEtp)};
-    case GroupKind::ExpertDp: return {Source::Expert, bit(kSlotEdp)};
-    case GroupKind::ExpertModelParallel: return {Source::Expert, bit(kSlotEtp) | bit(kSlotEp) | bit(kSlotPp)};
+    case GroupKind::Tp:
+      return {Source::Dense, bit(kSlotTp)};
+    case GroupKind::Cp:
+      return {Source::Dense, bit(kSlotCp)};
+    case GroupKind::Pp:
+      return {Source::Dense, bit(kSlotPp)};
+    case GroupKind::Dp:
+      return {Source::Dense, bit(kSlotDp)};
+    case GroupKind::DpCp:
+      return {Source::Dense, bit(kSlotDp) | bit(kSlotCp)};
+    case GroupKind::TpCp:
+      return {Source::Dense, bit(kSlotTp) | bit(kSlotCp)};
+    case GroupKind::ModelParallel:
+      return {Source::Dense, bit(kSlotTp) | bit(kSlotPp)};
+    case GroupKind::TpDpCp:
+      return {Source::Dense, bit(kSlotTp) | bit(kSlotDp) | bit(kSlotCp)};
+    case GroupKind::Ep:
+      return {Source::Expert, bit(kSlotEp)};
+    case GroupKind::ExpertTp:
+      return {Source::Expert, bit(kSlotEtp)};
+    case GroupKind::ExpertDp:
+      return {Source::Expert, bit(kSlotEdp)};
+    case GroupKind::ExpertModelParallel:
+      return {Source::Expert, bit(kSlotEtp) | bit(kSlotEp) | bit(kSlotPp)};
     case GroupKind::Embedding:
     case GroupKind::ExpertDpIntraInstance:
-    case GroupKind::ExpertDpInterInstance: return {Source::Derived, 0};
+    case GroupKind::ExpertDpInterInstance:
+      return {Source::Derived, 0};
   }
   return {Source::Derived, 0};
 }
@@ -152,7 +165,8 @@ std::vector<std::vector<int>> Layout::groups(GroupKind kind) const {
       for (const auto& edpGroup : groups(GroupKind::ExpertDp))
         for (int p = 0; p < chunk; ++p) result.push_back(interPosition(edpGroup, chunk, instances, p));
       break;
-    default: break;
+    default:
+      break;
   }
   return result;
 }
@@ -173,7 +187,8 @@ int Layout::groupIndex(GroupKind kind, int rank) const {
       return groupIndex(GroupKind::ExpertDp, rank) * options_.optimizerInstances + c.edp / chunk;
     case GroupKind::ExpertDpInterInstance:
       return groupIndex(GroupKind::ExpertDp, rank) * chunk + c.edp % chunk;
-    default: return -1;
+    default:
+      return -1;
   }
 }
 
@@ -188,10 +203,12 @@ std::vector<int> Layout::groupOf(GroupKind kind, int rank) const {
     case GroupKind::Embedding:
       if (c.pp != 0 && c.pp != pp() - 1) return {};
       return embeddingOf(groupOf(GroupKind::Pp, rank));
-    case GroupKind::ExpertDpIntraInstance: return intraChunk(groupOf(GroupKind::ExpertDp, rank), chunk, c.edp / chunk);
+    case GroupKind::ExpertDpIntraInstance:
+      return intraChunk(groupOf(GroupKind::ExpertDp, rank), chunk, c.edp / chunk);
     case GroupKind::ExpertDpInterInstance:
       return interPosition(groupOf(GroupKind::ExpertDp, rank), chunk, options_.optimizerInstances, c.edp % chunk);
-    default: return {};
+    default:
+      return {};
   }
 }
 

@@ -11,9 +11,9 @@ namespace {
 
 int64_t blockOf(int64_t features, const TpGroup& group, const std::string& name, const char* what) {
   if (features <= 0 || features % group.size() != 0)
-    throw ConfigError(fmt::format("{}: {} ({}) must be positive and divisible by the tp size {}", name, what, features,
-                                  group.size()),
-                      {.rank = group.rank(), .group = group.comm->name(), .expected = "divisible by tp"});
+    throw ConfigError(
+        fmt::format("{}: {} ({}) must be positive and divisible by the tp size {}", name, what, features, group.size()),
+        {.rank = group.rank(), .group = group.comm->name(), .expected = "divisible by tp"});
   return features / group.size();
 }
 
@@ -32,7 +32,8 @@ ColumnParallelLinear::ColumnParallelLinear(std::string name, int64_t inFeatures,
   auto tensorOptions = optionsFor(group_, options_.dtype);
   weight_ = newParameterTensor(name_ + ".weight", options_.seed, {{out_, in_}, {outBegin_, 0}}, {block, in_},
                                options_.initStd, tensorOptions);
-  if (options_.bias) bias_ = newParameterTensor(name_ + ".bias", options_.seed, {{out_}, {outBegin_}}, {block}, 0.0, tensorOptions);
+  if (options_.bias)
+    bias_ = newParameterTensor(name_ + ".bias", options_.seed, {{out_}, {outBegin_}}, {block}, 0.0, tensorOptions);
 }
 
 at::Tensor ColumnParallelLinear::forward(const at::Tensor& input) const {
@@ -47,8 +48,10 @@ std::vector<Parameter> ColumnParallelLinear::parameters() const {
                     .shard = {{out_, in_}, {outBegin_, 0}, group_.replicaId(false)},
                     .group = group_.paramGroup});
   if (bias_.defined())
-    params.push_back({.name = name_ + ".bias", .tensor = bias_, .shard = {{out_}, {outBegin_}, group_.replicaId(false)},
-                    .group = group_.paramGroup});
+    params.push_back({.name = name_ + ".bias",
+                      .tensor = bias_,
+                      .shard = {{out_}, {outBegin_}, group_.replicaId(false)},
+                      .group = group_.paramGroup});
   return params;
 }
 
@@ -61,7 +64,8 @@ RowParallelLinear::RowParallelLinear(std::string name, int64_t inFeatures, int64
   auto tensorOptions = optionsFor(group_, options_.dtype);
   weight_ = newParameterTensor(name_ + ".weight", options_.seed, {{out_, in_}, {0, inBegin_}}, {out_, block},
                                options_.initStd, tensorOptions);
-  if (options_.bias) bias_ = newParameterTensor(name_ + ".bias", options_.seed, ShardInfo::whole({out_}), {out_}, 0.0, tensorOptions);
+  if (options_.bias)
+    bias_ = newParameterTensor(name_ + ".bias", options_.seed, ShardInfo::whole({out_}), {out_}, 0.0, tensorOptions);
 }
 
 at::Tensor RowParallelLinear::forward(const at::Tensor& input) const {

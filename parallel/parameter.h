@@ -47,9 +47,9 @@ enum class ParamGroup { Dense, Expert };
 // A trainable parameter as the optimizer, gradient clipping and checkpoints
 // see it.
 struct Parameter {
-  std::string name;    // the global key
-  at::Tensor tensor;   // this rank's slice (requires grad); .grad() after backward
-  ShardInfo shard;     // where the slice sits; replicaId counts dp/edp replicas
+  std::string name;   // the global key
+  at::Tensor tensor;  // this rank's slice (requires grad); .grad() after backward
+  ShardInfo shard;    // where the slice sits; replicaId counts dp/edp replicas
   ParamGroup group = ParamGroup::Dense;
   // True when every rank of the tp group (etp for expert parameters) holds the
   // same values (a norm weight, a router): gradient norms count it once.

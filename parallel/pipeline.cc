@@ -90,8 +90,7 @@ class Channel {
       auto [direction, chunk, microBatch] = mailbox_.begin()->first;
       throw DesyncError(fmt::format("pipeline: {} message(s) arrived that no step of this run took, the first "
                                     "micro-batch {}'s {} for chunk {}: the stages run different schedules",
-                                    mailbox_.size(), microBatch, describe(static_cast<Direction>(direction)),
-                                    chunk),
+                                    mailbox_.size(), microBatch, describe(static_cast<Direction>(direction)), chunk),
                         {.rank = pp_.rank(), .group = pp_.name(), .expected = "the same schedule on every stage"});
     }
   }
@@ -106,8 +105,10 @@ class Channel {
   void prune() {
     std::vector<WorkPtr> still;
     for (auto& work : pending_) {
-      if (!work->isCompleted()) still.push_back(std::move(work));
-      else if (work->exception()) std::rethrow_exception(work->exception());
+      if (!work->isCompleted())
+        still.push_back(std::move(work));
+      else if (work->exception())
+        std::rethrow_exception(work->exception());
     }
     pending_ = std::move(still);
   }
@@ -127,7 +128,8 @@ class Channel {
         const std::string last = lastFrom_.count(peer) ? lastFrom_[peer] : "none";
         throw TimeoutError(fmt::format("{}: stage {} never sent it (its last message to stage {}: {}). {}", expecting(),
                                        fromStage, myStage, last, e.message()),
-                           {.rank = pp_.rank(), .group = pp_.name(),
+                           {.rank = pp_.rank(),
+                            .group = pp_.name(),
                             .expected = fmt::format("micro-batch {} from stage {}", microBatch, fromStage)},
                            e.sequence(), e.diagnosis());
       } catch (const CommError& e) {
@@ -146,8 +148,12 @@ class Channel {
                                     "operation on this group at the same time?)",
                                     expecting(), peer),
                         {.rank = pp_.rank(), .group = pp_.name()});
-    Header h{.direction = static_cast<Direction>(w[1]), .fromStage = w[2], .toChunk = w[3], .microBatch = w[4],
-             .run = w[7], .dtype = static_cast<at::ScalarType>(w[5]),
+    Header h{.direction = static_cast<Direction>(w[1]),
+             .fromStage = w[2],
+             .toChunk = w[3],
+             .microBatch = w[4],
+             .run = w[7],
+             .dtype = static_cast<at::ScalarType>(w[5]),
              .shape = std::vector<int64_t>(w + kDims, w + kDims + w[6])};
     const Key arrived{h.direction, h.toChunk, h.microBatch};
     // The stage that feeds (direction, chunk) here: the previous one forward, the next one backward.
@@ -169,7 +175,8 @@ class Channel {
 
   void checkActivation(const Header& h, int myStage) {
     const bool dtypeOk = !options_.activationDtype || *options_.activationDtype == h.dtype;
-    const bool shapeOk = !options_.activationShape || options_.activationShape(static_cast<int>(h.microBatch)) == h.shape;
+    const bool shapeOk =
+        !options_.activationShape || options_.activationShape(static_cast<int>(h.microBatch)) == h.shape;
     if (dtypeOk && shapeOk) return;
     const auto dtype = options_.activationDtype.value_or(h.dtype);
     const auto shape = options_.activationShape ? options_.activationShape(static_cast<int>(h.microBatch)) : h.shape;
@@ -252,8 +259,10 @@ PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {
       ((aux ? h.output + h.auxLoss : h.output) * scale).backward();
     } else {
       at::Tensor grad = channel.take(next, {Backward, step.chunk, m}, stage, stage + 1);
-      if (aux) torch::autograd::backward({h.output, h.auxLoss}, {grad, at::full_like(h.auxLoss, scale)});
-      else torch::autograd::backward({h.output}, {grad});
+      if (aux)
+        torch::autograd::backward({h.output, h.auxLoss}, {grad, at::full_like(h.auxLoss, scale)});
+      else
+        torch::autograd::backward({h.output}, {grad});
     }
     if (stage > 0) {
       const int toChunk = r == 0 ? step.chunk - 1 : step.chunk;

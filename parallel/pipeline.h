@@ -39,8 +39,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
-#include <utility>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "parallel/pipeline_schedule.h"
@@ -77,7 +77,7 @@ struct PipelineResult {
   // communicator's device, read by nothing here (no host sync in the step);
   // undefined on other ranks.
   at::Tensor losses;
-  int maxLiveActivations = 0;    // most micro-batches (over this rank's chunks) held for backward at once
+  int maxLiveActivations = 0;  // most micro-batches (over this rank's chunks) held for backward at once
 };
 
 class Pipeline {

@@ -10,9 +10,12 @@ namespace bulkhead::parallel {
 
 const char* toString(PipelineSchedule schedule) {
   switch (schedule) {
-    case PipelineSchedule::AllForwardAllBackward: return "all-forward-all-backward";
-    case PipelineSchedule::OneFOneB: return "1f1b";
-    case PipelineSchedule::Interleaved: return "interleaved-1f1b";
+    case PipelineSchedule::AllForwardAllBackward:
+      return "all-forward-all-backward";
+    case PipelineSchedule::OneFOneB:
+      return "1f1b";
+    case PipelineSchedule::Interleaved:
+      return "interleaved-1f1b";
   }
   return "?";
 }
@@ -26,9 +29,9 @@ void validate(PipelineSchedule schedule, const PipelineShape& s) {
                                   s.stages, s.rank, s.virtualStages, s.microBatches),
                       {.expected = "stages >= 1, 0 <= rank < stages, virtual stages >= 1, micro-batches >= 1"});
   if (schedule == PipelineSchedule::OneFOneB && s.virtualStages != 1)
-    throw ConfigError(fmt::format("pipeline: 1f1b runs one chunk per rank, not {}; use the interleaved schedule",
-                                  s.virtualStages),
-                      {.expected = "virtual stages = 1"});
+    throw ConfigError(
+        fmt::format("pipeline: 1f1b runs one chunk per rank, not {}; use the interleaved schedule", s.virtualStages),
+        {.expected = "virtual stages = 1"});
   if (schedule == PipelineSchedule::Interleaved && s.microBatches % s.stages != 0)
     throw ConfigError(fmt::format("pipeline: the interleaved schedule needs micro-batches ({}) to be a multiple of "
                                   "the pipeline size ({})",

@@ -36,10 +36,10 @@ struct PipelineStep {
 };
 
 struct PipelineShape {
-  int stages = 1;          // P: ranks of the pp group
-  int rank = 0;            // this rank in it
-  int virtualStages = 1;   // V: chunks per rank
-  int microBatches = 1;    // M
+  int stages = 1;         // P: ranks of the pp group
+  int rank = 0;           // this rank in it
+  int virtualStages = 1;  // V: chunks per rank
+  int microBatches = 1;   // M
 };
 
 // This rank's steps under `schedule`; ConfigError for shapes it cannot run

@@ -114,8 +114,7 @@ ProcessGroups ProcessGroups::create(CommunicatorPtr world, const Layout& layout,
       groups.groups_[static_cast<size_t>(kind)] = world->split(color, rank, toString(kind), {.deadline = deadline});
     } catch (const Error& e) {
       if (dynamic_cast<const ConfigError*>(&e)) throw;
-      fail(fmt::format("creation (split of {})", world->name()), kind, row.name, row.members,
-           rank);
+      fail(fmt::format("creation (split of {})", world->name()), kind, row.name, row.members, rank);
     }
     row.createMs = msSince(start);
     groups.report_.push_back(std::move(row));
@@ -130,7 +129,7 @@ ProcessGroups ProcessGroups::create(CommunicatorPtr world, const Layout& layout,
         warm(*comm, row.kind, options.warmupBytes, deadline);
       } catch (const Error& e) {
         if (dynamic_cast<const ConfigError*>(&e)) throw;
-        fail(row.kind == GroupKind::Ep ? "warm-up all-to-all"
+        fail(row.kind == GroupKind::Ep   ? "warm-up all-to-all"
              : row.kind == GroupKind::Pp ? "warm-up send/recv"
                                          : "warm-up all-reduce",
              row.kind, row.name, row.members, rank);
@@ -148,8 +147,7 @@ ProcessGroups ProcessGroups::create(CommunicatorPtr world, const Layout& layout,
         reachable = [local = options.localSize, gpus](int a, int b) {
           return nccl::peerAccess(a % local % gpus, b % local % gpus);
         };
-      for (const std::string& warning :
-           checkTopology(layout, {.ranksPerNode = options.localSize, .nvlink = reachable}))
+      for (const std::string& warning : checkTopology(layout, {.ranksPerNode = options.localSize, .nvlink = reachable}))
         log::warn("groups", "{}", warning);
     }
   }
@@ -161,18 +159,17 @@ const CommunicatorPtr& ProcessGroups::get(GroupKind kind) const { return groups_
 std::pair<int, int> ProcessGroups::pipelinePeers() const {
   std::vector<int> stages = layout_.groupOf(GroupKind::Pp, world_->rank());
   for (size_t i = 0; i < stages.size(); ++i)
-    if (stages[i] == world_->rank())
-      return {i > 0 ? stages[i - 1] : -1, i + 1 < stages.size() ? stages[i + 1] : -1};
+    if (stages[i] == world_->rank()) return {i > 0 ? stages[i - 1] : -1, i + 1 < stages.size() ? stages[i + 1] : -1};
   return {-1, -1};
 }
 
 std::string ProcessGroups::formatReport() const {
-  std::string text = fmt::format("{:<16} {:<20} {:>5} {:>10} {:>10}  {}", "kind", "group", "size", "create ms",
-                                 "warm ms", "members");
+  std::string text =
+      fmt::format("{:<16} {:<20} {:>5} {:>10} {:>10}  {}", "kind", "group", "size", "create ms", "warm ms", "members");
   for (const GroupReport& row : report_)
-    text += fmt::format("\n{:<16} {:<20} {:>5} {:>10.2f} {:>10.2f}  {}", toString(row.kind), row.name,
-                        row.members.size(), row.createMs, row.warmMs,
-                        row.members.empty() ? "-" : membersText(row.members));
+    text +=
+        fmt::format("\n{:<16} {:<20} {:>5} {:>10.2f} {:>10.2f}  {}", toString(row.kind), row.name, row.members.size(),
+                    row.createMs, row.warmMs, row.members.empty() ? "-" : membersText(row.members));
   return text;
 }
 

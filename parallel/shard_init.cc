@@ -45,9 +45,10 @@ at::Tensor seededSlice(const std::string& key, uint64_t seed, const ShardInfo& s
   return slice.to(options).contiguous();
 }
 
-at::Tensor newParameterTensor(const std::string& key, uint64_t seed, const ShardInfo& shard,
-                              at::IntArrayRef localShape, double std, at::TensorOptions options) {
-  at::Tensor tensor = std == 0.0 ? at::zeros(localShape, options) : seededSlice(key, seed, shard, localShape, std, options);
+at::Tensor newParameterTensor(const std::string& key, uint64_t seed, const ShardInfo& shard, at::IntArrayRef localShape,
+                              double std, at::TensorOptions options) {
+  at::Tensor tensor =
+      std == 0.0 ? at::zeros(localShape, options) : seededSlice(key, seed, shard, localShape, std, options);
   return tensor.detach().set_requires_grad(true);
 }
 

@@ -30,7 +30,7 @@ at::Tensor seededSlice(const std::string& key, uint64_t seed, const ShardInfo& s
 
 // A parameter tensor for this rank: seededSlice (or zeros when std == 0),
 // requiring grad.
-at::Tensor newParameterTensor(const std::string& key, uint64_t seed, const ShardInfo& shard,
-                              at::IntArrayRef localShape, double std, at::TensorOptions options);
+at::Tensor newParameterTensor(const std::string& key, uint64_t seed, const ShardInfo& shard, at::IntArrayRef localShape,
+                              double std, at::TensorOptions options);
 
 }  // namespace bulkhead::parallel

@@ -17,7 +17,9 @@ TpGroup TpGroup::dense(const ProcessGroups& groups, std::optional<std::chrono::m
 }
 
 TpGroup TpGroup::expert(const ProcessGroups& groups, std::optional<std::chrono::milliseconds> timeout) {
-  return {.comm = groups.expertTp(), .dpReplica = groups.expertDp()->rank(), .timeout = timeout,
+  return {.comm = groups.expertTp(),
+          .dpReplica = groups.expertDp()->rank(),
+          .timeout = timeout,
           .paramGroup = ParamGroup::Expert};
 }
 
@@ -59,9 +61,10 @@ TpGroup heldGroup(const c10::IValue& value) {
 
 void checkDevice(const at::Tensor& tensor, const TpGroup& group, const char* what) {
   if (tensor.device() != group.comm->device())
-    throw ConfigError(fmt::format("{}: the tensor is on {} but tp group {} runs on {}; move it to the group's device",
-                                  what, tensor.device().str(), group.comm->name(), group.comm->device().str()),
-                      {.rank = group.comm->rank(), .group = group.comm->name(), .expected = group.comm->device().str()});
+    throw ConfigError(
+        fmt::format("{}: the tensor is on {} but tp group {} runs on {}; move it to the group's device", what,
+                    tensor.device().str(), group.comm->name(), group.comm->device().str()),
+        {.rank = group.comm->rank(), .group = group.comm->name(), .expected = group.comm->device().str()});
 }
 
 at::Tensor allReduce(at::Tensor tensor, const TpGroup& group, ReduceOp op) {

@@ -55,8 +55,7 @@ std::vector<std::string> checkGroupTopology(GroupKind kind, const std::vector<st
         spans.add(fmt::format("{} spans nodes {}", groupText(kind, g, group), fmt::join(nodes, ",")));
       else
         partial.add(fmt::format("{} spans nodes {} and takes only part of node{} {}", groupText(kind, g, group),
-                                fmt::join(nodes, ","), partly.size() > 1 ? "s" : "",
-                                fmt::join(partly, ",")));
+                                fmt::join(nodes, ","), partly.size() > 1 ? "s" : "", fmt::join(partly, ",")));
     }
     if (options.nvlink) {
       std::string missing;
@@ -82,10 +81,10 @@ std::vector<std::string> checkGroupTopology(GroupKind kind, const std::vector<st
         "{} a divisor of the ranks per node ({}) so each group fits inside one node",
         partial.first, partial.others(), name, perNode));
   if (noNvlink.count > 0)
-    warnings.push_back(fmt::format(
-        "{}{}: its traffic goes over PCIe or the host; check `nvidia-smi topo -m`, or choose an order or "
-        "CUDA_VISIBLE_DEVICES so that {} groups take GPUs linked by NVLink",
-        noNvlink.first, noNvlink.others(), name));
+    warnings.push_back(
+        fmt::format("{}{}: its traffic goes over PCIe or the host; check `nvidia-smi topo -m`, or choose an order or "
+                    "CUDA_VISIBLE_DEVICES so that {} groups take GPUs linked by NVLink",
+                    noNvlink.first, noNvlink.others(), name));
   return warnings;
 }
 

@@ -19,9 +19,9 @@ VocabParallelEmbedding::VocabParallelEmbedding(std::string name, int64_t vocabSi
                                   name_, vocab_, group_.size(), dim_),
                       {.rank = group_.rank(), .group = group_.comm->name(), .expected = "vocab >= tp, dim > 0"});
   rows_ = partition(vocab_, group_.size(), group_.rank());
-  weight_ = newParameterTensor(name_ + ".weight", options.seed, {{vocab_, dim_}, {rows_.begin, 0}},
-                               {rows_.length, dim_}, options.initStd,
-                               at::TensorOptions().dtype(options.dtype).device(group_.comm->device()));
+  weight_ =
+      newParameterTensor(name_ + ".weight", options.seed, {{vocab_, dim_}, {rows_.begin, 0}}, {rows_.length, dim_},
+                         options.initStd, at::TensorOptions().dtype(options.dtype).device(group_.comm->device()));
 }
 
 at::Tensor VocabParallelEmbedding::forward(const at::Tensor& ids) const {

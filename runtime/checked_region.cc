@@ -130,7 +130,6 @@ std::string describeSide(const Side& side, size_t issuedBefore) {
   return fmt::format("{} issued {} (seq {})", rankList(side.ranks), side.fingerprint->describe(), fmt::join(seqs, ","));
 }
 
-
 // DesyncError unless every member of group `name` this rank has a record of
 // watched it and issued the same collectives there.
 void checkGroup(const std::string& title, const std::string& name, const std::vector<int>& members,
@@ -142,8 +141,10 @@ void checkGroup(const std::string& title, const std::string& name, const std::ve
     auto it = records.find(member);
     if (it == records.end()) continue;  // not a rank this one compares with
     auto group = it->second.find(name);
-    if (group == it->second.end()) absent.push_back(member);
-    else byRank.emplace(member, &group->second);
+    if (group == it->second.end())
+      absent.push_back(member);
+    else
+      byRank.emplace(member, &group->second);
   }
   if (!absent.empty())
     throw DesyncError(fmt::format("{}: {} of {} {} not watch it in this region; every member must", title,

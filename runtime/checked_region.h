@@ -56,11 +56,11 @@ struct CheckedRegionOptions {
 
 // What end() compared, for logs and benches.
 struct RegionReport {
-  uint64_t index = 0;        // n: this region's number among regions of its name on this rank
-  size_t ranks = 0;          // ranks whose records were compared
-  size_t groups = 0;         // groups checked
-  size_t collectives = 0;    // collectives this rank issued inside the region, over its groups
-  double checkSeconds = 0;   // end()'s exchange through the store and the comparison
+  uint64_t index = 0;       // n: this region's number among regions of its name on this rank
+  size_t ranks = 0;         // ranks whose records were compared
+  size_t groups = 0;        // groups checked
+  size_t collectives = 0;   // collectives this rank issued inside the region, over its groups
+  double checkSeconds = 0;  // end()'s exchange through the store and the comparison
 };
 
 class CheckedRegion {

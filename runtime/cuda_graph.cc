@@ -12,9 +12,9 @@
 #if BULKHEAD_TORCH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
-#include <cuda_runtime_api.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace bulkhead {
@@ -53,9 +53,9 @@ CapturedGraph::CapturedGraph(c10::Device device, const std::function<void()>& st
     for (int i = 0; i < impl_->options.warmupRuns; ++i) step();
     std::optional<CheckedRegion> region;
     if (impl_->options.store && !impl_->options.comms.empty())
-      region.emplace(impl_->options.store, impl_->options.comms,
-                     CheckedRegionOptions{.name = "graph-" + impl_->options.name,
-                                          .deadline = impl_->options.checkDeadline});
+      region.emplace(
+          impl_->options.store, impl_->options.comms,
+          CheckedRegionOptions{.name = "graph-" + impl_->options.name, .deadline = impl_->options.checkDeadline});
     // Thread-local: the watchdog and heartbeat threads' CUDA calls do not invalidate the capture.
     impl_->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     try {
@@ -103,8 +103,7 @@ void CapturedGraph::replay(Deadline deadline) {
 struct CapturedGraph::Impl {};
 
 CapturedGraph::CapturedGraph(c10::Device device, const std::function<void()>&, GraphOptions options) {
-  throw ConfigError(fmt::format("CUDA graph '{}' on {}: this build's libtorch has no CUDA", options.name,
-                                device.str()),
+  throw ConfigError(fmt::format("CUDA graph '{}' on {}: this build's libtorch has no CUDA", options.name, device.str()),
                     {.expected = "a build against a CUDA libtorch"});
 }
 

@@ -6,11 +6,10 @@ namespace bulkhead {
 namespace {
 
 constexpr std::pair<c10::ScalarType, const char*> kNames[] = {
-    {c10::ScalarType::Float, "float32"},    {c10::ScalarType::Double, "float64"},
-    {c10::ScalarType::Half, "float16"},     {c10::ScalarType::BFloat16, "bfloat16"},
-    {c10::ScalarType::Long, "int64"},       {c10::ScalarType::Int, "int32"},
-    {c10::ScalarType::Short, "int16"},      {c10::ScalarType::Char, "int8"},
-    {c10::ScalarType::Byte, "uint8"},       {c10::ScalarType::Bool, "bool"},
+    {c10::ScalarType::Float, "float32"},     {c10::ScalarType::Double, "float64"}, {c10::ScalarType::Half, "float16"},
+    {c10::ScalarType::BFloat16, "bfloat16"}, {c10::ScalarType::Long, "int64"},     {c10::ScalarType::Int, "int32"},
+    {c10::ScalarType::Short, "int16"},       {c10::ScalarType::Char, "int8"},      {c10::ScalarType::Byte, "uint8"},
+    {c10::ScalarType::Bool, "bool"},
 };
 
 }  // namespace

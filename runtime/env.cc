@@ -15,9 +15,10 @@
 namespace bulkhead::env {
 
 const Knob kLogLevel{"BULKHEAD_LOG_LEVEL", "info", "log level: error, warn, info, debug or trace"};
-const Knob kBackend{"BULKHEAD_BACKEND", "auto",
-                    "communication backend: auto (nccl where a GPU and NCCL are present; else mpi when MPI started the job, "
-                    "else gloo), mpi, gloo or nccl"};
+const Knob kBackend{
+    "BULKHEAD_BACKEND", "auto",
+    "communication backend: auto (nccl where a GPU and NCCL are present; else mpi when MPI started the job, "
+    "else gloo), mpi, gloo or nccl"};
 const Knob kBootstrap{"BULKHEAD_BOOTSTRAP", "auto",
                       "how ranks find each other: mpi (mpirun, srun with PMIx), store (rank 0 hosts the store at "
                       "MASTER_ADDR:MASTER_PORT; needs BULKHEAD_STORE_TOKEN), or auto (mpi when an MPI launcher "
@@ -28,7 +29,7 @@ const Knob kCollectiveTimeout{"BULKHEAD_COLLECTIVE_TIMEOUT", "300",
                               "seconds a collective or point-to-point operation may take before TimeoutError"};
 const Knob kCheckpointTimeout{"BULKHEAD_CHECKPOINT_TIMEOUT", "600", "seconds for a checkpoint save or load"};
 const Knob kCheckpointThreads{"BULKHEAD_CHECKPOINT_THREADS", "4",
-                               "threads per rank that checksum, copy and read checkpoint chunks"};
+                              "threads per rank that checksum, copy and read checkpoint chunks"};
 const Knob kCheckpointNice{"BULKHEAD_CHECKPOINT_NICE", "10",
                            "niceness (0-19) added to the training loop's for a save's background threads, so "
                            "they leave the host's cores to the training loop; 0: the same priority"};
@@ -60,12 +61,25 @@ const Knob kFault{"BULKHEAD_FAULT", "",
                   "tests only: rank=R,group=G,seq=N,action=skip|mismatch-op|mismatch-size|delay:S|exit"};
 
 const std::vector<const Knob*>& all() {
-  static const std::vector<const Knob*> knobs = {&kLogLevel,         &kBackend,          &kBootstrap,          &kInitTimeout,
-                                                 &kCollectiveTimeout, &kCheckpointTimeout, &kCheckpointThreads, &kCheckpointNice,
+  static const std::vector<const Knob*> knobs = {&kLogLevel,
+                                                 &kBackend,
+                                                 &kBootstrap,
+                                                 &kInitTimeout,
+                                                 &kCollectiveTimeout,
+                                                 &kCheckpointTimeout,
+                                                 &kCheckpointThreads,
+                                                 &kCheckpointNice,
                                                  &kShutdownTimeout,
-                                                 &kAbortGrace,       &kLedgerCapacity,   &kStoreToken,
-                                                 &kStoreMaxMessage,  &kStoreHost,        &kHeartbeat,        &kNodeRelay,
-                                                 &kStrict,           &kLedgerDump,       &kFault,
+                                                 &kAbortGrace,
+                                                 &kLedgerCapacity,
+                                                 &kStoreToken,
+                                                 &kStoreMaxMessage,
+                                                 &kStoreHost,
+                                                 &kHeartbeat,
+                                                 &kNodeRelay,
+                                                 &kStrict,
+                                                 &kLedgerDump,
+                                                 &kFault,
                                                  &kCheckpointFault};
   return knobs;
 }
@@ -86,8 +100,8 @@ std::optional<std::string> lookup(const char* name) {
 }
 
 [[noreturn]] void reject(const Knob& knob, const std::string& value, const char* wanted) {
-  throw ConfigError(fmt::format("{}='{}' is not {}; unset it to use the default ({}) or set a valid value",
-                                knob.name(), value, wanted, knob.defaultValue()),
+  throw ConfigError(fmt::format("{}='{}' is not {}; unset it to use the default ({}) or set a valid value", knob.name(),
+                                value, wanted, knob.defaultValue()),
                     {.expected = wanted});
 }
 

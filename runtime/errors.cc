@@ -9,8 +9,8 @@ std::string describe(const char* kind, const std::string& message, const ErrorCo
   std::string where;
   if (context.rank >= 0) where += fmt::format("rank {}", context.rank);
   if (!context.group.empty()) where += fmt::format("{}group {}", where.empty() ? "" : ", ", context.group);
-  std::string text = where.empty() ? fmt::format("{}: {}", kind, message)
-                                   : fmt::format("{} [{}]: {}", kind, where, message);
+  std::string text =
+      where.empty() ? fmt::format("{}: {}", kind, message) : fmt::format("{} [{}]: {}", kind, where, message);
   if (!context.expected.empty()) text += fmt::format(" (expected: {})", context.expected);
   return text;
 }
@@ -23,8 +23,7 @@ Error::Error(const char* kind, const std::string& message, ErrorContext context)
       message_(message),
       context_(std::move(context)) {}
 
-TimeoutError::TimeoutError(const std::string& message, ErrorContext context, uint64_t sequence,
-                           std::string diagnosis)
+TimeoutError::TimeoutError(const std::string& message, ErrorContext context, uint64_t sequence, std::string diagnosis)
     : Error("TimeoutError", message, std::move(context)), sequence_(sequence), diagnosis_(std::move(diagnosis)) {}
 
 }  // namespace bulkhead

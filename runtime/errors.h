@@ -44,7 +44,8 @@ class Error : public std::runtime_error {
 // any communication starts.
 class ConfigError : public Error {
  public:
-  ConfigError(const std::string& message, ErrorContext context = {}) : Error("ConfigError", message, std::move(context)) {}
+  ConfigError(const std::string& message, ErrorContext context = {})
+      : Error("ConfigError", message, std::move(context)) {}
   int exitCode() const override { return 2; }
 };
 
@@ -52,8 +53,7 @@ class ConfigError : public Error {
 // and, once the ledger diagnosis runs, which ranks lag.
 class TimeoutError : public Error {
  public:
-  TimeoutError(const std::string& message, ErrorContext context, uint64_t sequence = 0,
-               std::string diagnosis = {});
+  TimeoutError(const std::string& message, ErrorContext context, uint64_t sequence = 0, std::string diagnosis = {});
   uint64_t sequence() const { return sequence_; }
   const std::string& diagnosis() const { return diagnosis_; }
   int exitCode() const override { return 3; }
@@ -66,7 +66,8 @@ class TimeoutError : public Error {
 // Ranks of one group issued different collectives at the same sequence number.
 class DesyncError : public Error {
  public:
-  DesyncError(const std::string& message, ErrorContext context = {}) : Error("DesyncError", message, std::move(context)) {}
+  DesyncError(const std::string& message, ErrorContext context = {})
+      : Error("DesyncError", message, std::move(context)) {}
   int exitCode() const override { return 4; }
 };
 
@@ -87,7 +88,8 @@ class IoError : public Error {
 // A missing, partial, corrupt or incompatible checkpoint.
 class CheckpointError : public Error {
  public:
-  CheckpointError(const std::string& message, ErrorContext context = {}) : Error("CheckpointError", message, std::move(context)) {}
+  CheckpointError(const std::string& message, ErrorContext context = {})
+      : Error("CheckpointError", message, std::move(context)) {}
   int exitCode() const override { return 7; }
 };
 

@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
-#include <utility>
 #include <thread>
+#include <utility>
 
 #include "runtime/env.h"
 #include "runtime/errors.h"

@@ -34,8 +34,8 @@ class FaultSpec {
   int64_t integer(const std::string& key, int64_t minimum, int64_t maximum) const;
 
   struct Action {
-    std::string name;                 // "stall" of "stall:2.5"
-    std::optional<double> argument;   // 2.5 (non-negative), nullopt without ':'
+    std::string name;                // "stall" of "stall:2.5"
+    std::optional<double> argument;  // 2.5 (non-negative), nullopt without ':'
   };
   // The value of `key` as an action; ConfigError when absent or when its
   // argument is not a non-negative number.

@@ -33,7 +33,6 @@ constexpr const char* kLockFileName = "lock";
                 {.rank = rank, .expected = "a readable and writable store directory"});
 }
 
-
 // Serialises this process's writers: flock does not exclude threads of one
 // process on file systems that emulate it with fcntl locks (NFS).
 // Polled with try_lock, as flock is, so that the wait is bounded by the deadline
@@ -49,8 +48,8 @@ class FileStore::WriteLock {
   WriteLock(const FileStore& store, const std::string& subject, Deadline deadline)
       : fd_(::open((store.directory_ + "/" + kLockFileName).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) {
     auto started = Clock::now();
-    if (fd_.get() < 0) raiseIoError(fmt::format("opening the lock file of store {}", store.describe()), errno,
-                                    store.options_.rank);
+    if (fd_.get() < 0)
+      raiseIoError(fmt::format("opening the lock file of store {}", store.describe()), errno, store.options_.rank);
     Backoff backoff(store.options_.pollCap);
     if (deadline.isNever()) processWriters.lock();
     while (!deadline.isNever() && !processWriters.try_lock()) {
@@ -193,8 +192,7 @@ std::string FileStore::get(const std::string& key, Deadline deadline) {
 
 std::optional<std::string> FileStore::tryGet(const std::string& key, Deadline deadline) { return read(key); }
 
-std::vector<std::optional<std::string>> FileStore::multiGet(const std::vector<std::string>& keys,
-                                                            Deadline deadline) {
+std::vector<std::optional<std::string>> FileStore::multiGet(const std::vector<std::string>& keys, Deadline deadline) {
   std::vector<std::optional<std::string>> values;
   values.reserve(keys.size());
   for (const std::string& key : keys) values.push_back(read(key));
@@ -215,9 +213,9 @@ int64_t FileStore::add(const std::string& key, int64_t delta, Deadline deadline)
   }
   int64_t updated = 0;
   if (__builtin_add_overflow(current, delta, &updated))
-    throw ConfigError(fmt::format("add('{}', {}) on store {}: {} + {} overflows int64", key, delta, describe(),
-                                  current, delta),
-                      {.rank = options_.rank});
+    throw ConfigError(
+        fmt::format("add('{}', {}) on store {}: {} + {} overflows int64", key, delta, describe(), current, delta),
+        {.rank = options_.rank});
   write(key, std::to_string(updated));
   return updated;
 }

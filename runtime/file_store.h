@@ -42,8 +42,7 @@ class FileStore final : public Store {
   void set(const std::string& key, const std::string& value, Deadline deadline) override;
   std::string get(const std::string& key, Deadline deadline) override;
   std::optional<std::string> tryGet(const std::string& key, Deadline deadline) override;
-  std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys,
-                                                   Deadline deadline) override;
+  std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys, Deadline deadline) override;
   int64_t add(const std::string& key, int64_t delta, Deadline deadline) override;
   std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired,
                          Deadline deadline) override;

@@ -70,8 +70,7 @@ class HostStaged : public Communicator {
   WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits, std::vector<int64_t> recvSplits,
                    CallOptions options) override {
     at::Tensor out = up(recv);
-    return done(device_->allToAll(up(send), out, std::move(sendSplits), std::move(recvSplits), options),
-                {{recv, out}});
+    return done(device_->allToAll(up(send), out, std::move(sendSplits), std::move(recvSplits), options), {{recv, out}});
   }
   WorkPtr broadcast(at::Tensor tensor, int root, CallOptions options) override {
     at::Tensor staged = up(tensor);
@@ -93,9 +92,7 @@ class HostStaged : public Communicator {
  private:
   // The device copy of a CPU tensor; tensors on other devices go through
   // unchanged, so the device communicator's own checks name them.
-  at::Tensor up(const at::Tensor& t) const {
-    return t.defined() && t.device().is_cpu() ? t.to(device_->device()) : t;
-  }
+  at::Tensor up(const at::Tensor& t) const { return t.defined() && t.device().is_cpu() ? t.to(device_->device()) : t; }
   static WorkPtr done(WorkPtr inner, std::vector<std::pair<at::Tensor, at::Tensor>> results) {
     return std::make_shared<StagedWork>(std::move(inner), std::move(results));
   }

@@ -9,35 +9,52 @@ namespace bulkhead {
 
 const char* toString(OpType op) {
   switch (op) {
-    case OpType::AllReduce: return "all_reduce";
-    case OpType::AllGather: return "all_gather";
-    case OpType::ReduceScatter: return "reduce_scatter";
-    case OpType::AllToAll: return "all_to_all";
-    case OpType::Broadcast: return "broadcast";
-    case OpType::Barrier: return "barrier";
-    case OpType::Send: return "send";
-    case OpType::Recv: return "recv";
-    case OpType::Split: return "split";
+    case OpType::AllReduce:
+      return "all_reduce";
+    case OpType::AllGather:
+      return "all_gather";
+    case OpType::ReduceScatter:
+      return "reduce_scatter";
+    case OpType::AllToAll:
+      return "all_to_all";
+    case OpType::Broadcast:
+      return "broadcast";
+    case OpType::Barrier:
+      return "barrier";
+    case OpType::Send:
+      return "send";
+    case OpType::Recv:
+      return "recv";
+    case OpType::Split:
+      return "split";
   }
   return "?";
 }
 
 const char* toString(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Avg: return "avg";
-    case ReduceOp::Prod: return "prod";
-    case ReduceOp::Min: return "min";
-    case ReduceOp::Max: return "max";
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Avg:
+      return "avg";
+    case ReduceOp::Prod:
+      return "prod";
+    case ReduceOp::Min:
+      return "min";
+    case ReduceOp::Max:
+      return "max";
   }
   return "?";
 }
 
 const char* toString(OpState state) {
   switch (state) {
-    case OpState::Issued: return "issued";
-    case OpState::Completed: return "completed";
-    case OpState::Failed: return "failed";
+    case OpState::Issued:
+      return "issued";
+    case OpState::Completed:
+      return "completed";
+    case OpState::Failed:
+      return "failed";
   }
   return "?";
 }
@@ -62,9 +79,10 @@ bool Fingerprint::matches(const Fingerprint& other) const {
   if (op == OpType::Barrier) return true;
   if (dtype != other.dtype || reduce != other.reduce || root != other.root) return false;
   // All-to-all ranks send different amounts; the row width must agree.
-  if (op == OpType::AllToAll) return shape.size() == other.shape.size() &&
-                                     std::equal(shape.begin() + std::min<size_t>(1, shape.size()), shape.end(),
-                                                other.shape.begin() + std::min<size_t>(1, other.shape.size()));
+  if (op == OpType::AllToAll)
+    return shape.size() == other.shape.size() &&
+           std::equal(shape.begin() + std::min<size_t>(1, shape.size()), shape.end(),
+                      other.shape.begin() + std::min<size_t>(1, other.shape.size()));
   return numel == other.numel;
 }
 

@@ -34,12 +34,12 @@ bool isPointToPoint(OpType op);
 struct Fingerprint {
   OpType op = OpType::Barrier;
   c10::ScalarType dtype = c10::ScalarType::Float;
-  int64_t numel = 0;              // elements this rank contributes (input side)
-  std::vector<int64_t> shape;     // input shape, for messages
+  int64_t numel = 0;           // elements this rank contributes (input side)
+  std::vector<int64_t> shape;  // input shape, for messages
   ReduceOp reduce = ReduceOp::Sum;
-  int root = -1;                  // broadcast root, or the peer of send/recv
+  int root = -1;                                // broadcast root, or the peer of send/recv
   std::vector<int64_t> sendSplits, recvSplits;  // all-to-all only
-  std::string label;              // send/recv: the caller's CallOptions::label (not compared)
+  std::string label;                            // send/recv: the caller's CallOptions::label (not compared)
 
   // "all_to_all bfloat16 [4096 x 2048]"
   std::string describe() const;

@@ -30,27 +30,39 @@ void writeFile(const std::string& path, const Json& json) {
 void Monitor::dump() const {
   Json ledger{{"rank", worldRank_}, {"groups", Json::array()}};
   Json events = Json::array();
-  events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", worldRank_}, {"args", {{"name",
-      fmt::format("rank {}", worldRank_)}}}});
+  events.push_back({{"ph", "M"},
+                    {"name", "process_name"},
+                    {"pid", worldRank_},
+                    {"args", {{"name", fmt::format("rank {}", worldRank_)}}}});
   int track = 0;
   for (const Group& group : groups()) {
     LedgerHeads heads = group.ledger->heads();
     Json entries = Json::array();
-    events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", worldRank_}, {"tid", track},
-                      {"args", {{"name", group.name}}}});
+    events.push_back(
+        {{"ph", "M"}, {"name", "thread_name"}, {"pid", worldRank_}, {"tid", track}, {"args", {{"name", group.name}}}});
     for (const LedgerEntry& entry : group.ledger->entries()) {
       const int64_t start = micros(entry.issuedAt);
       const bool ended = entry.state != OpState::Issued;
       const int64_t duration = ended ? std::max<int64_t>(0, micros(entry.endedAt) - start) : 0;
       const std::string op = toString(entry.fingerprint.op), what = entry.fingerprint.describe();
-      entries.push_back({{"seq", entry.seq}, {"op", op}, {"what", what}, {"state", toString(entry.state)},
-                         {"issued_us", start}, {"duration_us", duration}});
-      events.push_back({{"ph", "X"}, {"name", fmt::format("{} {}", op, entry.seq)}, {"pid", worldRank_},
-                        {"tid", track}, {"ts", start}, {"dur", duration},
+      entries.push_back({{"seq", entry.seq},
+                         {"op", op},
+                         {"what", what},
+                         {"state", toString(entry.state)},
+                         {"issued_us", start},
+                         {"duration_us", duration}});
+      events.push_back({{"ph", "X"},
+                        {"name", fmt::format("{} {}", op, entry.seq)},
+                        {"pid", worldRank_},
+                        {"tid", track},
+                        {"ts", start},
+                        {"dur", duration},
                         {"args", {{"seq", entry.seq}, {"state", toString(entry.state)}, {"what", what}}}});
     }
-    ledger["groups"].push_back({{"name", group.name}, {"members", group.members},
-                                {"last_issued", heads.lastIssued}, {"last_completed", heads.lastCompleted},
+    ledger["groups"].push_back({{"name", group.name},
+                                {"members", group.members},
+                                {"last_issued", heads.lastIssued},
+                                {"last_completed", heads.lastCompleted},
                                 {"entries", std::move(entries)}});
     ++track;
   }

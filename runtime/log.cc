@@ -22,11 +22,16 @@ Level configuredLevel() {
 
 const char* name(Level level) {
   switch (level) {
-    case Level::Error: return "ERROR";
-    case Level::Warn: return "WARN";
-    case Level::Info: return "INFO";
-    case Level::Debug: return "DEBUG";
-    case Level::Trace: return "TRACE";
+    case Level::Error:
+      return "ERROR";
+    case Level::Warn:
+      return "WARN";
+    case Level::Info:
+      return "INFO";
+    case Level::Debug:
+      return "DEBUG";
+    case Level::Trace:
+      return "TRACE";
   }
   return "?";
 }
@@ -39,8 +44,8 @@ Level parseLevel(std::string_view text) {
   if (text == "info") return Level::Info;
   if (text == "debug") return Level::Debug;
   if (text == "trace") return Level::Trace;
-  throw ConfigError(fmt::format("{}='{}' is not a log level; use error, warn, info, debug or trace",
-                                env::kLogLevel.name(), text));
+  throw ConfigError(
+      fmt::format("{}='{}' is not a log level; use error, warn, info, debug or trace", env::kLogLevel.name(), text));
 }
 
 void setRank(int rank, int size) {

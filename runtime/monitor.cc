@@ -170,8 +170,7 @@ void Monitor::heartbeat() {
     // A relay member looks at its leader again half a period on, so a
     // stopped leader leaves its node's records stale for less than the dead
     // threshold (at most 1.25 + 0.5 heartbeats since the newest forwarded one).
-    if (relay_ && !relay_->leader() &&
-        !wake_.wait_until(lock, turn + interval / 2, [this] { return stopping_; })) {
+    if (relay_ && !relay_->leader() && !wake_.wait_until(lock, turn + interval / 2, [this] { return stopping_; })) {
       lock.unlock();
       try {
         publishIfLeaderLate(Deadline::afterSeconds(options_.heartbeatSeconds / 2));
@@ -201,9 +200,10 @@ bool Monitor::leaderLate(const NodeRelay& relay) const {
 std::string Monitor::storeSilence(const Error& error, double paused) const {
   const int host = options_.storeHostRank;
   if (paused > 0)
-    return fmt::format("this rank was not running for {:.1f} s (stopped or starved), and the store (on rank {}) no "
-                       "longer answers: the job most likely ended while this rank was paused ({})",
-                       paused, host, error.what());
+    return fmt::format(
+        "this rank was not running for {:.1f} s (stopped or starved), and the store (on rank {}) no "
+        "longer answers: the job most likely ended while this rank was paused ({})",
+        paused, host, error.what());
   double silent;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -214,9 +214,10 @@ std::string Monitor::storeSilence(const Error& error, double paused) const {
   if (dynamic_cast<const TimeoutError*>(&error))
     return fmt::format("rank {} hosts the store and has not answered for {:.1f} s: it is stalled or dead ({})", host,
                        silent, error.what());
-  return fmt::format("rank {} hosts the store and no longer answers (its connections are closed or refused): it has "
-                     "exited or crashed ({})",
-                     host, error.what());
+  return fmt::format(
+      "rank {} hosts the store and no longer answers (its connections are closed or refused): it has "
+      "exited or crashed ({})",
+      host, error.what());
 }
 
 void Monitor::checkBeforeCollective(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
@@ -290,30 +291,30 @@ Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Finger
     }
     std::vector<std::string> parts;
     if (paused > 0)
-      parts.push_back(fmt::format("this rank was not running for {:.1f} s (stopped or starved) while it waited, so "
-                                  "its peers' silence in that time is not evidence against them",
-                                  paused));
+      parts.push_back(
+          fmt::format("this rank was not running for {:.1f} s (stopped or starved) while it waited, so "
+                      "its peers' silence in that time is not evidence against them",
+                      paused));
     for (const auto& [last, ranks] : lagging)
       parts.push_back(fmt::format("{} last completed seq {} and never issued seq {}", rankList(ranks), last, seq));
     parts.insert(parts.end(), dead.begin(), dead.end());
     if (!silent.empty())
-      parts.push_back(fmt::format("{} published no state (not started, or cut off from the store)",
-                                  rankList(silent)));
+      parts.push_back(fmt::format("{} published no state (not started, or cut off from the store)", rankList(silent)));
     if (!completed.empty()) parts.push_back(fmt::format("{} completed seq {}", rankList(completed), seq));
     if (!waiting.empty())
       parts.push_back(fmt::format("{} wait in seq {} ({})", rankList(waiting), seq, fingerprint.describe()));
     Diagnosis diagnosis;
     if (!mismatched.empty()) {
       diagnosis.desync = true;
-      diagnosis.message = fmt::format("group {} seq {}: {} issued {} but {}. Every rank of a group must issue the same "
-                                      "collectives in the same order; set BULKHEAD_STRICT=1 to stop at the first "
-                                      "mismatching call.",
-                                      checks::describeGroup(comm), seq, rankList(waiting), fingerprint.describe(),
-                                      fmt::join(mismatched, "; "));
+      diagnosis.message = fmt::format(
+          "group {} seq {}: {} issued {} but {}. Every rank of a group must issue the same "
+          "collectives in the same order; set BULKHEAD_STRICT=1 to stop at the first "
+          "mismatching call.",
+          checks::describeGroup(comm), seq, rankList(waiting), fingerprint.describe(), fmt::join(mismatched, "; "));
     } else {
-      diagnosis.message = fmt::format("group {} {} seq {} did not complete in {:.1f} s: {}.",
-                                      checks::describeGroup(comm), toString(fingerprint.op), seq, waitedSeconds,
-                                      fmt::join(parts, "; "));
+      diagnosis.message =
+          fmt::format("group {} {} seq {} did not complete in {:.1f} s: {}.", checks::describeGroup(comm),
+                      toString(fingerprint.op), seq, waitedSeconds, fmt::join(parts, "; "));
     }
     // The first rank to explain this timeout stores its report; all use it.
     std::string stored = store_->compareSet(fmt::format("report/{}/{}", key, seq), "",

@@ -76,8 +76,7 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   // Strict mode: publishes this rank's fingerprint for `seq` and compares it
   // with every member's before the collective is issued. DesyncError names
   // both sides; TimeoutError if a member does not arrive by the deadline.
-  void checkBeforeCollective(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
-                             Deadline deadline);
+  void checkBeforeCollective(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint, Deadline deadline);
 
   // Builds the report for operation `seq` of `comm` that timed out on this
   // rank after `waitedSeconds`, from every member's published state; the first

@@ -11,8 +11,8 @@ constexpr size_t kPublishedEntries = 8;  // the newest collectives each group's 
 
 std::string encodeGroup(const Ledger& ledger) {
   LedgerHeads h = ledger.heads();
-  std::string text = fmt::format("heads {} {} {} {}\n", h.lastIssued, h.lastCompleted, h.lastIssuedP2P,
-                                 h.lastCompletedP2P);
+  std::string text =
+      fmt::format("heads {} {} {} {}\n", h.lastIssued, h.lastCompleted, h.lastIssuedP2P, h.lastCompletedP2P);
   auto entries = ledger.entries();
   size_t written = 0;
   for (auto it = entries.rbegin(); it != entries.rend() && written < kPublishedEntries; ++it) {

@@ -212,8 +212,9 @@ std::shared_ptr<NodeRelay> lead(Store& store, const NodeRelayOptions& options, c
   std::shared_ptr<NodeRelay> relay = NodeRelay::create(options.localSize, options.slotBytes);
   std::string stored = store.compareSet(key + "/name", "", relay->name(), deadline);
   if (stored != relay->name()) {
-    log::warn("monitor", "another rank also calls itself local rank 0 of this node; this rank publishes its "
-                         "heartbeats directly (check the launcher's local rank variables)");
+    log::warn("monitor",
+              "another rank also calls itself local rank 0 of this node; this rank publishes its "
+              "heartbeats directly (check the launcher's local rank variables)");
     return nullptr;
   }
   std::vector<std::string> joined;
@@ -221,8 +222,10 @@ std::shared_ptr<NodeRelay> lead(Store& store, const NodeRelayOptions& options, c
   try {
     store.wait(joined, deadline);
   } catch (const TimeoutError& e) {
-    log::warn("monitor", "not every rank of this node joined its heartbeat relay; those that did not publish "
-                         "directly ({})", e.what());
+    log::warn("monitor",
+              "not every rank of this node joined its heartbeat relay; those that did not publish "
+              "directly ({})",
+              e.what());
   }
   relay->unlink();
   log::debug("monitor", "this rank relays the heartbeats of its node's {} ranks", options.localSize);
@@ -236,9 +239,10 @@ std::shared_ptr<NodeRelay> follow(Store& store, const NodeRelayOptions& options,
   try {
     relay = NodeRelay::open(name);
     if (options.localRank >= relay->slots()) {
-      log::warn("monitor", "local rank {} has no slot in this node's heartbeat relay ({} slots): the ranks disagree "
-                           "on the local size; this rank publishes directly",
-                           options.localRank, relay->slots());
+      log::warn("monitor",
+                "local rank {} has no slot in this node's heartbeat relay ({} slots): the ranks disagree "
+                "on the local size; this rank publishes directly",
+                options.localRank, relay->slots());
       relay.reset();
     }
   } catch (const Error& e) {

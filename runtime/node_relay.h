@@ -34,7 +34,7 @@ namespace bulkhead {
 
 struct NodeRelayOptions {
   int localRank = 0;
-  int localSize = 1;    // ranks on this node; no relay below 2
+  int localSize = 1;  // ranks on this node; no relay below 2
   int worldRank = 0;
   size_t slotBytes = 64 << 10;  // the largest record a slot holds
   // Names this node: ranks that share it share a segment. Empty: the host's

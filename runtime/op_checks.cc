@@ -36,8 +36,9 @@ void tensor(const Communicator& comm, const BackendRules& rules, const at::Tenso
 
 void sameDtype(const Communicator& comm, const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type())
-    throw ConfigError(fmt::format("input is {} but output is {}", dtypeName(a.scalar_type()), dtypeName(b.scalar_type())),
-                      context(comm, "input and output of the same dtype"));
+    throw ConfigError(
+        fmt::format("input is {} but output is {}", dtypeName(a.scalar_type()), dtypeName(b.scalar_type())),
+        context(comm, "input and output of the same dtype"));
 }
 
 void numel(const Communicator& comm, const at::Tensor& t, int64_t expected, const char* role, const char* why) {
@@ -63,15 +64,15 @@ std::vector<int64_t> splits(const Communicator& comm, const at::Tensor& t, std::
   int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   if (splits.empty()) {
     if (rows % comm.size() != 0)
-      throw ConfigError(fmt::format("{} has {} rows, which do not split evenly over {} ranks; pass split sizes",
-                                    role, rows, comm.size()),
+      throw ConfigError(fmt::format("{} has {} rows, which do not split evenly over {} ranks; pass split sizes", role,
+                                    rows, comm.size()),
                         context(comm, fmt::format("rows divisible by {}", comm.size())));
     return std::vector<int64_t>(comm.size(), rows / comm.size());
   }
   if (static_cast<int>(splits.size()) != comm.size())
-    throw ConfigError(fmt::format("{} split sizes has {} entries for a group of {} ranks", role, splits.size(),
-                                  comm.size()),
-                      context(comm, fmt::format("{} split sizes, one per rank", comm.size())));
+    throw ConfigError(
+        fmt::format("{} split sizes has {} entries for a group of {} ranks", role, splits.size(), comm.size()),
+        context(comm, fmt::format("{} split sizes, one per rank", comm.size())));
   int64_t total = 0;
   for (size_t r = 0; r < splits.size(); ++r) {
     if (splits[r] < 0)

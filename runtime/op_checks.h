@@ -15,7 +15,7 @@ namespace bulkhead::checks {
 
 // What a backend accepts and how it names itself in messages.
 struct BackendRules {
-  c10::DeviceType device;                       // kCPU for mpi, kCUDA for nccl
+  c10::DeviceType device;  // kCPU for mpi, kCUDA for nccl
   std::initializer_list<c10::ScalarType> dtypes;
 };
 

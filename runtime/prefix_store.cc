@@ -10,9 +10,9 @@ PrefixStore::PrefixStore(std::shared_ptr<Store> store, std::string prefix)
     : store_(std::move(store)), prefix_(std::move(prefix)) {
   if (!store_) throw ConfigError("PrefixStore needs a store; pass the job's store", {.expected = "a store"});
   if (prefix_.empty() || prefix_ == "/")
-    throw ConfigError(fmt::format("PrefixStore over {} needs a non-empty prefix, e.g. \"group/ep[1]\"",
-                                  store_->describe()),
-                      {.expected = "a non-empty prefix"});
+    throw ConfigError(
+        fmt::format("PrefixStore over {} needs a non-empty prefix, e.g. \"group/ep[1]\"", store_->describe()),
+        {.expected = "a non-empty prefix"});
   if (prefix_.back() != '/') prefix_ += '/';
 }
 
@@ -38,8 +38,7 @@ std::optional<std::string> PrefixStore::tryGet(const std::string& key, Deadline 
   return store_->tryGet(full(key), deadline);
 }
 
-std::vector<std::optional<std::string>> PrefixStore::multiGet(const std::vector<std::string>& keys,
-                                                              Deadline deadline) {
+std::vector<std::optional<std::string>> PrefixStore::multiGet(const std::vector<std::string>& keys, Deadline deadline) {
   return store_->multiGet(full(keys), deadline);
 }
 
@@ -51,8 +50,8 @@ void PrefixStore::multiSet(const std::vector<std::pair<std::string, std::string>
 }
 
 std::vector<std::string> PrefixStore::setAndGather(const SetAndGather& round, Deadline deadline) {
-  SetAndGather prefixed{.key = full(round.key), .value = round.value,
-                        .erase = round.erase.empty() ? "" : full(round.erase)};
+  SetAndGather prefixed{
+      .key = full(round.key), .value = round.value, .erase = round.erase.empty() ? "" : full(round.erase)};
   for (const std::string& key : round.keys) prefixed.keys.push_back(full(key));
   return store_->setAndGather(prefixed, deadline);
 }
@@ -66,9 +65,7 @@ std::string PrefixStore::compareSet(const std::string& key, const std::string& e
   return store_->compareSet(full(key), expected, desired, deadline);
 }
 
-void PrefixStore::wait(const std::vector<std::string>& keys, Deadline deadline) {
-  store_->wait(full(keys), deadline);
-}
+void PrefixStore::wait(const std::vector<std::string>& keys, Deadline deadline) { store_->wait(full(keys), deadline); }
 
 bool PrefixStore::erase(const std::string& key, Deadline deadline) { return store_->erase(full(key), deadline); }
 

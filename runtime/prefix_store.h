@@ -24,8 +24,7 @@ class PrefixStore final : public Store {
   void set(const std::string& key, const std::string& value, Deadline deadline) override;
   std::string get(const std::string& key, Deadline deadline) override;
   std::optional<std::string> tryGet(const std::string& key, Deadline deadline) override;
-  std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys,
-                                                   Deadline deadline) override;
+  std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys, Deadline deadline) override;
   void multiSet(const std::vector<std::pair<std::string, std::string>>& pairs, Deadline deadline) override;
   std::vector<std::string> setAndGather(const SetAndGather& round, Deadline deadline) override;
   int64_t add(const std::string& key, int64_t delta, Deadline deadline) override;

@@ -18,8 +18,8 @@ void ProgressBar::draw(int64_t done, int64_t total, const std::string& text, boo
   const int64_t clamped = std::clamp<int64_t>(done, 0, std::max<int64_t>(total, 0));
   const int filled = total > 0 ? static_cast<int>(options_.width * clamped / total) : options_.width;
   const std::string bar = std::string(filled, '#') + std::string(options_.width - filled, '.');
-  std::fprintf(options_.stream, "\r%s%s[%s] %s", options_.label.c_str(), options_.label.empty() ? "" : " ",
-               bar.c_str(), text.c_str());
+  std::fprintf(options_.stream, "\r%s%s[%s] %s", options_.label.c_str(), options_.label.empty() ? "" : " ", bar.c_str(),
+               text.c_str());
   if (end && finish) std::fputc('\n', options_.stream);
   std::fflush(options_.stream);
 }

@@ -36,9 +36,10 @@ AddressList resolve(const std::string& host, uint16_t port, bool passive) {
   std::string service = std::to_string(port);
   int status = getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list);
   if (status != 0)
-    throw CommError(fmt::format("cannot resolve store address {}: {}; check the host name (MASTER_ADDR) "
-                                "or pass a numeric address",
-                                formatEndpoint(host, port), gai_strerror(status)));
+    throw CommError(
+        fmt::format("cannot resolve store address {}: {}; check the host name (MASTER_ADDR) "
+                    "or pass a numeric address",
+                    formatEndpoint(host, port), gai_strerror(status)));
   return AddressList(list);
 }
 
@@ -143,8 +144,7 @@ bool waitReady(int fd, short events, Deadline deadline) {
   }
 }
 
-ConnectResult connectOnce(const std::string& host, uint16_t port, Deadline deadline, Fd& connected,
-                          int& lastError) {
+ConnectResult connectOnce(const std::string& host, uint16_t port, Deadline deadline, Fd& connected, int& lastError) {
   AddressList addresses = resolve(host, port, /*passive=*/false);
   for (addrinfo* address = addresses.get(); address; address = address->ai_next) {
     Fd fd(::socket(address->ai_family, address->ai_socktype, address->ai_protocol));

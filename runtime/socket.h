@@ -15,7 +15,6 @@
 
 namespace bulkhead::net {
 
-
 // "127.0.0.1:29500", "[::1]:29500".
 std::string formatEndpoint(const std::string& host, uint16_t port);
 
@@ -45,8 +44,7 @@ enum class ConnectResult { Connected, Refused, DeadlinePassed };
 // caller may retry while its deadline allows. Name resolution uses the system
 // resolver, which the deadline does not bound; pass numeric addresses where
 // that matters.
-ConnectResult connectOnce(const std::string& host, uint16_t port, Deadline deadline, Fd& connected,
-                          int& lastError);
+ConnectResult connectOnce(const std::string& host, uint16_t port, Deadline deadline, Fd& connected, int& lastError);
 
 // Sends every byte before the deadline. Returns false when the deadline passed
 // first (part of the bytes may have been sent); raises CommError when the

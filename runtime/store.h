@@ -53,8 +53,7 @@ class Store {
 
   // tryGet of every key at once, in one round trip where the store allows
   // (tcp: one request). Results are in the order of `keys`.
-  virtual std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys,
-                                                           Deadline deadline) = 0;
+  virtual std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys, Deadline deadline) = 0;
 
   // Sets every (key, value) pair, in one round trip where the store allows
   // (tcp: one request, applied in order). Each key is set as by set(); a

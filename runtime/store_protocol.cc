@@ -28,17 +28,28 @@ uint64_t readLittleEndian(std::string_view bytes) {
 
 const char* toString(Op op) {
   switch (op) {
-    case Op::Hello: return "hello";
-    case Op::Set: return "set";
-    case Op::Get: return "get";
-    case Op::TryGet: return "tryGet";
-    case Op::MultiGet: return "multiGet";
-    case Op::Add: return "add";
-    case Op::CompareSet: return "compareSet";
-    case Op::Wait: return "wait";
-    case Op::Erase: return "erase";
-    case Op::MultiSet: return "multiSet";
-    case Op::SetAndGather: return "setAndGather";
+    case Op::Hello:
+      return "hello";
+    case Op::Set:
+      return "set";
+    case Op::Get:
+      return "get";
+    case Op::TryGet:
+      return "tryGet";
+    case Op::MultiGet:
+      return "multiGet";
+    case Op::Add:
+      return "add";
+    case Op::CompareSet:
+      return "compareSet";
+    case Op::Wait:
+      return "wait";
+    case Op::Erase:
+      return "erase";
+    case Op::MultiSet:
+      return "multiSet";
+    case Op::SetAndGather:
+      return "setAndGather";
   }
   return "unknown";
 }

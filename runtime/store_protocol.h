@@ -27,8 +27,7 @@ constexpr uint32_t kMagic = 0x5453'4B42;  // "BKST" read as little-endian bytes
 constexpr uint32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 8;
 
-enum class Op : uint8_t { Hello = 1, Set, Get, TryGet, MultiGet, Add, CompareSet, Wait, Erase, MultiSet,
-                          SetAndGather };
+enum class Op : uint8_t { Hello = 1, Set, Get, TryGet, MultiGet, Add, CompareSet, Wait, Erase, MultiSet, SetAndGather };
 constexpr uint32_t kNoTimeout = 0xffff'ffff;
 
 enum class Status : uint8_t { Ok = 0, Refused = 1, TimedOut = 2 };

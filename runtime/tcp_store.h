@@ -105,8 +105,7 @@ class TcpStoreClient final : public Store {
   void set(const std::string& key, const std::string& value, Deadline deadline) override;
   std::string get(const std::string& key, Deadline deadline) override;
   std::optional<std::string> tryGet(const std::string& key, Deadline deadline) override;
-  std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys,
-                                                   Deadline deadline) override;
+  std::vector<std::optional<std::string>> multiGet(const std::vector<std::string>& keys, Deadline deadline) override;
   void multiSet(const std::vector<std::pair<std::string, std::string>>& pairs, Deadline deadline) override;
   std::vector<std::string> setAndGather(const SetAndGather& round, Deadline deadline) override;
   int64_t add(const std::string& key, int64_t delta, Deadline deadline) override;
@@ -136,8 +135,8 @@ class TcpStoreClient final : public Store {
   int64_t maxMessageBytes_;
   std::string endpoint_;
   std::mutex mutex_;
-  std::vector<Fd> idle_;  // guarded by mutex_
-  bool everConnected_ = false;             // guarded by mutex_
+  std::vector<Fd> idle_;        // guarded by mutex_
+  bool everConnected_ = false;  // guarded by mutex_
 };
 
 // The store message limit: the option, else BULKHEAD_STORE_MAX_MESSAGE;

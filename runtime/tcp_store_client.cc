@@ -32,7 +32,6 @@ struct ProtocolViolation {
   std::string message;
 };
 
-
 uint32_t timeoutMsFor(Deadline deadline) {
   if (deadline.isNever()) return kNoTimeout;
   auto ms = std::chrono::ceil<std::chrono::milliseconds>(deadline.remaining()).count();
@@ -48,13 +47,16 @@ std::optional<std::string> exchange(int fd, const std::string& frame, Deadline s
   char header[kHeaderBytes];
   if (!net::receiveExactly(fd, header, kHeaderBytes, replyDeadline, peer)) return std::nullopt;
   std::optional<uint32_t> length = bodyLength(std::string_view(header, kHeaderBytes));
-  if (!length) throw ProtocolViolation{fmt::format("the reply is not a Bulkhead store frame (bad magic): is {} a "
-                                                   "Bulkhead store server?",
-                                                   peer)};
+  if (!length)
+    throw ProtocolViolation{
+        fmt::format("the reply is not a Bulkhead store frame (bad magic): is {} a "
+                    "Bulkhead store server?",
+                    peer)};
   if (*length == 0 || *length > static_cast<uint64_t>(maxMessageBytes))
-    throw ProtocolViolation{fmt::format("the reply announces {} bytes, outside 1..{} (BULKHEAD_STORE_MAX_MESSAGE); "
-                                        "use the same limit on every rank",
-                                        *length, maxMessageBytes)};
+    throw ProtocolViolation{
+        fmt::format("the reply announces {} bytes, outside 1..{} (BULKHEAD_STORE_MAX_MESSAGE); "
+                    "use the same limit on every rank",
+                    *length, maxMessageBytes)};
   std::string body(*length, '\0');
   if (!net::receiveExactly(fd, body.data(), body.size(), replyDeadline, peer)) return std::nullopt;
   return body;
@@ -71,8 +73,10 @@ std::optional<std::string> exchange(int fd, const std::string& frame, Deadline s
       throw ConfigError(text, context);
     case Refusal::TooLarge:
     case Refusal::NotAnInteger:
-    case Refusal::BadRequest: throw ConfigError(text, context);
-    case Refusal::Malformed: break;
+    case Refusal::BadRequest:
+      throw ConfigError(text, context);
+    case Refusal::Malformed:
+      break;
   }
   throw CommError(text, context);
 }
@@ -152,12 +156,12 @@ Fd TcpStoreClient::openConnection(Deadline deadline) {
                            {.rank = options_.rank, .expected = "a hello reply from the store server"});
     }
     if (result == net::ConnectResult::DeadlinePassed || deadline.expired())
-      throw TimeoutError(fmt::format("could not connect to the store server at {} within {:.2f} s (last error: {}); "
-                                     "check that rank 0 started the server, that {} is reachable from this host, "
-                                     "or extend the deadline ({})",
-                                     endpoint_, secondsSince(started), net::errorText(lastError), endpoint_,
-                                     env::kInitTimeout.name()),
-                         {.rank = options_.rank, .expected = "a store server listening at " + endpoint_});
+      throw TimeoutError(
+          fmt::format("could not connect to the store server at {} within {:.2f} s (last error: {}); "
+                      "check that rank 0 started the server, that {} is reachable from this host, "
+                      "or extend the deadline ({})",
+                      endpoint_, secondsSince(started), net::errorText(lastError), endpoint_, env::kInitTimeout.name()),
+          {.rank = options_.rank, .expected = "a store server listening at " + endpoint_});
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (everConnected_ && lastError == ECONNREFUSED)
@@ -179,11 +183,11 @@ std::string TcpStoreClient::roundTrip(const std::function<std::string()>& makeFr
   while (true) {
     std::string frame = makeFrame();  // a wait's timeout is counted from each send
     if (frame.size() - kHeaderBytes > static_cast<size_t>(maxMessageBytes_))
-      throw ConfigError(fmt::format("{} on store {}: the request is {} bytes, over the store's limit of {} bytes ({}); "
-                                    "keep store values small, or raise the limit on every rank",
-                                    subject, describe(), frame.size() - kHeaderBytes, maxMessageBytes_,
-                                    env::kStoreMaxMessage.name()),
-                        {.rank = options_.rank, .expected = "a request within the store's message limit"});
+      throw ConfigError(
+          fmt::format("{} on store {}: the request is {} bytes, over the store's limit of {} bytes ({}); "
+                      "keep store values small, or raise the limit on every rank",
+                      subject, describe(), frame.size() - kHeaderBytes, maxMessageBytes_, env::kStoreMaxMessage.name()),
+          {.rank = options_.rank, .expected = "a request within the store's message limit"});
     Fd fd;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -205,8 +209,8 @@ std::string TcpStoreClient::roundTrip(const std::function<std::string()>& makeFr
                                     "or may not have been applied ({}); read the key to find out",
                                     subject, describe(), error.message()),
                         context);
-      if (deadline.expired()) throw TimeoutError(fmt::format("{} on store {}: {}", subject, describe(),
-                                                             error.message()), context);
+      if (deadline.expired())
+        throw TimeoutError(fmt::format("{} on store {}: {}", subject, describe(), error.message()), context);
       log::debug("store", "{} on store {}: the connection dropped ({}); reconnecting", subject, describe(),
                  error.message());
       continue;  // fd closes here; the next pass opens a fresh connection
@@ -282,8 +286,8 @@ std::vector<std::optional<std::string>> TcpStoreClient::multiGet(const std::vect
   std::string body = roundTrip(frame, subject, Call::Read, deadline);
   FrameReader reader(body);
   if (reader.count(5) != keys.size())
-    throw CommError(fmt::format("{} on store {}: the reply holds a different number of values than keys asked",
-                                subject, describe()),
+    throw CommError(fmt::format("{} on store {}: the reply holds a different number of values than keys asked", subject,
+                                describe()),
                     {.rank = options_.rank});
   std::vector<std::optional<std::string>> values(keys.size());
   for (auto& value : values) {
@@ -322,12 +326,10 @@ int64_t TcpStoreClient::add(const std::string& key, int64_t delta, Deadline dead
   return value;
 }
 
-std::string TcpStoreClient::compareSet(const std::string& key, const std::string& expected,
-                                       const std::string& desired, Deadline deadline) {
+std::string TcpStoreClient::compareSet(const std::string& key, const std::string& expected, const std::string& desired,
+                                       Deadline deadline) {
   requireKey(key, *this, options_.rank);
-  auto frame = [&] {
-    return FrameWriter().u8(uint8_t(Op::CompareSet)).str(key).str(expected).str(desired).finish();
-  };
+  auto frame = [&] { return FrameWriter().u8(uint8_t(Op::CompareSet)).str(key).str(expected).str(desired).finish(); };
   std::string body = roundTrip(frame, fmt::format("compareSet('{}')", key), Call::Write, deadline);
   FrameReader reader(body);
   std::string value = reader.str();
@@ -350,8 +352,8 @@ std::vector<std::string> TcpStoreClient::setAndGather(const SetAndGather& round,
   std::string body = roundTrip(frame, subject, Call::WaitForKeys, deadline);  // the reader views it
   FrameReader reader(body);
   if (reader.count(4) != round.keys.size())
-    throw CommError(fmt::format("{} on store {}: the reply holds a different number of values than keys asked",
-                                subject, describe()),
+    throw CommError(fmt::format("{} on store {}: the reply holds a different number of values than keys asked", subject,
+                                describe()),
                     {.rank = options_.rank});
   std::vector<std::string> values(round.keys.size());
   for (std::string& value : values) value = reader.str();

@@ -48,8 +48,8 @@ struct Connection {
   std::string input;   // bytes received and not yet handled
   std::string output;  // reply bytes not yet sent
   bool authenticated = false;
-  bool dead = false;     // closed at the end of this loop iteration
-  uint32_t events = 0;   // what epoll watches for on it
+  bool dead = false;    // closed at the end of this loop iteration
+  uint32_t events = 0;  // what epoll watches for on it
   std::optional<ParkedRequest> parked;
 };
 
@@ -135,8 +135,8 @@ class TcpStoreServer::Loop {
   // its replies is not read from either), writes while replies are pending.
   void updateInterest(Connection& connection) {
     if (connection.dead) return;
-    uint32_t wanted = (connection.output.size() < maxMessageBytes_ ? EPOLLIN : 0u) |
-                      (connection.output.empty() ? 0u : EPOLLOUT);
+    uint32_t wanted =
+        (connection.output.size() < maxMessageBytes_ ? EPOLLIN : 0u) | (connection.output.empty() ? 0u : EPOLLOUT);
     if (wanted == connection.events) return;
     epoll_event event{};
     event.events = wanted;
@@ -390,8 +390,7 @@ class TcpStoreServer::Loop {
       std::optional<int64_t> parsed = parseStoreInteger(it->second);
       if (!parsed)
         return refuse(connection, Refusal::NotAnInteger,
-                      fmt::format("add on key '{}', which holds a value that is not a decimal integer", key),
-                      false);
+                      fmt::format("add on key '{}', which holds a value that is not a decimal integer", key), false);
       current = *parsed;
     }
     int64_t updated = 0;
@@ -568,9 +567,9 @@ class TcpStoreServer::Loop {
 
 TcpStoreServer::TcpStoreServer(TcpStoreOptions options) : host_(options.host) {
   if (options.maxConnections < 0)
-    throw ConfigError(fmt::format("TcpStoreOptions.maxConnections is {}; it must be 0 (no cap) or more",
-                                  options.maxConnections),
-                      {.rank = options.rank});
+    throw ConfigError(
+        fmt::format("TcpStoreOptions.maxConnections is {}; it must be 0 (no cap) or more", options.maxConnections),
+        {.rank = options.rank});
   net::raiseDescriptorLimit();
   Fd listener = net::listenOn(options.host, options.port, /*backlog=*/1024);
   port_ = net::localPort(listener.get());

@@ -23,11 +23,11 @@ uint64_t mix(uint64_t x) {
 }  // namespace
 
 std::string generateCorpus(uint64_t seed, size_t bytes) {
-  const std::array<const char*, 8> subjects{"the cat", "a dog", "the old man", "my sister", "the robot", "a bird",
-                                            "the teacher", "our neighbour"};
+  const std::array<const char*, 8> subjects{"the cat",   "a dog",  "the old man", "my sister",
+                                            "the robot", "a bird", "the teacher", "our neighbour"};
   const std::array<const char*, 8> verbs{"sees", "likes", "follows", "paints", "finds", "carries", "hears", "greets"};
-  const std::array<const char*, 8> objects{"the red ball", "a small house", "the river", "a green apple",
-                                           "the moon", "an open door", "the garden", "a quiet song"};
+  const std::array<const char*, 8> objects{"the red ball", "a small house", "the river",  "a green apple",
+                                           "the moon",     "an open door",  "the garden", "a quiet song"};
   const std::array<const char*, 4> endings{" today.", " every morning.", " again.", "."};
   std::string text;
   uint64_t state = seed;
@@ -48,9 +48,9 @@ std::string generateCorpus(uint64_t seed, size_t bytes) {
 Batches::Batches(std::string text, int sequence, int globalBatch, uint64_t seed)
     : text_(std::move(text)), sequence_(sequence), globalBatch_(globalBatch), seed_(seed) {
   if (static_cast<int64_t>(text_.size()) <= sequence_ + 1) {
-    throw ConfigError(fmt::format("data: a corpus of {} bytes is too short for sequences of {}", text_.size(),
-                                  sequence_),
-                      {.expected = "corpus longer than the sequence length + 1"});
+    throw ConfigError(
+        fmt::format("data: a corpus of {} bytes is too short for sequences of {}", text_.size(), sequence_),
+        {.expected = "corpus longer than the sequence length + 1"});
   }
 }
 

@@ -43,8 +43,8 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
                       {.rank = groups.world()->rank()});
   if (part_.first || part_.last)
     embedding_.emplace("embed", config.vocab, config.hidden, tp_,
-                       parallel::VocabEmbeddingOptions{.initStd = embeddingStd(config.hidden), .seed = config.seed,
-                                                       .dtype = config.dtype});
+                       parallel::VocabEmbeddingOptions{
+                           .initStd = embeddingStd(config.hidden), .seed = config.seed, .dtype = config.dtype});
   if (config.heads % tp_.size() != 0 || config.hidden % config.heads != 0) {
     throw ConfigError(fmt::format("model: {} heads of hidden size {} do not split over tp {}", config.heads,
                                   config.hidden, tp_.size()),
@@ -52,8 +52,8 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
   }
   const auto device = tp_.comm->device();
   auto normWeight = [&](std::string name) {
-    return Norm{std::move(name), at::ones({config.hidden}, at::TensorOptions(config.dtype).device(device))
-                                     .set_requires_grad(true)};
+    return Norm{std::move(name),
+                at::ones({config.hidden}, at::TensorOptions(config.dtype).device(device)).set_requires_grad(true)};
   };
   const double projectionStd = 0.02 / std::sqrt(2.0 * config.layers);
   for (int layer = part_.firstLayer; layer < part_.endLayer; ++layer) {
@@ -63,8 +63,8 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
     k_.emplace_back(prefix + ".attn.k", config.hidden, config.hidden, tp_, column);
     v_.emplace_back(prefix + ".attn.v", config.hidden, config.hidden, tp_, column);
     out_.emplace_back(prefix + ".attn.out", config.hidden, config.hidden, tp_,
-                      parallel::RowParallelOptions{.bias = false, .initStd = projectionStd, .seed = config.seed,
-                                                   .dtype = config.dtype});
+                      parallel::RowParallelOptions{
+                          .bias = false, .initStd = projectionStd, .seed = config.seed, .dtype = config.dtype});
     attentionNorm_.push_back(normWeight(prefix + ".attn_norm.weight"));
     moeNorm_.push_back(normWeight(prefix + ".moe_norm.weight"));
     moe::MoEOptions options{.name = prefix + ".moe",
@@ -106,8 +106,7 @@ at::Tensor MoETransformer::attention(int layer, const at::Tensor& x) const {
   // On a GPU: fused causal attention (flash or memory-efficient kernels), no
   // [sequence x sequence] scores in memory. The CPU keeps the explicit form,
   // whose float64 results do not depend on the libtorch version.
-  if (x.is_cuda())
-    mixed = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  if (x.is_cuda()) mixed = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
 #endif
   if (!mixed.defined()) {
     at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
@@ -191,8 +190,8 @@ std::vector<parallel::ShardedTensor> MoETransformer::buffers() const {
   std::vector<parallel::ShardedTensor> all;
   for (const auto& layer : moe_) {
     const at::Tensor& bias = layer->router().bias();
-    all.push_back({layer->options().name + ".router.bias", bias,
-                   parallel::ShardInfo::whole(bias.sizes(), tp_.replicaId(true))});
+    all.push_back(
+        {layer->options().name + ".router.bias", bias, parallel::ShardInfo::whole(bias.sizes(), tp_.replicaId(true))});
   }
   return all;
 }

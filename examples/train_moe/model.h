@@ -25,10 +25,10 @@ struct ModelConfig {
   int hidden = 64;
   int layers = 2;
   int heads = 4;
-  int ffn = 96;          // per expert
+  int ffn = 96;  // per expert
   int experts = 8;
   int topK = 2;
-  int sharedFfn = 0;     // 0: no shared expert
+  int sharedFfn = 0;  // 0: no shared expert
   double auxLossCoeff = 1e-2;
   double zLossCoeff = 1e-3;
   double capacityFactor = 0;  // 0: dropless

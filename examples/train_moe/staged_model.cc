@@ -25,16 +25,17 @@ StagedModel::StagedModel(const ModelConfig& config, const parallel::ProcessGroup
                                   config.layers, stages, pp, options.virtualStages),
                       {.rank = groups.world()->rank(), .expected = fmt::format("layers a multiple of {}", stages)});
   // The schedule's own checks (micro-batches a multiple of pp when interleaving) before any work.
-  parallel::pipelineSteps(pipelineOptions(options).schedule, {.stages = pp, .rank = rank,
-                                                               .virtualStages = options.virtualStages,
-                                                               .microBatches = options.microBatches});
+  parallel::pipelineSteps(
+      pipelineOptions(options).schedule,
+      {.stages = pp, .rank = rank, .virtualStages = options.virtualStages, .microBatches = options.microBatches});
   const int perStage = config.layers / stages;
   for (int chunk = 0; chunk < options.virtualStages; ++chunk) {
     const int stage = chunk * pp + rank;
-    parts_.push_back(std::make_unique<MoETransformer>(
-        config, groups,
-        ModelPart{.firstLayer = stage * perStage, .endLayer = (stage + 1) * perStage, .first = stage == 0,
-                  .last = stage == stages - 1}));
+    parts_.push_back(std::make_unique<MoETransformer>(config, groups,
+                                                      ModelPart{.firstLayer = stage * perStage,
+                                                                .endLayer = (stage + 1) * perStage,
+                                                                .first = stage == 0,
+                                                                .last = stage == stages - 1}));
   }
 }
 
@@ -66,8 +67,10 @@ void StagedModel::tieEmbeddingGradients() {
   c10::NoGradGuard noGrad;
   at::Tensor owner, copy;
   for (const auto& part : parts_) {
-    if (part->part().first) owner = part->embeddingWeight();
-    else if (part->part().last) copy = part->embeddingWeight();
+    if (part->part().first)
+      owner = part->embeddingWeight();
+    else if (part->part().last)
+      copy = part->embeddingWeight();
   }
   auto gradOf = [](at::Tensor& weight) -> at::Tensor {
     if (!weight.grad().defined()) weight.mutable_grad() = at::zeros_like(weight);

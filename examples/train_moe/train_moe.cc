@@ -17,8 +17,8 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <string>
@@ -58,7 +58,8 @@ bool agreeToStop(Runtime& runtime) {
 checkpoint::StateDict stateOf(const examples::StagedModel& model, optim::DistributedOptimizer& optimizer,
                               const parallel::Layout& layout, int64_t step) {
   checkpoint::StateDict state;
-  for (const auto& parameter : model.parameters()) state.add(parameter.name, parameter.tensor.detach(), parameter.shard);
+  for (const auto& parameter : model.parameters())
+    state.add(parameter.name, parameter.tensor.detach(), parameter.shard);
   for (auto& buffer : model.buffers()) state.add(buffer.key, buffer.local, buffer.shard);
   for (auto& slice : optimizer.state()) state.add(slice.key, slice.local, slice.shard);
   state.dataPosition = std::to_string(step);
@@ -75,8 +76,10 @@ bool restartIfWeightsOnly(const checkpoint::LoadResult& loaded, optim::Distribut
   for (const auto& slice : optimizer.state()) optimizerKeys.insert(slice.key);
   std::vector<std::string> model;
   for (const auto& key : loaded.missingKeys) {
-    if (optimizerKeys.count(key)) missingOptimizer.insert(key);
-    else model.push_back(key);
+    if (optimizerKeys.count(key))
+      missingOptimizer.insert(key);
+    else
+      model.push_back(key);
   }
   if (!model.empty())
     throw CheckpointError(fmt::format("{} does not hold {} of the model's tensors, '{}' the first; it was saved from "
@@ -84,11 +87,11 @@ bool restartIfWeightsOnly(const checkpoint::LoadResult& loaded, optim::Distribut
                                       loaded.path, model.size(), model.front()),
                           {.rank = rank, .expected = "every model tensor in the checkpoint"});
   if (missingOptimizer.size() != optimizerKeys.size())
-    throw CheckpointError(fmt::format("{} holds only part of the optimizer state ({} of {} keys absent, '{}' the "
-                                      "first)",
-                                      loaded.path, missingOptimizer.size(), optimizerKeys.size(),
-                                      *missingOptimizer.begin()),
-                          {.rank = rank, .expected = "all of the optimizer state, or none of it"});
+    throw CheckpointError(
+        fmt::format("{} holds only part of the optimizer state ({} of {} keys absent, '{}' the "
+                    "first)",
+                    loaded.path, missingOptimizer.size(), optimizerKeys.size(), *missingOptimizer.begin()),
+        {.rank = rank, .expected = "all of the optimizer state, or none of it"});
   optimizer.restart();
   if (rank == 0)
     log::info("train", "{} holds weights but no optimizer state: the optimizer starts afresh", loaded.path);
@@ -115,8 +118,13 @@ struct Reporter {
 double peakFlops(const c10::Device& device) {
   if (!device.is_cuda()) return 0;
   const std::string name = nccl::deviceName(device.index());
-  for (const auto& [model, tflops] : {std::pair<const char*, double>{"H100", 989}, {"H200", 989}, {"H800", 989},
-                                      {"H20", 148}, {"A100", 312}, {"A800", 312}, {"B200", 2250}})
+  for (const auto& [model, tflops] : {std::pair<const char*, double>{"H100", 989},
+                                      {"H200", 989},
+                                      {"H800", 989},
+                                      {"H20", 148},
+                                      {"A100", 312},
+                                      {"A800", 312},
+                                      {"B200", 2250}})
     if (name.find(model) != std::string::npos) return tflops * 1e12;
   return 0;
 }
@@ -132,8 +140,7 @@ std::string throughput(double tokensPerSecond, double flopsPerToken, double peak
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::App app("Trains a MoE transformer language model on generated text, with checkpoints and resume.",
-               "train_moe");
+  cli::App app("Trains a MoE transformer language model on generated text, with checkpoints and resume.", "train_moe");
   TrainOptions options;
   examples::addTrainFlags(app, options);
   if (auto code = cli::parse(app, argc, argv)) return *code;
@@ -156,8 +163,8 @@ int main(int argc, char** argv) {
     examples::StagedModel model(options.model, groups,
                                 {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
     optim::DistributedOptimizer optimizer(model.parameters(), groups, {.adamw = {.weightDecay = 0.01}});
-    const optim::LrSchedule schedule{.peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup,
-                                     .totalSteps = options.steps};
+    const optim::LrSchedule schedule{
+        .peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup, .totalSteps = options.steps};
     schedule.validate();
     examples::Batches batches(examples::generateCorpus(options.model.seed, 1 << 20), options.sequence,
                               options.globalBatch, options.model.seed);
@@ -194,13 +201,14 @@ int main(int argc, char** argv) {
     std::signal(SIGINT, onStopSignal);
     // mpirun hands ranks a pseudo-terminal even under CI: a bar only for a person at a terminal.
     const char* term = std::getenv("TERM");
-    const bool terminal = isatty(STDOUT_FILENO) != 0 && term != nullptr && std::string(term) != "dumb" &&
-                          std::getenv("CI") == nullptr;
+    const bool terminal =
+        isatty(STDOUT_FILENO) != 0 && term != nullptr && std::string(term) != "dumb" && std::getenv("CI") == nullptr;
     Reporter reporter{.leader = rank == 0, .bar = ProgressBar({.stream = stdout, .enabled = rank == 0 && terminal})};
     if (rank == 0 && !options.lossLog.empty()) reporter.lossLog.open(options.lossLog, std::ios::app);
-    reporter.line(fmt::format("train_moe: {} ranks (tp {} pp {} ep {} dp {} expert-dp {}), {} on {}, steps {}..{} of {}",
-                              runtime->world().size(), layout.tp(), layout.pp(), layout.ep(), layout.dp(), layout.edp(),
-                              c10::toString(options.model.dtype), device.str(), step, lastStep, options.steps));
+    reporter.line(
+        fmt::format("train_moe: {} ranks (tp {} pp {} ep {} dp {} expert-dp {}), {} on {}, steps {}..{} of {}",
+                    runtime->world().size(), layout.tp(), layout.pp(), layout.ep(), layout.dp(), layout.edp(),
+                    c10::toString(options.model.dtype), device.str(), step, lastStep, options.steps));
 
     auto save = [&](int64_t completed) {
       if (completed == savedStep) return;  // a committed step folder is never replaced
@@ -248,7 +256,8 @@ int main(int argc, char** argv) {
         reporter.line(fmt::format(
             "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms{} | grad norm {:.3f} | imbalance {:.2f} | "
             "dropped {}{}",
-            step + 1, meanLoss, batches.tokensPerStep() * windowSteps / windowSeconds, 1e3 * windowSeconds / windowSteps,
+            step + 1, meanLoss, batches.tokensPerStep() * windowSteps / windowSeconds,
+            1e3 * windowSeconds / windowSteps,
             device.is_cuda() ? throughput(batches.tokensPerStep() * windowSteps / windowSeconds, flopsPerToken, peak,
                                           runtime->world().size())
                              : "",
@@ -272,10 +281,10 @@ int main(int argc, char** argv) {
     if (checkpointer) {
       save(step);
       auto result = checkpointer->wait(Deadline::afterSeconds(env::kCheckpointTimeout.seconds() + 10));
-      reporter.line(result.ok ? fmt::format("checkpoint step {} committed in {:.2f} s: {}", result.step,
-                                            result.totalSeconds, result.path)
-                              : fmt::format("checkpoint step {} failed ({}): {}", result.step, result.errorKind,
-                                            result.error));
+      reporter.line(
+          result.ok ? fmt::format("checkpoint step {} committed in {:.2f} s: {}", result.step, result.totalSeconds,
+                                  result.path)
+                    : fmt::format("checkpoint step {} failed ({}): {}", result.step, result.errorKind, result.error));
     }
     if (options.printDigest) reporter.line(examples::parameterDigest(model.parameters(), runtime->cpuWorld()));
     runtime->shutdown();

@@ -19,11 +19,14 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   app.add_option("--tp", o.tp, "tensor-parallel size (expert-tp too)")->check(positive)->group("Layout");
   app.add_option("--ep", o.ep, "expert-parallel size")->check(positive)->group("Layout");
   app.add_option("--pp", o.pp, "pipeline-parallel size (the layers split evenly over the stages)")
-      ->check(positive)->group("Layout");
+      ->check(positive)
+      ->group("Layout");
   app.add_option("--vpp", o.virtualStages, "model chunks per pipeline rank (interleaved 1F1B when above 1)")
-      ->check(positive)->group("Layout");
+      ->check(positive)
+      ->group("Layout");
   app.add_option("--microbatches", o.microBatches, "micro-batches per step, through the pipeline schedule")
-      ->check(positive)->group("Layout");
+      ->check(positive)
+      ->group("Layout");
   cli::addBackend(app, o.backend)->group("Layout");
   // Model.
   app.add_option("--layers", m.layers, "transformer layers")->check(positive)->group("Model");
@@ -33,40 +36,43 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   app.add_option("--experts", m.experts, "experts per MoE layer")->check(positive)->group("Model");
   app.add_option("--topk", m.topK, "experts each token goes to")->check(positive)->group("Model");
   app.add_option("--shared-ffn", m.sharedFfn, "a shared expert of this hidden size (0: none)")
-      ->check(count)->group("Model");
-  app.add_option("--aux-coeff", m.auxLossCoeff, "load-balancing loss coefficient")
-      ->check(count)->group("Model");
+      ->check(count)
+      ->group("Model");
+  app.add_option("--aux-coeff", m.auxLossCoeff, "load-balancing loss coefficient")->check(count)->group("Model");
   app.add_option("--z-coeff", m.zLossCoeff, "router z-loss coefficient")->check(count)->group("Model");
-  app.add_option("--capacity", m.capacityFactor, "expert capacity factor (0: dropless)")
-      ->check(count)->group("Model");
-  app.add_flag_callback("--per-slot", [&m] { m.oncePerRank = false; },
-                        "dispatch once per selected expert, not once per destination rank")->group("Model");
-  app.add_option_function<std::string>("--dtype", [&m](const std::string& name) { m.dtype = *parseDtype(name); },
-                                       "parameter and activation dtype")
-      ->check(CLI::IsMember({"float32", "float64", "bfloat16"}))->default_str("float32")->group("Model");
+  app.add_option("--capacity", m.capacityFactor, "expert capacity factor (0: dropless)")->check(count)->group("Model");
+  app.add_flag_callback(
+         "--per-slot", [&m] { m.oncePerRank = false; },
+         "dispatch once per selected expert, not once per destination rank")
+      ->group("Model");
+  app.add_option_function<std::string>(
+         "--dtype", [&m](const std::string& name) { m.dtype = *parseDtype(name); }, "parameter and activation dtype")
+      ->check(CLI::IsMember({"float32", "float64", "bfloat16"}))
+      ->default_str("float32")
+      ->group("Model");
   app.add_option("--seed", m.seed, "seed of the weights and the data")->group("Model");
   // Data and training.
   app.add_option("--seq", o.sequence, "sequence length")->check(positive)->group("Training");
   app.add_option("--batch", o.globalBatch, "sequences per step over all data-parallel ranks")
-      ->check(positive)->group("Training");
+      ->check(positive)
+      ->group("Training");
   app.add_option("--steps", o.steps, "length of the schedule")->check(positive)->group("Training");
   app.add_option("--stop-after", o.stopAfter, "stop (and save) after this step, as a job time limit would; 0: never")
-      ->check(count)->group("Training");
+      ->check(count)
+      ->group("Training");
   app.add_option("--lr", o.lr, "peak learning rate")->check(positive)->group("Training");
   app.add_option("--warmup", o.warmup, "warm-up steps")->check(count)->group("Training");
-  app.add_option("--clip", o.clip, "global gradient-norm clip (0: none)")->check(count)
-      ->group("Training");
+  app.add_option("--clip", o.clip, "global gradient-norm clip (0: none)")->check(count)->group("Training");
   app.add_option("--log-interval", o.logInterval, "steps between log lines")->check(positive)->group("Training");
   // Checkpoints.
   app.add_option("--ckpt-dir", o.checkpointDir, "checkpoint folder (empty: no checkpoints)")->group("Checkpoints");
   app.add_option("--ckpt-interval", o.checkpointInterval, "steps between saves (0: only at the end)")
-      ->check(count)->group("Checkpoints");
-  app.add_option("--keep", o.keep, "committed checkpoints kept (0: all)")->check(count)
+      ->check(count)
       ->group("Checkpoints");
+  app.add_option("--keep", o.keep, "committed checkpoints kept (0: all)")->check(count)->group("Checkpoints");
   app.add_option("--resume", o.resume, "latest or a step number")->group("Checkpoints");
   // Tests.
-  app.add_option("--loss-log", o.lossLog, "rank 0 appends 'step loss grad_norm' per step to this file")
-      ->group("Tests");
+  app.add_option("--loss-log", o.lossLog, "rank 0 appends 'step loss grad_norm' per step to this file")->group("Tests");
   app.add_option("--profile", o.profile,
                  "Chrome trace of 5 steps after 10 of warm-up (GPU builds; see bench/profile_summary.py)")
       ->group("Training");

@@ -21,9 +21,9 @@ struct TrainOptions {
   int microBatches = 1;   // per step, run through the pipeline schedule
   ModelConfig model;
   int sequence = 64;
-  int globalBatch = 16;  // sequences per step, over all data-parallel ranks
-  int64_t steps = 200;             // the schedule's length
-  int64_t stopAfter = 0;           // > 0: stop (and save) after this step, as a job time limit would
+  int globalBatch = 16;   // sequences per step, over all data-parallel ranks
+  int64_t steps = 200;    // the schedule's length
+  int64_t stopAfter = 0;  // > 0: stop (and save) after this step, as a job time limit would
   double lr = 2e-3;
   int64_t warmup = 20;
   double clip = 1.0;
@@ -31,10 +31,10 @@ struct TrainOptions {
   std::string checkpointDir;
   int64_t checkpointInterval = 0;  // 0: only at the end
   int keep = 3;
-  std::string resume;              // "latest", a step number, or empty
-  std::string lossLog;             // rank 0 appends "step loss grad_norm" per step
+  std::string resume;   // "latest", a step number, or empty
+  std::string lossLog;  // rank 0 appends "step loss grad_norm" per step
   bool printDigest = false;
-  std::string profile;             // Chrome trace of 5 steps after 10 of warm-up; empty: none
+  std::string profile;  // Chrome trace of 5 steps after 10 of warm-up; empty: none
 };
 
 // train_moe's flags, writing into `options` (parse with cli::parse).

@@ -30,9 +30,9 @@
 #include <vector>
 
 #include "checkpoint/convert.h"
+#include "checkpoint/dtype.h"
 #include "checkpoint/inspect.h"
 #include "checkpoint/state_dict.h"
-#include "checkpoint/dtype.h"
 #include "launch/cli.h"
 #include "launch/init.h"
 #include "runtime/env.h"
@@ -98,11 +98,19 @@ int inspect(const std::string& dir, const std::string& which, bool slices, bool 
   std::string folder = resolveStepFolder(dir, which);
   Manifest manifest = readManifest(folder);
   const auto& byTensor = manifest.slicesByTensor();
-  auto tensorBytes = [&](size_t t) { return volume(manifest.tensors[t].globalShape) * dtypeSize(manifest.tensors[t].dtype); };
+  auto tensorBytes = [&](size_t t) {
+    return volume(manifest.tensors[t].globalShape) * dtypeSize(manifest.tensors[t].dtype);
+  };
   if (asJson) {
-    Json out{{"step", manifest.step}, {"path", folder}, {"job", manifest.job}, {"world_size", manifest.worldSize},
-             {"created", manifest.created}, {"layout", manifest.layout ? Json(manifest.layout->text()) : Json()},
-             {"bytes", manifest.totalBytes()}, {"files", Json::array()}, {"tensors", Json::array()}};
+    Json out{{"step", manifest.step},
+             {"path", folder},
+             {"job", manifest.job},
+             {"world_size", manifest.worldSize},
+             {"created", manifest.created},
+             {"layout", manifest.layout ? Json(manifest.layout->text()) : Json()},
+             {"bytes", manifest.totalBytes()},
+             {"files", Json::array()},
+             {"tensors", Json::array()}};
     for (const auto& file : manifest.files)
       out["files"].push_back({{"rank", file.rank}, {"name", file.name}, {"bytes", file.bytes}});
     for (size_t t = 0; t < manifest.tensors.size(); ++t) {
@@ -110,12 +118,18 @@ int inspect(const std::string& dir, const std::string& which, bool slices, bool 
       Json sliceList = Json::array();
       for (int s : byTensor[t]) {
         const auto& slice = manifest.slices[s];
-        sliceList.push_back({{"rank", slice.rank}, {"offsets", slice.offsets}, {"shape", slice.shape},
-                             {"dataset", slice.dataset}, {"digest", fmt::format("{:016x}", slice.digest)}});
+        sliceList.push_back({{"rank", slice.rank},
+                             {"offsets", slice.offsets},
+                             {"shape", slice.shape},
+                             {"dataset", slice.dataset},
+                             {"digest", fmt::format("{:016x}", slice.digest)}});
       }
-      out["tensors"].push_back({{"key", tensor.key}, {"dtype", dtypeName(tensor.dtype)},
-                                {"shape", tensor.globalShape}, {"bytes", tensorBytes(t)},
-                                {"internal", isReservedKey(tensor.key)}, {"slices", std::move(sliceList)}});
+      out["tensors"].push_back({{"key", tensor.key},
+                                {"dtype", dtypeName(tensor.dtype)},
+                                {"shape", tensor.globalShape},
+                                {"bytes", tensorBytes(t)},
+                                {"internal", isReservedKey(tensor.key)},
+                                {"slices", std::move(sliceList)}});
     }
     // Keys are the writer's bytes: invalid UTF-8 is replaced rather than refused.
     fmt::print("{}\n", out.dump(2, ' ', false, Json::error_handler_t::replace));
@@ -136,8 +150,7 @@ int inspect(const std::string& dir, const std::string& which, bool slices, bool 
       continue;
     }
     fmt::print("{:<48} {:<9} {:<22} {:>6} {:>11}\n", tensor.key, dtypeName(tensor.dtype),
-               fmt::format("[{}]", fmt::join(tensor.globalShape, ", ")), byTensor[t].size(),
-               bytesText(tensorBytes(t)));
+               fmt::format("[{}]", fmt::join(tensor.globalShape, ", ")), byTensor[t].size(), bytesText(tensorBytes(t)));
     if (slices)
       for (int s : byTensor[t])
         fmt::print("    rank {:<5} offsets [{}]  shape [{}]\n", manifest.slices[s].rank,
@@ -203,9 +216,15 @@ int diff(const DiffOptions& options) {
   for (const auto& key : report.keys) {
     std::string result;
     switch (key.kind) {
-      case KeyDiff::Kind::Equal: result = "equal"; break;
-      case KeyDiff::Kind::OnlyInA: result = "only in A"; break;
-      case KeyDiff::Kind::OnlyInB: result = "only in B"; break;
+      case KeyDiff::Kind::Equal:
+        result = "equal";
+        break;
+      case KeyDiff::Kind::OnlyInA:
+        result = "only in A";
+        break;
+      case KeyDiff::Kind::OnlyInB:
+        result = "only in B";
+        break;
       case KeyDiff::Kind::Close:
       case KeyDiff::Kind::Differs:
         result = !key.detail.empty() ? "DIFFERS: " + key.detail
@@ -249,19 +268,24 @@ int main(int argc, char** argv) {
   exportCommand->add_option("DIR", exporting.dir, "the checkpoint folder")->required();
   exportCommand->add_option("--to", exporting.out, "the folder to write (new or empty)")->required();
   exportCommand->add_option("--step", exporting.step, "a step number or latest");
-  exportCommand->add_option("--map", exporting.map, "a key map (JSON; docs/checkpoints.md); none: keys keep their names")
+  exportCommand
+      ->add_option("--map", exporting.map, "a key map (JSON; docs/checkpoints.md); none: keys keep their names")
       ->check(CLI::ExistingFile);
   exportCommand->add_flag("--with-optimizer", exporting.withOptimizer,
                           "also write the optimizer state (optimizer-*.safetensors, under Bulkhead's keys)");
   exportCommand->add_option("--shard-size", exporting.shardBytes, "the most bytes of one file (5GB, 500MB, ...)")
-      ->transform(CLI::AsSizeValue(true))->check(CLI::PositiveNumber);
+      ->transform(CLI::AsSizeValue(true))
+      ->check(CLI::PositiveNumber);
   exportCommand->add_option("--threads", exporting.threads, "reader threads")->check(CLI::Range(1, 1024));
   ImportOptions importing;
   auto* importCommand = app.add_subcommand("import", "saves safetensors files as a committed checkpoint");
-  importCommand->add_option("SRC", importing.source, "a folder of .safetensors files (with or without an index), or one file")
-      ->required()->check(CLI::ExistingPath);
+  importCommand
+      ->add_option("SRC", importing.source, "a folder of .safetensors files (with or without an index), or one file")
+      ->required()
+      ->check(CLI::ExistingPath);
   importCommand->add_option("--to", importing.dir, "the checkpoint folder to write")->required();
-  importCommand->add_option("--map", importing.map, "the key map the files were exported with")->check(CLI::ExistingFile);
+  importCommand->add_option("--map", importing.map, "the key map the files were exported with")
+      ->check(CLI::ExistingFile);
   importCommand->add_option("--step", importing.step, "the step the checkpoint is saved as")->check(cli::nonNegative());
   DiffOptions diffing{.threads = threads};
   auto* diffCommand = app.add_subcommand("diff", "compares two checkpoints key by key (exit 1 when they differ)");
@@ -269,7 +293,8 @@ int main(int argc, char** argv) {
   diffCommand->add_option("B", diffing.b, "another checkpoint folder")->required();
   diffCommand->add_option("--step-a", diffing.stepA, "A's step number or latest");
   diffCommand->add_option("--step-b", diffing.stepB, "B's step number or latest");
-  diffCommand->add_option("--rtol", diffing.rtol, "relative tolerance: |a - b| <= atol + rtol * |b|")->check(CLI::NonNegativeNumber);
+  diffCommand->add_option("--rtol", diffing.rtol, "relative tolerance: |a - b| <= atol + rtol * |b|")
+      ->check(CLI::NonNegativeNumber);
   diffCommand->add_option("--atol", diffing.atol, "absolute tolerance")->check(CLI::NonNegativeNumber);
   if (auto code = cli::parse(app, argc, argv)) return *code;
 

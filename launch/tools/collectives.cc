@@ -153,8 +153,8 @@ Row measure(Communicator& world, const Case& c, int64_t bytes, int iterations) {
   c.op();  // warm-up
   auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < iterations; ++i) c.op();
-  double mean = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
-                iterations;
+  double mean =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / iterations;
   bool ok = c.check();
   at::Tensor stats = at::tensor({mean, ok ? 0.0 : 1.0}, at::kDouble);
   world.allReduce(stats, {.op = ReduceOp::Max})->wait();
@@ -164,9 +164,10 @@ Row measure(Communicator& world, const Case& c, int64_t bytes, int iterations) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::App app("Runs every collective on seeded data over the world (a CPU backend), checks each result against a "
-               "reference and prints what it took.",
-               "bulkhead-collectives");
+  cli::App app(
+      "Runs every collective on seeded data over the world (a CPU backend), checks each result against a "
+      "reference and prints what it took.",
+      "bulkhead-collectives");
   Options options;
   addFlags(app, options);
   if (auto code = cli::parse(app, argc, argv)) return *code;
@@ -182,9 +183,8 @@ int main(int argc, char** argv) {
     }
     auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < options.iterations; ++i) world.barrier()->wait();
-    double barrierMs =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
-        options.iterations;
+    double barrierMs = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
+                       options.iterations;
 
     // Split into even and odd ranks and all-reduce within each half.
     auto half = world.split(world.rank() % 2, world.rank(), "parity");

@@ -118,8 +118,8 @@ Measured measureNeighbours(Communicator& comm, int64_t numel, int iterations, De
 // `deadline`.
 Measured measure(Communicator& comm, GroupKind kind, int64_t bytes, int iterations, Deadline deadline) {
   int n = comm.size(), me = comm.rank();
-  if (kind == GroupKind::Pp && n > 1) return measureNeighbours(comm, std::max<int64_t>(n, bytes / 4 / n * n),
-                                                                iterations, deadline);
+  if (kind == GroupKind::Pp && n > 1)
+    return measureNeighbours(comm, std::max<int64_t>(n, bytes / 4 / n * n), iterations, deadline);
   const std::vector<int>& members = comm.members();
   at::Tensor sent = input(members[me], std::max<int64_t>(n, bytes / 4 / n * n), kind);
   int64_t numel = sent.numel(), chunk = numel / n;
@@ -166,7 +166,6 @@ struct Row {
   const char* check = "all_reduce";
 };
 
-
 // The process groups of the layout, or a DIAGNOSIS on stderr and the error.
 ProcessGroups buildGroups(Runtime& runtime, const Layout& layout, const Options& options) {
   try {
@@ -198,11 +197,11 @@ std::vector<Row> checkKind(Runtime& runtime, ProcessGroups& groups, const Layout
     Measured measured;
     if (comm->size() > 1) {
       try {
-        measured = measure(*comm, kind, options.bytes, options.iterations,
-                           Deadline::afterSeconds(options.deadlineSeconds));
+        measured =
+            measure(*comm, kind, options.bytes, options.iterations, Deadline::afterSeconds(options.deadlineSeconds));
       } catch (const Error& e) {
-        fmt::print(stderr, "bulkhead-doctor: DIAGNOSIS (rank {}): group {} failed its check.\n  {}\n", me,
-                   comm->name(), e.what());
+        fmt::print(stderr, "bulkhead-doctor: DIAGNOSIS (rank {}): group {} failed its check.\n  {}\n", me, comm->name(),
+                   e.what());
         std::fflush(stderr);
         throw;
       }
@@ -221,7 +220,10 @@ std::vector<Row> checkKind(Runtime& runtime, ProcessGroups& groups, const Layout
     const double* s = stats.data_ptr<double>() + 4 * g;
     Row row{.name = fmt::format("{}[{}]", toString(kind), g),
             .size = static_cast<int>(layout.groups(kind)[g].size()),
-            .createMs = s[0], .warmMs = s[1], .opMs = s[2], .ok = s[3] == 0};
+            .createMs = s[0],
+            .warmMs = s[1],
+            .opMs = s[2],
+            .ok = s[3] == 0};
     row.bytes = row.size > 1 ? std::max<int64_t>(row.size, options.bytes / 4 / row.size * row.size) * 4 : 0;
     if (kind == GroupKind::Pp) row.bytes *= 2;  // a message forward and one backward
     row.check = checkName(kind);
@@ -248,8 +250,8 @@ void flagSlow(const Layout& layout, GroupKind kind, const std::vector<Row>& ofKi
       problems.push_back(fmt::format(
           "{} (ranks {}) is SLOW: {:.3f} GB/s, under {:.0f}% of the median {:.3f} GB/s of the {} {} groups; "
           "look for a degraded link, a busy or throttled GPU, or a rank placed on another node",
-          row.name, fmt::join(layout.groups(kind)[g], ","), row.gbps(), kSlowFraction * 100, typical,
-          speeds.size(), toString(kind)));
+          row.name, fmt::join(layout.groups(kind)[g], ","), row.gbps(), kSlowFraction * 100, typical, speeds.size(),
+          toString(kind)));
   }
 }
 
@@ -272,17 +274,20 @@ void appendFolded(const std::vector<Row>& ofKind, GroupKind kind, std::vector<Ro
 }
 
 void printReport(const std::vector<Row>& rows, const std::vector<std::string>& problems) {
-  fmt::print("{:<22} {:>5} {:>10} {:>10} {:>11} {:>6} {:>10}\n", "group", "size", "create ms", "warm ms", "check",
-             "ok", "GB/s");
+  fmt::print("{:<22} {:>5} {:>10} {:>10} {:>11} {:>6} {:>10}\n", "group", "size", "create ms", "warm ms", "check", "ok",
+             "GB/s");
   for (const Row& row : rows) {
     const bool traffic = row.size > 1;
-    fmt::print("{:<22} {:>5} {:>10.2f} {:>10.2f} {:>11} {:>6} {:>10}\n", row.name, row.size, row.createMs,
-               row.warmMs, !traffic ? "-" : row.check, !traffic ? "-" : row.ok ? "ok" : "WRONG",
+    fmt::print("{:<22} {:>5} {:>10.2f} {:>10.2f} {:>11} {:>6} {:>10}\n", row.name, row.size, row.createMs, row.warmMs,
+               !traffic ? "-" : row.check,
+               !traffic ? "-"
+               : row.ok ? "ok"
+                        : "WRONG",
                traffic ? fmt::format("{:.3f}", row.gbps()) : "-");
   }
   if (problems.empty()) {
-    fmt::print("all {} groups built and correct; none under {:.0f}% of the median bandwidth of its kind\n",
-               rows.size(), kSlowFraction * 100);
+    fmt::print("all {} groups built and correct; none under {:.0f}% of the median bandwidth of its kind\n", rows.size(),
+               kSlowFraction * 100);
   } else {
     fmt::print("bulkhead-doctor: DIAGNOSIS: {} problem{}:\n", problems.size(), problems.size() > 1 ? "s" : "");
     for (const std::string& problem : problems) fmt::print("  {}\n", problem);
@@ -293,9 +298,10 @@ void printReport(const std::vector<Row>& rows, const std::vector<std::string>& p
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::App app("Builds every process group of a layout and checks each: a result against a reference, and its "
-               "bandwidth. Run it with the job's launcher and rank count.",
-               "bulkhead-doctor");
+  cli::App app(
+      "Builds every process group of a layout and checks each: a result against a reference, and its "
+      "bandwidth. Run it with the job's launcher and rank count.",
+      "bulkhead-doctor");
   Options options;
   addFlags(app, options);
   if (auto code = cli::parse(app, argc, argv)) return *code;

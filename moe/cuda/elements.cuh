@@ -32,22 +32,47 @@ inline void checkLaunch(const char* what) {
 }
 
 // Half-precision elements accumulate in float, float64 in double.
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
+template <typename T>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
 
-template <typename T> __device__ __forceinline__ typename Acc<T>::type load(const T* p) { return static_cast<typename Acc<T>::type>(*p); }
-template <> __device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-template <> __device__ __forceinline__ float load(const __half* p) { return __half2float(*p); }
+template <typename T>
+__device__ __forceinline__ typename Acc<T>::type load(const T* p) {
+  return static_cast<typename Acc<T>::type>(*p);
+}
+template <>
+__device__ __forceinline__ float load(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
+template <>
+__device__ __forceinline__ float load(const __half* p) {
+  return __half2float(*p);
+}
 
-template <typename T, typename A> __device__ __forceinline__ void store(T* p, A v) { *p = static_cast<T>(v); }
-template <> __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-template <> __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half(v); }
+template <typename T, typename A>
+__device__ __forceinline__ void store(T* p, A v) {
+  *p = static_cast<T>(v);
+}
+template <>
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16(v);
+}
+template <>
+__device__ __forceinline__ void store(__half* p, float v) {
+  *p = __float2half(v);
+}
 
 // Threads move rows in groups of kSize elements: 16-byte vectors (kVector)
 // where every row's bytes and base address are multiples of 16 (the layer's
 // rows are whenever their widths are multiples of 8), single elements
 // otherwise.
-template <typename T> constexpr int kVector = 16 / sizeof(T);
+template <typename T>
+constexpr int kVector = 16 / sizeof(T);
 
 template <int kSize, typename T, typename A>
 __device__ __forceinline__ void loadGroup(const T* p, A (&values)[kSize]) {

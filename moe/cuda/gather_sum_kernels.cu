@@ -105,7 +105,7 @@ void launchBackward(const GatherSumArgs& args, const void* source, const void* g
                     void* gradWeights) {
   if (args.outputs == 0) return;
   auto kernel = vectorRows<T>(args.width, {source, gradOut, gradSource}) ? backwardKernel<T, W, kVector<T>>
-                                                                          : backwardKernel<T, W, 1>;
+                                                                         : backwardKernel<T, W, 1>;
   kernel<<<args.outputs, kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(
       static_cast<const T*>(source), static_cast<const T*>(gradOut), static_cast<T*>(gradSource),
       static_cast<W*>(gradWeights), args.table, static_cast<const W*>(args.weights), args.columns, args.width);
@@ -117,18 +117,24 @@ void dispatch(const GatherSumArgs& args, Args... rest) {
   if (args.columns > kMaxColumns) throw std::runtime_error("gather-sum: more than 64 columns per row");
   const bool wide = args.weightType == Dtype::Float64;
   switch (args.rowType) {
-    case Dtype::Float32: return wide ? Launch<float, double>::run(args, rest...) : Launch<float, float>::run(args, rest...);
-    case Dtype::Float64: return wide ? Launch<double, double>::run(args, rest...) : Launch<double, float>::run(args, rest...);
+    case Dtype::Float32:
+      return wide ? Launch<float, double>::run(args, rest...) : Launch<float, float>::run(args, rest...);
+    case Dtype::Float64:
+      return wide ? Launch<double, double>::run(args, rest...) : Launch<double, float>::run(args, rest...);
     case Dtype::BFloat16:
-      return wide ? Launch<__nv_bfloat16, double>::run(args, rest...) : Launch<__nv_bfloat16, float>::run(args, rest...);
-    case Dtype::Float16: return wide ? Launch<__half, double>::run(args, rest...) : Launch<__half, float>::run(args, rest...);
+      return wide ? Launch<__nv_bfloat16, double>::run(args, rest...)
+                  : Launch<__nv_bfloat16, float>::run(args, rest...);
+    case Dtype::Float16:
+      return wide ? Launch<__half, double>::run(args, rest...) : Launch<__half, float>::run(args, rest...);
   }
 }
 
-template <typename T, typename W> struct Forward {
+template <typename T, typename W>
+struct Forward {
   static void run(const GatherSumArgs& args, const void* source, void* out) { launchForward<T, W>(args, source, out); }
 };
-template <typename T, typename W> struct Backward {
+template <typename T, typename W>
+struct Backward {
   static void run(const GatherSumArgs& args, const void* source, const void* gradOut, void* gradSource,
                   void* gradWeights) {
     launchBackward<T, W>(args, source, gradOut, gradSource, gradWeights);

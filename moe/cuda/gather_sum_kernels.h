@@ -19,11 +19,11 @@
 namespace bulkhead::moe::cuda {
 
 struct GatherSumArgs {
-  Dtype rowType;         // dtype of source, out, gradOut, gradSource
-  Dtype weightType;      // dtype of weights and gradWeights (Float32 or Float64)
-  int64_t outputs = 0;   // rows of out
-  int64_t columns = 0;   // m
-  int64_t width = 0;     // elements per row
+  Dtype rowType;        // dtype of source, out, gradOut, gradSource
+  Dtype weightType;     // dtype of weights and gradWeights (Float32 or Float64)
+  int64_t outputs = 0;  // rows of out
+  int64_t columns = 0;  // m
+  int64_t width = 0;    // elements per row
   const int64_t* table = nullptr;
   const void* weights = nullptr;  // null: every weight is 1
   void* stream = nullptr;         // cudaStream_t

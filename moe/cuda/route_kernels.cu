@@ -24,8 +24,10 @@ __global__ void planKernel(RouteArgs a, int64_t* counts, int64_t* key, bool shar
     __syncthreads();
   }
   auto add = [&](int64_t counter) {
-    if (sharedCounters) atomicAdd(blockCounts + counter, 1u);
-    else atomicAdd(reinterpret_cast<unsigned long long*>(counts + counter), 1ull);
+    if (sharedCounters)
+      atomicAdd(blockCounts + counter, 1u);
+    else
+      atomicAdd(reinterpret_cast<unsigned long long*>(counts + counter), 1ull);
   };
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t < a.tokens) {
@@ -133,9 +135,12 @@ int chunkBytes(std::initializer_list<int64_t> sizes, std::initializer_list<const
 template <typename Side, bool kPerSlot>
 void launchPack(const PackArgs& p, int chunk, cudaStream_t stream) {
   const auto blocks = static_cast<unsigned>(p.route.tokens);
-  if (chunk == 16) packKernel<uint4, Side, kPerSlot><<<blocks, kThreads, 0, stream>>>(p);
-  else if (chunk == 4) packKernel<uint32_t, Side, kPerSlot><<<blocks, kThreads, 0, stream>>>(p);
-  else packKernel<uint8_t, Side, kPerSlot><<<blocks, kThreads, 0, stream>>>(p);
+  if (chunk == 16)
+    packKernel<uint4, Side, kPerSlot><<<blocks, kThreads, 0, stream>>>(p);
+  else if (chunk == 4)
+    packKernel<uint32_t, Side, kPerSlot><<<blocks, kThreads, 0, stream>>>(p);
+  else
+    packKernel<uint8_t, Side, kPerSlot><<<blocks, kThreads, 0, stream>>>(p);
 }
 
 }  // namespace
@@ -148,8 +153,10 @@ void planRoutes(const RouteArgs& args, int64_t* counts, int64_t* key) {
   const bool shared = counters <= kMaxSharedCounters;
   const size_t sharedBytes = shared ? counters * sizeof(unsigned int) : 0;
   auto stream = static_cast<cudaStream_t>(args.stream);
-  if (args.perSlot) planKernel<true><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, shared);
-  else planKernel<false><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, shared);
+  if (args.perSlot)
+    planKernel<true><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, shared);
+  else
+    planKernel<false><<<blocks, kThreads, sharedBytes, stream>>>(args, counts, key, shared);
   checkLaunch("route planning kernel launch");
 }
 
@@ -174,9 +181,12 @@ void expandRows(const ExpandArgs& args) {
   const int chunk = chunkBytes({args.rowBytes, args.sourceStride}, {args.source, args.out});
   const auto blocks = static_cast<unsigned>(args.sourceRows);
   auto stream = static_cast<cudaStream_t>(args.stream);
-  if (chunk == 16) expandKernel<uint4><<<blocks, kThreads, 0, stream>>>(args);
-  else if (chunk == 4) expandKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(args);
-  else expandKernel<uint8_t><<<blocks, kThreads, 0, stream>>>(args);
+  if (chunk == 16)
+    expandKernel<uint4><<<blocks, kThreads, 0, stream>>>(args);
+  else if (chunk == 4)
+    expandKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(args);
+  else
+    expandKernel<uint8_t><<<blocks, kThreads, 0, stream>>>(args);
   checkLaunch("row expansion kernel launch");
 }
 
@@ -185,9 +195,12 @@ void zeroTail(const ZeroTailArgs& args) {
   const int chunk = chunkBytes({args.rowBytes}, {args.rows});
   const auto blocks = static_cast<unsigned>(args.count < 1024 ? args.count : 1024);
   auto stream = static_cast<cudaStream_t>(args.stream);
-  if (chunk == 16) zeroTailKernel<uint4><<<blocks, kThreads, 0, stream>>>(args);
-  else if (chunk == 4) zeroTailKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(args);
-  else zeroTailKernel<uint8_t><<<blocks, kThreads, 0, stream>>>(args);
+  if (chunk == 16)
+    zeroTailKernel<uint4><<<blocks, kThreads, 0, stream>>>(args);
+  else if (chunk == 4)
+    zeroTailKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(args);
+  else
+    zeroTailKernel<uint8_t><<<blocks, kThreads, 0, stream>>>(args);
   checkLaunch("tail zeroing kernel launch");
 }
 

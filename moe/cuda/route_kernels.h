@@ -43,8 +43,8 @@ struct PackArgs {
   RouteArgs route;
   const void* tokens = nullptr;  // [T, rowBytes] contiguous
   int64_t rowBytes = 0;
-  const void* weights = nullptr;  // [T, k] contiguous, side type
-  int sideBytes = 4;              // 4: float32, 8: float64
+  const void* weights = nullptr;   // [T, k] contiguous, side type
+  int sideBytes = 4;               // 4: float32, 8: float64
   const int64_t* table = nullptr;  // [T, m]
   void* rows = nullptr;            // [rows, width] bytes
   int64_t width = 0, sideOffset = 0;

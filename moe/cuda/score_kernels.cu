@@ -81,7 +81,8 @@ __global__ void scoreForwardKernel(ScoreArgs a, const float* bias, ScoreOutputs 
   __syncthreads();
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t first = warp * tokensPerWarp, last = first + tokensPerWarp < a.tokens ? first + tokensPerWarp : a.tokens;
+  const int64_t first = warp * tokensPerWarp,
+                last = first + tokensPerWarp < a.tokens ? first + tokensPerWarp : a.tokens;
   T probSum[kPerLane] = {};
   T lseSquared = 0;
   for (int64_t t = first; t < last; ++t) {
@@ -141,8 +142,8 @@ __global__ void scoreForwardKernel(ScoreArgs a, const float* bias, ScoreOutputs 
 constexpr int kSumThreads = 256;
 
 template <typename T>
-__global__ void sumPartialsKernel(const T* probPartial, const T* lsePartial, int64_t rows, int64_t experts,
-                                  T* probSum, T* lseSquaredSum) {
+__global__ void sumPartialsKernel(const T* probPartial, const T* lsePartial, int64_t rows, int64_t experts, T* probSum,
+                                  T* lseSquaredSum) {
   __shared__ T partial[kSumThreads];
   const int64_t column = blockIdx.x;
   T sum = 0;
@@ -161,7 +162,8 @@ template <typename T, int kPerLane>
 __global__ void scoreBackwardKernel(ScoreArgs a, ScoreGrads g, T* gradLogits, int64_t tokensPerWarp) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t first = warp * tokensPerWarp, last = first + tokensPerWarp < a.tokens ? first + tokensPerWarp : a.tokens;
+  const int64_t first = warp * tokensPerWarp,
+                last = first + tokensPerWarp < a.tokens ? first + tokensPerWarp : a.tokens;
   const T* logits = static_cast<const T*>(a.logits);
   for (int64_t t = first; t < last; ++t) {
     const TokenScores<T, kPerLane> token(a, t, lane);
@@ -224,12 +226,18 @@ __global__ void scoreBackwardKernel(ScoreArgs a, ScoreGrads g, T* gradLogits, in
 // lane, a power of two, that covers `experts`.
 template <typename Launch>
 void withPerLane(int64_t experts, Launch&& launch) {
-  if (experts <= 32) launch(std::integral_constant<int, 1>{});
-  else if (experts <= 64) launch(std::integral_constant<int, 2>{});
-  else if (experts <= 128) launch(std::integral_constant<int, 4>{});
-  else if (experts <= 256) launch(std::integral_constant<int, 8>{});
-  else if (experts <= 512) launch(std::integral_constant<int, 16>{});
-  else launch(std::integral_constant<int, 32>{});
+  if (experts <= 32)
+    launch(std::integral_constant<int, 1>{});
+  else if (experts <= 64)
+    launch(std::integral_constant<int, 2>{});
+  else if (experts <= 128)
+    launch(std::integral_constant<int, 4>{});
+  else if (experts <= 256)
+    launch(std::integral_constant<int, 8>{});
+  else if (experts <= 512)
+    launch(std::integral_constant<int, 16>{});
+  else
+    launch(std::integral_constant<int, 32>{});
 }
 
 void checkShape(const ScoreArgs& a) {

@@ -21,9 +21,9 @@ constexpr int64_t kMaxScoreTopK = 32;
 
 struct ScoreArgs {
   int64_t tokens = 0, experts = 0, topK = 0;
-  bool sigmoid = false;      // else softmax
-  bool normalize = true;     // weights renormalised to sum to one per token
-  bool doubles = false;      // float64 logits, weights and sums; else float32
+  bool sigmoid = false;          // else softmax
+  bool normalize = true;         // weights renormalised to sum to one per token
+  bool doubles = false;          // float64 logits, weights and sums; else float32
   const void* logits = nullptr;  // [T, E] contiguous
   void* stream = nullptr;        // cudaStream_t
 };
@@ -32,10 +32,10 @@ struct ScoreArgs {
 int64_t scorePartialRows(int64_t tokens);
 
 struct ScoreOutputs {
-  int64_t* indices = nullptr;  // [T, k] selected expert ids
-  void* weights = nullptr;     // [T, k] combine weights
-  bool* keep = nullptr;        // [T, k] set to true where not null (dropless routing)
-  int64_t* counts = nullptr;   // [E], zeroed by the caller: slots selected per expert
+  int64_t* indices = nullptr;     // [T, k] selected expert ids
+  void* weights = nullptr;        // [T, k] combine weights
+  bool* keep = nullptr;           // [T, k] set to true where not null (dropless routing)
+  int64_t* counts = nullptr;      // [E], zeroed by the caller: slots selected per expert
   void* probSum = nullptr;        // [E]: the normalised scores summed over tokens
   void* lseSquaredSum = nullptr;  // []: lse^2 summed over tokens
   // Scratch for those sums: per row, the sum over its tokens; the rows are
@@ -49,10 +49,10 @@ void scoreForward(const ScoreArgs& args, const float* bias, const ScoreOutputs& 
 
 // Gradients reaching the forward's outputs; each may be null (no gradient).
 struct ScoreGrads {
-  const int64_t* indices = nullptr;      // [T, k] the forward's selection
-  const void* weights = nullptr;         // [T, k]
-  const void* probSum = nullptr;         // [E]: of the normalised scores summed over tokens
-  const void* lseSquaredSum = nullptr;   // []: of lse^2 summed over tokens
+  const int64_t* indices = nullptr;     // [T, k] the forward's selection
+  const void* weights = nullptr;        // [T, k]
+  const void* probSum = nullptr;        // [E]: of the normalised scores summed over tokens
+  const void* lseSquaredSum = nullptr;  // []: of lse^2 summed over tokens
 };
 // gradLogits [T, E], contiguous, every entry written.
 void scoreBackward(const ScoreArgs& args, const ScoreGrads& grads, void* gradLogits);

@@ -85,19 +85,27 @@ void launchBackward(const SwigluArgs& args, const void* gateUp, const void* grad
 
 void swigluForward(const SwigluArgs& args, const void* gateUp, void* out) {
   switch (args.type) {
-    case Dtype::Float32: return launchForward<float>(args, gateUp, out);
-    case Dtype::Float64: return launchForward<double>(args, gateUp, out);
-    case Dtype::BFloat16: return launchForward<__nv_bfloat16>(args, gateUp, out);
-    case Dtype::Float16: return launchForward<__half>(args, gateUp, out);
+    case Dtype::Float32:
+      return launchForward<float>(args, gateUp, out);
+    case Dtype::Float64:
+      return launchForward<double>(args, gateUp, out);
+    case Dtype::BFloat16:
+      return launchForward<__nv_bfloat16>(args, gateUp, out);
+    case Dtype::Float16:
+      return launchForward<__half>(args, gateUp, out);
   }
 }
 
 void swigluBackward(const SwigluArgs& args, const void* gateUp, const void* gradOut, void* gradGateUp) {
   switch (args.type) {
-    case Dtype::Float32: return launchBackward<float>(args, gateUp, gradOut, gradGateUp);
-    case Dtype::Float64: return launchBackward<double>(args, gateUp, gradOut, gradGateUp);
-    case Dtype::BFloat16: return launchBackward<__nv_bfloat16>(args, gateUp, gradOut, gradGateUp);
-    case Dtype::Float16: return launchBackward<__half>(args, gateUp, gradOut, gradGateUp);
+    case Dtype::Float32:
+      return launchBackward<float>(args, gateUp, gradOut, gradGateUp);
+    case Dtype::Float64:
+      return launchBackward<double>(args, gateUp, gradOut, gradGateUp);
+    case Dtype::BFloat16:
+      return launchBackward<__nv_bfloat16>(args, gateUp, gradOut, gradGateUp);
+    case Dtype::Float16:
+      return launchBackward<__half>(args, gateUp, gradOut, gradGateUp);
   }
 }
 

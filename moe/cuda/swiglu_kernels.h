@@ -15,8 +15,8 @@ namespace bulkhead::moe::cuda {
 
 struct SwigluArgs {
   Dtype type = Dtype::BFloat16;
-  int64_t rows = 0;    // N
-  int64_t width = 0;   // F: gateUp rows hold 2F elements, out rows F
+  int64_t rows = 0;        // N
+  int64_t width = 0;       // F: gateUp rows hold 2F elements, out rows F
   void* stream = nullptr;  // cudaStream_t
 };
 

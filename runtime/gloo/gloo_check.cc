@@ -36,9 +36,9 @@ void guarded(const char* what, const ErrorContext& context, const std::function<
     throw;
   } catch (const ::gloo::IoException& e) {
     if (mentionsTimeout(e.what())) throw GlooTimeout(fmt::format("gloo {} timed out: {}", what, e.what()), context);
-    throw GlooPeerLost(fmt::format("gloo {} failed (a peer closed its connection or the network failed): {}", what,
-                                e.what()),
-                       context);
+    throw GlooPeerLost(
+        fmt::format("gloo {} failed (a peer closed its connection or the network failed): {}", what, e.what()),
+        context);
   } catch (const ::gloo::Exception& e) {
     throw CommError(fmt::format("gloo {} failed: {}", what, e.what()), context);
   } catch (const ::gloo::EnforceNotMet& e) {

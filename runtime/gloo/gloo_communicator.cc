@@ -47,7 +47,7 @@ struct Op {
   Deadline deadline = Deadline::never();
   Deadline::Clock::time_point issuedAt;
   std::vector<at::Tensor> buffers;
-  std::function<void(Millis)> run;                             // collectives: runs on the worker
+  std::function<void(Millis)> run;                            // collectives: runs on the worker
   std::unique_ptr<::gloo::transport::UnboundBuffer> unbound;  // sends and receives: posted at issue
   bool isSend = false;
   bool stalled = false;  // an injected mismatch: never runs, never completes
@@ -69,10 +69,18 @@ void reduceInto(void* c, const void* a, const void* b, size_t n, ReduceOp op) {
   for (size_t i = 0; i < n; ++i) {
     switch (op) {
       case ReduceOp::Sum:
-      case ReduceOp::Avg: out[i] = static_cast<T>(x[i] + y[i]); break;
-      case ReduceOp::Prod: out[i] = static_cast<T>(x[i] * y[i]); break;
-      case ReduceOp::Min: out[i] = std::min<T>(x[i], y[i]); break;
-      case ReduceOp::Max: out[i] = std::max<T>(x[i], y[i]); break;
+      case ReduceOp::Avg:
+        out[i] = static_cast<T>(x[i] + y[i]);
+        break;
+      case ReduceOp::Prod:
+        out[i] = static_cast<T>(x[i] * y[i]);
+        break;
+      case ReduceOp::Min:
+        out[i] = std::min<T>(x[i], y[i]);
+        break;
+      case ReduceOp::Max:
+        out[i] = std::max<T>(x[i], y[i]);
+        break;
     }
   }
 }
@@ -82,8 +90,7 @@ void allReduceTyped(const std::shared_ptr<::gloo::Context>& context, void* data,
                     uint32_t tag, Millis timeout) {
   ::gloo::AllreduceOptions options(context);
   options.setOutput(static_cast<T*>(data), count);
-  options.setReduceFunction(
-      [op](void* c, const void* a, const void* b, size_t n) { reduceInto<T>(c, a, b, n, op); });
+  options.setReduceFunction([op](void* c, const void* a, const void* b, size_t n) { reduceInto<T>(c, a, b, n, op); });
   options.setTag(tag);
   options.setTimeout(timeout);
   ::gloo::allreduce(options);
@@ -95,15 +102,24 @@ void allReduceBytes(const std::shared_ptr<::gloo::Context>& context, at::Tensor&
   void* data = tensor.data_ptr();
   auto count = static_cast<size_t>(tensor.numel());
   switch (tensor.scalar_type()) {
-    case ScalarType::Float: return allReduceTyped<float>(context, data, count, op, tag, timeout);
-    case ScalarType::Double: return allReduceTyped<double>(context, data, count, op, tag, timeout);
-    case ScalarType::BFloat16: return allReduceTyped<c10::BFloat16>(context, data, count, op, tag, timeout);
-    case ScalarType::Half: return allReduceTyped<c10::Half>(context, data, count, op, tag, timeout);
-    case ScalarType::Int: return allReduceTyped<int32_t>(context, data, count, op, tag, timeout);
-    case ScalarType::Long: return allReduceTyped<int64_t>(context, data, count, op, tag, timeout);
-    case ScalarType::Char: return allReduceTyped<int8_t>(context, data, count, op, tag, timeout);
-    case ScalarType::Byte: return allReduceTyped<uint8_t>(context, data, count, op, tag, timeout);
-    default: break;  // refused by the argument checks before any communication
+    case ScalarType::Float:
+      return allReduceTyped<float>(context, data, count, op, tag, timeout);
+    case ScalarType::Double:
+      return allReduceTyped<double>(context, data, count, op, tag, timeout);
+    case ScalarType::BFloat16:
+      return allReduceTyped<c10::BFloat16>(context, data, count, op, tag, timeout);
+    case ScalarType::Half:
+      return allReduceTyped<c10::Half>(context, data, count, op, tag, timeout);
+    case ScalarType::Int:
+      return allReduceTyped<int32_t>(context, data, count, op, tag, timeout);
+    case ScalarType::Long:
+      return allReduceTyped<int64_t>(context, data, count, op, tag, timeout);
+    case ScalarType::Char:
+      return allReduceTyped<int8_t>(context, data, count, op, tag, timeout);
+    case ScalarType::Byte:
+      return allReduceTyped<uint8_t>(context, data, count, op, tag, timeout);
+    default:
+      break;  // refused by the argument checks before any communication
   }
 }
 
@@ -145,9 +161,9 @@ struct State {
   ErrorContext errorContext;
   std::mutex mutex;
   std::condition_variable changed;
-  std::deque<OpPtr> collectives;                  // waiting for the worker, in issue order
+  std::deque<OpPtr> collectives;                                   // waiting for the worker, in issue order
   std::map<std::pair<int, bool>, std::deque<OpPtr>> pointToPoint;  // (peer, isSend): posted, in order
-  std::deque<OpPtr> pending;                      // issued, not settled
+  std::deque<OpPtr> pending;                                       // issued, not settled
   std::vector<OpPtr> abandoned;
   bool stopping = false;
   bool aborted = false;
@@ -158,8 +174,10 @@ struct State {
     if (op->done) return;
     op->done = true;
     op->error = error;
-    if (error) ledger->fail(op->fingerprint.op, op->seq);
-    else ledger->complete(op->fingerprint.op, op->seq);
+    if (error)
+      ledger->fail(op->fingerprint.op, op->seq);
+    else
+      ledger->complete(op->fingerprint.op, op->seq);
     pending.erase(std::remove(pending.begin(), pending.end(), op), pending.end());
     changed.notify_all();
   }
@@ -278,12 +296,12 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     auto op = prepare(OpType::AllReduce, tensor);
     op->fingerprint.reduce = options.op;
     const int n = size();
-    return launch(op, options.deadline, [ctx = context(), tensor, reduce = options.op, n, op = op.get()](
-                                            Millis timeout) mutable {
-      if (tensor.numel() == 0) return barrierCall(ctx, tag(*op), timeout);
-      allReduceBytes(ctx, tensor, reduce, tag(*op), timeout);
-      if (reduce == ReduceOp::Avg) tensor.div_(n);
-    });
+    return launch(op, options.deadline,
+                  [ctx = context(), tensor, reduce = options.op, n, op = op.get()](Millis timeout) mutable {
+                    if (tensor.numel() == 0) return barrierCall(ctx, tag(*op), timeout);
+                    allReduceBytes(ctx, tensor, reduce, tag(*op), timeout);
+                    if (reduce == ReduceOp::Avg) tensor.div_(n);
+                  });
   }
 
   WorkPtr allGather(at::Tensor input, at::Tensor output, CallOptions options) override {
@@ -307,18 +325,18 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     const int n = size(), me = rank();
     // Gloo has no reduce-scatter for arbitrary types: a full all-reduce of a
     // copy, then this rank's chunk.
-    return launch(op, options.deadline, [ctx = context(), input, output, reduce = options.op, n, me,
-                                         op = op.get()](Millis timeout) mutable {
-      if (output.numel() == 0) return barrierCall(ctx, tag(*op), timeout);
-      at::Tensor all = input.reshape({-1}).clone();
-      allReduceBytes(ctx, all, reduce, tag(*op), timeout);
-      output.reshape({-1}).copy_(all.narrow(0, me * output.numel(), output.numel()));
-      if (reduce == ReduceOp::Avg) output.div_(n);
-    });
+    return launch(op, options.deadline,
+                  [ctx = context(), input, output, reduce = options.op, n, me, op = op.get()](Millis timeout) mutable {
+                    if (output.numel() == 0) return barrierCall(ctx, tag(*op), timeout);
+                    at::Tensor all = input.reshape({-1}).clone();
+                    allReduceBytes(ctx, all, reduce, tag(*op), timeout);
+                    output.reshape({-1}).copy_(all.narrow(0, me * output.numel(), output.numel()));
+                    if (reduce == ReduceOp::Avg) output.div_(n);
+                  });
   }
 
-  WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits,
-                   std::vector<int64_t> recvSplits, CallOptions options) override {
+  WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits, std::vector<int64_t> recvSplits,
+                   CallOptions options) override {
     std::tie(sendSplits, recvSplits) =
         checks::allToAllArgs(*this, kRules, send, recv, std::move(sendSplits), std::move(recvSplits));
     auto op = prepare(OpType::AllToAll, send, recv);
@@ -329,15 +347,16 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
       for (int64_t& rows : splits) rows *= rowBytes;
       return splits;
     };
-    return launch(op, options.deadline, [ctx = context(), send, recv, sendBytes = bytes(sendSplits),
-                                         recvBytes = bytes(recvSplits), op = op.get()](Millis timeout) {
-      ::gloo::AlltoallvOptions exchange(ctx);
-      exchange.setInput(dataOrDummy(send), sendBytes);
-      exchange.setOutput(dataOrDummy(recv), recvBytes);
-      exchange.setTag(tag(*op));
-      exchange.setTimeout(timeout);
-      ::gloo::alltoallv(exchange);
-    });
+    return launch(op, options.deadline,
+                  [ctx = context(), send, recv, sendBytes = bytes(sendSplits), recvBytes = bytes(recvSplits),
+                   op = op.get()](Millis timeout) {
+                    ::gloo::AlltoallvOptions exchange(ctx);
+                    exchange.setInput(dataOrDummy(send), sendBytes);
+                    exchange.setOutput(dataOrDummy(recv), recvBytes);
+                    exchange.setTag(tag(*op));
+                    exchange.setTimeout(timeout);
+                    ::gloo::alltoallv(exchange);
+                  });
   }
 
   WorkPtr broadcast(at::Tensor tensor, int root, CallOptions options) override {
@@ -466,8 +485,10 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
       op->unbound = context()->createUnboundBuffer(dataOrDummy(tensor), bytesOf(tensor));
       const uint64_t slot = ::gloo::Slot::build(kPointToPointPrefix, 0);
       guarded(isSend ? "send" : "recv", state_->errorContext, [&] {
-        if (isSend) op->unbound->send(peer, slot);
-        else op->unbound->recv(peer, slot);
+        if (isSend)
+          op->unbound->send(peer, slot);
+        else
+          op->unbound->recv(peer, slot);
       });
       auto key = std::make_pair(peer, isSend);
       state_->pointToPoint[key].push_back(op);
@@ -518,8 +539,10 @@ void GlooWork::wait(std::optional<Deadline> deadline) {
   {
     std::unique_lock<std::mutex> lock(comm_->mutex());
     auto settled = [&] { return op_->done; };
-    if (until.isNever()) comm_->changed().wait(lock, settled);
-    else comm_->changed().wait_until(lock, until.when(), settled);
+    if (until.isNever())
+      comm_->changed().wait(lock, settled);
+    else
+      comm_->changed().wait_until(lock, until.when(), settled);
     if (!op_->done) {
       lock.unlock();
       if (comm_->isAborted()) comm_->throwAborted(*op_);

@@ -25,15 +25,23 @@ std::mutex& callLock() {
 
 MPI_Datatype datatype(c10::ScalarType dtype) {
   switch (dtype) {
-    case c10::ScalarType::Float: return MPI_FLOAT;
-    case c10::ScalarType::Double: return MPI_DOUBLE;
-    case c10::ScalarType::Int: return MPI_INT32_T;
-    case c10::ScalarType::Long: return MPI_INT64_T;
-    case c10::ScalarType::Char: return MPI_INT8_T;
-    case c10::ScalarType::Byte: return MPI_UINT8_T;
+    case c10::ScalarType::Float:
+      return MPI_FLOAT;
+    case c10::ScalarType::Double:
+      return MPI_DOUBLE;
+    case c10::ScalarType::Int:
+      return MPI_INT32_T;
+    case c10::ScalarType::Long:
+      return MPI_INT64_T;
+    case c10::ScalarType::Char:
+      return MPI_INT8_T;
+    case c10::ScalarType::Byte:
+      return MPI_UINT8_T;
     case c10::ScalarType::BFloat16:
-    case c10::ScalarType::Half: return MPI_UINT16_T;
-    default: throw ConfigError(fmt::format("dtype {} has no MPI datatype", dtypeName(dtype)));
+    case c10::ScalarType::Half:
+      return MPI_UINT16_T;
+    default:
+      throw ConfigError(fmt::format("dtype {} has no MPI datatype", dtypeName(dtype)));
   }
 }
 
@@ -47,10 +55,18 @@ void reduce16(void* in, void* inout, int* length, MPI_Datatype*) {
   for (int i = 0; i < *length; ++i) b[i] = T(Combine{}(static_cast<float>(a[i]), static_cast<float>(b[i])));
 }
 
-struct Add { float operator()(float a, float b) const { return a + b; } };
-struct Mul { float operator()(float a, float b) const { return a * b; } };
-struct Lo { float operator()(float a, float b) const { return std::min(a, b); } };
-struct Hi { float operator()(float a, float b) const { return std::max(a, b); } };
+struct Add {
+  float operator()(float a, float b) const { return a + b; }
+};
+struct Mul {
+  float operator()(float a, float b) const { return a * b; }
+};
+struct Lo {
+  float operator()(float a, float b) const { return std::min(a, b); }
+};
+struct Hi {
+  float operator()(float a, float b) const { return std::max(a, b); }
+};
 
 // [dtype: 0 bf16, 1 fp16][op: sum, prod, min, max]
 MPI_Op ops16[2][4] = {{MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL},
@@ -65,10 +81,14 @@ void create(MPI_Op* row) {
 int opIndex(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: return 0;  // avg divides after the sum
-    case ReduceOp::Prod: return 1;
-    case ReduceOp::Min: return 2;
-    case ReduceOp::Max: return 3;
+    case ReduceOp::Avg:
+      return 0;  // avg divides after the sum
+    case ReduceOp::Prod:
+      return 1;
+    case ReduceOp::Min:
+      return 2;
+    case ReduceOp::Max:
+      return 3;
   }
   return 0;
 }
@@ -92,10 +112,14 @@ MPI_Op reduceOp(ReduceOp op, c10::ScalarType dtype) {
   if (dtype == c10::ScalarType::Half) return ops16[1][opIndex(op)];
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: return MPI_SUM;
-    case ReduceOp::Prod: return MPI_PROD;
-    case ReduceOp::Min: return MPI_MIN;
-    case ReduceOp::Max: return MPI_MAX;
+    case ReduceOp::Avg:
+      return MPI_SUM;
+    case ReduceOp::Prod:
+      return MPI_PROD;
+    case ReduceOp::Min:
+      return MPI_MIN;
+    case ReduceOp::Max:
+      return MPI_MAX;
   }
   return MPI_SUM;
 }

@@ -17,10 +17,10 @@
 
 #include "runtime/backoff.h"
 #include "runtime/diagnosis.h"
-#include "runtime/fault.h"
-#include "runtime/monitor.h"
 #include "runtime/env.h"
+#include "runtime/fault.h"
 #include "runtime/log.h"
+#include "runtime/monitor.h"
 #include "runtime/mpi/mpi_backend.h"
 #include "runtime/mpi/mpi_check.h"
 #include "runtime/op_checks.h"
@@ -50,7 +50,7 @@ struct PendingOp {
   std::vector<at::Tensor> buffers;
   std::vector<int> sendCounts, sendDispls, recvCounts, recvDispls;
   std::function<void()> finish;  // runs once on completion (e.g. avg's division)
-  bool stalled = false;           // an injected mismatch: issued to no backend, never completes
+  bool stalled = false;          // an injected mismatch: issued to no backend, never completes
   std::atomic<bool> done{false};
   std::exception_ptr error;
 };
@@ -158,8 +158,8 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     });
   }
 
-  WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits,
-                   std::vector<int64_t> recvSplits, CallOptions options) override {
+  WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits, std::vector<int64_t> recvSplits,
+                   CallOptions options) override {
     std::tie(sendSplits, recvSplits) =
         checks::allToAllArgs(*this, kRules, send, recv, std::move(sendSplits), std::move(recvSplits));
     auto op = prepare(OpType::AllToAll, send, recv);
@@ -536,16 +536,18 @@ void finalize(Deadline deadline) {
       check(MPI_Ibarrier(MPI_COMM_WORLD, &request), "MPI_Ibarrier", {.group = "world"});
     }
     if (!pollRequest(request, deadline, "MPI_Ibarrier")) {
-      log::error("launch", "the final world barrier did not complete within {} s: some rank stopped early or "
-                           "is stuck",
+      log::error("launch",
+                 "the final world barrier did not complete within {} s: some rank stopped early or "
+                 "is stuck",
                  env::kShutdownTimeout.seconds());
       poisonedFlag = true;
     }
   }
   if (poisonedFlag) {
     double grace = env::kAbortGrace.seconds();
-    log::error("launch", "an MPI operation of this process timed out or was abandoned; MPI cannot cancel it, so "
-                         "the process exits with code 3 in {} s without MPI_Finalize",
+    log::error("launch",
+               "an MPI operation of this process timed out or was abandoned; MPI cannot cancel it, so "
+               "the process exits with code 3 in {} s without MPI_Finalize",
                grace);
     std::this_thread::sleep_for(std::chrono::duration<double>(grace));
     std::fflush(nullptr);

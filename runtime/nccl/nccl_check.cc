@@ -19,25 +19,39 @@ void check(cudaError_t rc, const char* call, const ErrorContext& context) {
 
 ncclDataType_t datatype(c10::ScalarType dtype) {
   switch (dtype) {
-    case c10::ScalarType::Float: return ncclFloat32;
-    case c10::ScalarType::Double: return ncclFloat64;
-    case c10::ScalarType::BFloat16: return ncclBfloat16;
-    case c10::ScalarType::Half: return ncclFloat16;
-    case c10::ScalarType::Int: return ncclInt32;
-    case c10::ScalarType::Long: return ncclInt64;
-    case c10::ScalarType::Char: return ncclInt8;
-    case c10::ScalarType::Byte: return ncclUint8;
-    default: throw ConfigError(fmt::format("dtype {} has no NCCL datatype", dtypeName(dtype)));
+    case c10::ScalarType::Float:
+      return ncclFloat32;
+    case c10::ScalarType::Double:
+      return ncclFloat64;
+    case c10::ScalarType::BFloat16:
+      return ncclBfloat16;
+    case c10::ScalarType::Half:
+      return ncclFloat16;
+    case c10::ScalarType::Int:
+      return ncclInt32;
+    case c10::ScalarType::Long:
+      return ncclInt64;
+    case c10::ScalarType::Char:
+      return ncclInt8;
+    case c10::ScalarType::Byte:
+      return ncclUint8;
+    default:
+      throw ConfigError(fmt::format("dtype {} has no NCCL datatype", dtypeName(dtype)));
   }
 }
 
 ncclRedOp_t reduceOp(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return ncclSum;
-    case ReduceOp::Avg: return ncclAvg;
-    case ReduceOp::Prod: return ncclProd;
-    case ReduceOp::Min: return ncclMin;
-    case ReduceOp::Max: return ncclMax;
+    case ReduceOp::Sum:
+      return ncclSum;
+    case ReduceOp::Avg:
+      return ncclAvg;
+    case ReduceOp::Prod:
+      return ncclProd;
+    case ReduceOp::Min:
+      return ncclMin;
+    case ReduceOp::Max:
+      return ncclMax;
   }
   return ncclSum;
 }

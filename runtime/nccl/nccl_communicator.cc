@@ -78,8 +78,10 @@ void letGoOfOwnedBuffers(NcclOp& op, int device) noexcept {
       c10::cuda::CUDACachingAllocator::recordStream(memory, stream);
       return true;
     } catch (const std::exception& e) {
-      log::warn("comm", "the caching allocator refused to record an operation's stream ({}); the operation keeps "
-                "its buffer until it completes", e.what());
+      log::warn("comm",
+                "the caching allocator refused to record an operation's stream ({}); the operation keeps "
+                "its buffer until it completes",
+                e.what());
       return false;
     }
   });
@@ -119,9 +121,7 @@ class NcclWork : public Work {
     }
   }
 
-  std::exception_ptr exception() const override {
-    return op_->status == OpStatus::Failed ? op_->error : nullptr;
-  }
+  std::exception_ptr exception() const override { return op_->status == OpStatus::Failed ? op_->error : nullptr; }
   uint64_t sequence() const override { return op_->seq; }
 
  private:
@@ -144,9 +144,9 @@ std::shared_ptr<NcclOp> NcclCommunicator::prepare(OpType type, const at::Tensor&
   ensureUsable();
   auto check = [&](const at::Tensor& t) {
     if (t.defined() && t.is_cuda() && t.get_device() != device_)
-      throw ConfigError(fmt::format("the tensor is on cuda:{}, but this rank's communicator uses cuda:{}",
-                                    t.get_device(), device_),
-                        checks::context(*this, fmt::format("tensors on cuda:{}", device_)));
+      throw ConfigError(
+          fmt::format("the tensor is on cuda:{}, but this rank's communicator uses cuda:{}", t.get_device(), device_),
+          checks::context(*this, fmt::format("tensors on cuda:{}", device_)));
   };
   check(input);
   check(output);
@@ -162,7 +162,7 @@ cudaStream_t NcclCommunicator::streamFor(StreamHandle handle) const {
 #if BULKHEAD_TORCH_CUDA
   return c10::cuda::getCurrentCUDAStream(device_).stream();
 #else
-  return nullptr;  // CUDA tensors need a libtorch with CUDA; this build has none
+  return nullptr;          // CUDA tensors need a libtorch with CUDA; this build has none
 #endif
 }
 
@@ -229,10 +229,10 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
     if (enqueuing_ == op) enqueuing_.reset();
     if (aborted_) {  // aborted while this call was in NCCL: it fails with the abort
       if (op->status == OpStatus::Pending) {
-        op->error = std::make_exception_ptr(CommError(
-            fmt::format("{} seq {} cannot finish: {} was aborted ({})", toString(op->fingerprint.op), op->seq,
-                        checks::describeGroup(*this), abortReason_),
-            checks::context(*this)));
+        op->error = std::make_exception_ptr(
+            CommError(fmt::format("{} seq {} cannot finish: {} was aborted ({})", toString(op->fingerprint.op), op->seq,
+                                  checks::describeGroup(*this), abortReason_),
+                      checks::context(*this)));
         ledger_->fail(op->fingerprint.op, op->seq);
         op->status = OpStatus::Failed;
       }
@@ -337,11 +337,11 @@ WorkPtr NcclCommunicator::allToAll(at::Tensor send, at::Tensor recv, std::vector
       size_t sendOffset = 0, recvOffset = 0;
       for (int peer = 0; peer < size_; ++peer) {
         if (sendSplits[peer] > 0)
-          check(ncclSend(sendBytes + sendOffset, sendSplits[peer] * rowElements, type, peer, comm_, stream),
-                "ncclSend", checks::context(*this));
+          check(ncclSend(sendBytes + sendOffset, sendSplits[peer] * rowElements, type, peer, comm_, stream), "ncclSend",
+                checks::context(*this));
         if (recvSplits[peer] > 0)
-          check(ncclRecv(recvBytes + recvOffset, recvSplits[peer] * rowElements, type, peer, comm_, stream),
-                "ncclRecv", checks::context(*this));
+          check(ncclRecv(recvBytes + recvOffset, recvSplits[peer] * rowElements, type, peer, comm_, stream), "ncclRecv",
+                checks::context(*this));
         sendOffset += sendSplits[peer] * rowBytes;
         recvOffset += recvSplits[peer] * rowBytes;
       }

@@ -44,8 +44,8 @@ struct NcclOp {
   std::shared_ptr<EventPool> events;
   std::vector<at::Tensor> buffers;
   std::atomic<OpStatus> status{OpStatus::Pending};
-  std::exception_ptr error;  // set before status becomes Failed
-  bool stalled = false;      // an injected mismatch: issued to no backend, never completes
+  std::exception_ptr error;            // set before status becomes Failed
+  bool stalled = false;                // an injected mismatch: issued to no backend, never completes
   std::atomic<bool> timingOut{false};  // claimed by the one thread that explains its timeout
 };
 
@@ -97,8 +97,8 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   WorkPtr allReduce(at::Tensor tensor, ReduceOptions options) override;
   WorkPtr allGather(at::Tensor input, at::Tensor output, CallOptions options) override;
   WorkPtr reduceScatter(at::Tensor input, at::Tensor output, ReduceOptions options) override;
-  WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits,
-                   std::vector<int64_t> recvSplits, CallOptions options) override;
+  WorkPtr allToAll(at::Tensor send, at::Tensor recv, std::vector<int64_t> sendSplits, std::vector<int64_t> recvSplits,
+                   CallOptions options) override;
   WorkPtr broadcast(at::Tensor tensor, int root, CallOptions options) override;
   WorkPtr barrier(CallOptions options) override;
   WorkPtr send(at::Tensor tensor, int peer, CallOptions options) override;
@@ -126,8 +126,7 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   void enterEnqueuing(const std::shared_ptr<NcclOp>& op);
   void leaveEnqueuingOf(const std::shared_ptr<NcclOp>& op);
   // Under CUDA-graph capture: the call is recorded into the graph, not run.
-  WorkPtr enqueueCaptured(const std::shared_ptr<NcclOp>& op, cudaStream_t stream, const char* call,
-                          const Issue& issue);
+  WorkPtr enqueueCaptured(const std::shared_ptr<NcclOp>& op, cudaStream_t stream, const char* call, const Issue& issue);
   cudaStream_t streamFor(StreamHandle handle) const;
   void ensureUsable() const;
   // Marks the communicator aborted and fails every pending operation (and the

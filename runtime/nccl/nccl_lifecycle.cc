@@ -308,10 +308,9 @@ void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
     op.status = OpStatus::Completed;
   } else {
     cudaGetLastError();
-    op.error = std::make_exception_ptr(CommError(fmt::format("{} seq {} failed on the GPU: {}",
-                                                             toString(op.fingerprint.op), op.seq,
-                                                             cudaGetErrorString(state)),
-                                                 checks::context(*this)));
+    op.error = std::make_exception_ptr(CommError(
+        fmt::format("{} seq {} failed on the GPU: {}", toString(op.fingerprint.op), op.seq, cudaGetErrorString(state)),
+        checks::context(*this)));
     ledger_->fail(op.fingerprint.op, op.seq);
     op.status = OpStatus::Failed;
   }
@@ -332,9 +331,9 @@ void NcclCommunicator::timeout(NcclOp& op) {
                        checks::context(*this), op.seq);
   }
   double waited = secondsSince(op.issuedAt);
-  Diagnosis diagnosis = monitor() && !aborted_ ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
-                                               : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited),
-                                                           false};
+  Diagnosis diagnosis = monitor() && !aborted_
+                            ? monitor()->diagnose(*this, op.seq, op.fingerprint, waited)
+                            : Diagnosis{describeTimeout(*this, op.fingerprint, op.seq, waited), false};
   std::string message =
       diagnosis.message + " The communicator is aborted (ncclCommAbort) and refuses further operations.";
   auto error = diagnosis.desync
@@ -354,9 +353,9 @@ void NcclCommunicator::timeout(NcclOp& op) {
 
 void NcclCommunicator::abort(const std::string& reason) {
   log::warn("comm", "aborting {}: {}", checks::describeGroup(*this), reason);
-  abortWith(std::make_exception_ptr(CommError(fmt::format("{} was aborted: {}", name_, reason),
-                                              checks::context(*this))),
-            reason);
+  abortWith(
+      std::make_exception_ptr(CommError(fmt::format("{} was aborted: {}", name_, reason), checks::context(*this))),
+      reason);
 }
 
 void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& reason, bool ncclAborted) {
@@ -416,8 +415,8 @@ void NcclCommunicator::watch() {
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
       if (state != ncclSuccess && state != ncclInProgress) {
-        std::string message = fmt::format("NCCL reported an asynchronous error on {}: {}",
-                                          checks::describeGroup(*this), ncclGetErrorString(state));
+        std::string message = fmt::format("NCCL reported an asynchronous error on {}: {}", checks::describeGroup(*this),
+                                          ncclGetErrorString(state));
         log::error("comm", "{}", message);
         abortWith(std::make_exception_ptr(CommError(message, checks::context(*this))), message);
         break;
@@ -492,8 +491,8 @@ CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& n
   std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
   std::vector<int> worldRanks;
   for (int r : ranks) worldRanks.push_back(members_[r]);
-  auto group = std::make_shared<NcclCommunicator>(child, device_, fmt::format("{}[{}]", name, color),
-                                                 std::move(worldRanks));
+  auto group =
+      std::make_shared<NcclCommunicator>(child, device_, fmt::format("{}[{}]", name, color), std::move(worldRanks));
   if (monitor()) monitor()->watch(group);
   return group;
 }
@@ -522,8 +521,7 @@ ncclComm_t initBounded(const ncclUniqueId& id, int rank, int size, Deadline dead
     throw TimeoutError(fmt::format("NCCL bootstrap of {} ({} ranks) did not finish in {:.1f} s: some rank "
                                    "did not join init (crashed, stalled, or out of GPU memory). Check every rank's "
                                    "log, or raise {} if bootstrap is only slow.",
-                                   what, size,
-                                   std::chrono::duration<double>(deadline.when() - started).count(),
+                                   what, size, std::chrono::duration<double>(deadline.when() - started).count(),
                                    env::kInitTimeout.name()),
                        context);
   }
@@ -544,9 +542,10 @@ namespace {
 // The GPU of this rank's world, made current; ConfigError without one.
 int worldDevice(const WorldOptions& options, const ErrorContext& context) {
   if (!available())
-    throw ConfigError("the nccl backend needs a GPU and a libtorch built with CUDA; use the mpi or gloo backend "
-                      "(BULKHEAD_BACKEND=mpi or gloo) on CPUs",
-                      context);
+    throw ConfigError(
+        "the nccl backend needs a GPU and a libtorch built with CUDA; use the mpi or gloo backend "
+        "(BULKHEAD_BACKEND=mpi or gloo) on CPUs",
+        context);
   int device = options.device >= 0 ? options.device : options.localRank % deviceCount();
   check(cudaSetDevice(device), "cudaSetDevice", context);
   return device;
@@ -575,9 +574,9 @@ CommunicatorPtr initWorld(Store& store, int rank, int size, WorldOptions options
   } else {
     std::string bytes = store.get(key, deadline);
     if (bytes.size() != sizeof(id))
-      throw CommError(fmt::format("the NCCL unique id in the store ('{}') has {} bytes, not {}", key, bytes.size(),
-                                  sizeof(id)),
-                      context);
+      throw CommError(
+          fmt::format("the NCCL unique id in the store ('{}') has {} bytes, not {}", key, bytes.size(), sizeof(id)),
+          context);
     std::memcpy(&id, bytes.data(), sizeof(id));
   }
   ncclComm_t comm = initBounded(id, rank, size, deadline, context, "the world");

@@ -12,8 +12,9 @@ bool peerAccess(int, int) { return false; }
 namespace {
 
 [[noreturn]] void refuse() {
-  throw ConfigError("this build of Bulkhead has no NCCL backend (CMake found no CUDA Toolkit or NCCL); use the mpi "
-                    "backend (BULKHEAD_BACKEND=mpi) or rebuild where CUDA and NCCL are installed");
+  throw ConfigError(
+      "this build of Bulkhead has no NCCL backend (CMake found no CUDA Toolkit or NCCL); use the mpi "
+      "backend (BULKHEAD_BACKEND=mpi) or rebuild where CUDA and NCCL are installed");
 }
 
 }  // namespace

@@ -53,9 +53,9 @@ int main(int argc, char** argv) {
   return guardedMain([&] {
     if (argc < 2) throw ConfigError("usage: bulkhead_ckpt_job DIR [key=value ...]");
     std::string dir = argv[1];
-    std::map<std::string, std::string> args = {{"tp", "1"},     {"ep", "1"},       {"seed", "1"},   {"saves", ""},
-                                               {"train", "0"},  {"load", "none"},  {"seeds", ""},   {"timeout", "60"},
-                                               {"keep", "3"},   {"layers", "2"},   {"hidden", "16"}, {"ffn", "24"}};
+    std::map<std::string, std::string> args = {{"tp", "1"},    {"ep", "1"},      {"seed", "1"},    {"saves", ""},
+                                               {"train", "0"}, {"load", "none"}, {"seeds", ""},    {"timeout", "60"},
+                                               {"keep", "3"},  {"layers", "2"},  {"hidden", "16"}, {"ffn", "24"}};
     for (int i = 2; i < argc; ++i) {
       std::string arg = argv[i];
       size_t equals = arg.find('=');
@@ -67,12 +67,12 @@ int main(int argc, char** argv) {
     Communicator& world = runtime->world();
     int rank = world.rank();
     auto layout = parallel::Layout::create(world.size(), {.tp = std::stoi(args["tp"]), .ep = std::stoi(args["ep"])});
-    ModelShape shape{.layers = std::stoi(args["layers"]), .hidden = std::stoi(args["hidden"]),
-                     .ffn = std::stoi(args["ffn"])};
+    ModelShape shape{
+        .layers = std::stoi(args["layers"]), .hidden = std::stoi(args["hidden"]), .ffn = std::stoi(args["ffn"])};
     int seed = std::stoi(args["seed"]);
     auto ckpt = Checkpointer::create(
-        {.dir = dir, .keep = std::stoi(args["keep"]), .timeoutSeconds = std::stod(args["timeout"])},
-        runtime->store(), rank, world.size());
+        {.dir = dir, .keep = std::stoi(args["keep"]), .timeoutSeconds = std::stod(args["timeout"])}, runtime->store(),
+        rank, world.size());
 
     for (int64_t step : numbers(args["saves"])) {
       SaveHandle handle = ckpt->save(step, build(shape, layout, rank, seed * 1000 + static_cast<int>(step)));

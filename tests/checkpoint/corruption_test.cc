@@ -13,10 +13,10 @@
 #include <sstream>
 
 #include "checkpoint/checkpointer.h"
-#include "runtime/errors.h"
 #include "checkpoint/folder.h"
 #include "checkpoint/fs.h"
 #include "checkpoint/inspect.h"
+#include "runtime/errors.h"
 #include "tests/catch_compat.h"
 #include "tests/checkpoint/model.h"
 #include "tests/checkpoint/support.h"
@@ -57,11 +57,16 @@ enum class Damage { ChunkByte, MetadataByte, Truncate, Delete, EditManifest };
 
 const char* nameOf(Damage damage) {
   switch (damage) {
-    case Damage::ChunkByte: return "a flipped byte in a chunk";
-    case Damage::MetadataByte: return "a flipped byte in the HDF5 superblock";
-    case Damage::Truncate: return "a truncated rank file";
-    case Damage::Delete: return "a deleted rank file";
-    case Damage::EditManifest: return "a hand-edited manifest";
+    case Damage::ChunkByte:
+      return "a flipped byte in a chunk";
+    case Damage::MetadataByte:
+      return "a flipped byte in the HDF5 superblock";
+    case Damage::Truncate:
+      return "a truncated rank file";
+    case Damage::Delete:
+      return "a deleted rank file";
+    case Damage::EditManifest:
+      return "a hand-edited manifest";
   }
   return "?";
 }
@@ -69,10 +74,18 @@ const char* nameOf(Damage damage) {
 void damage(Damage kind, const std::string& folder) {
   std::string victim = folder + "/rank_00001.h5";
   switch (kind) {
-    case Damage::ChunkByte: flipByte(victim, chunkAddress(victim, "layers.0.experts.w1") + 100); break;
-    case Damage::MetadataByte: flipByte(victim, 20); break;
-    case Damage::Truncate: REQUIRE(::truncate(victim.c_str(), *fs::fileSize(victim) / 2) == 0); break;
-    case Damage::Delete: REQUIRE(::unlink(victim.c_str()) == 0); break;
+    case Damage::ChunkByte:
+      flipByte(victim, chunkAddress(victim, "layers.0.experts.w1") + 100);
+      break;
+    case Damage::MetadataByte:
+      flipByte(victim, 20);
+      break;
+    case Damage::Truncate:
+      REQUIRE(::truncate(victim.c_str(), *fs::fileSize(victim) / 2) == 0);
+      break;
+    case Damage::Delete:
+      REQUIRE(::unlink(victim.c_str()) == 0);
+      break;
     case Damage::EditManifest: {
       std::string path = folder + "/manifest.txt";
       std::string text = *fs::readFile(path);
@@ -90,8 +103,8 @@ void damage(Damage kind, const std::string& folder) {
 TEST_CASE("every kind of damage to a checkpoint is caught by load on every rank and by bulkhead-ckpt verify") {
   ModelShape shape;
   auto layout = parallel::Layout::create(worldSize(), {.tp = 2, .ep = 2});
-  for (Damage kind : {Damage::ChunkByte, Damage::MetadataByte, Damage::Truncate, Damage::Delete,
-                      Damage::EditManifest}) {
+  for (Damage kind :
+       {Damage::ChunkByte, Damage::MetadataByte, Damage::Truncate, Damage::Delete, Damage::EditManifest}) {
     INFO(nameOf(kind));
     SharedDir dir("ckpt-damage");
     auto ckpt = Checkpointer::create({.dir = dir.path(), .timeoutSeconds = 60}, runtime().store(), rank(), worldSize());

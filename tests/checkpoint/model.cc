@@ -40,8 +40,7 @@ at::Tensor globalValue(const Spec& spec, int seed) {
 namespace {
 
 // (offsets, sizes, replica id) of this rank's slice of `spec` under `layout`.
-parallel::ShardInfo shardOf(const Spec& spec, const parallel::Layout& layout, int rank,
-                            std::vector<int64_t>& sizes) {
+parallel::ShardInfo shardOf(const Spec& spec, const parallel::Layout& layout, int rank, std::vector<int64_t>& sizes) {
   auto c = layout.coordinates(rank);
   sizes = spec.shape;
   std::vector<int64_t> offsets(spec.shape.size(), 0);
@@ -64,7 +63,8 @@ parallel::ShardInfo shardOf(const Spec& spec, const parallel::Layout& layout, in
       offsets[1] = c.tp * sizes[1];
       replica = c.dp + layout.dp() * (c.cp + layout.cp() * c.pp);
       break;
-    case Split::Whole: break;
+    case Split::Whole:
+      break;
   }
   return {spec.shape, offsets, replica};
 }

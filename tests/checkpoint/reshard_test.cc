@@ -7,12 +7,12 @@
 #include <fmt/ranges.h>
 
 #include "checkpoint/checkpointer.h"
-#include "runtime/errors.h"
 #include "checkpoint/dtype.h"
+#include "runtime/errors.h"
 #include "tests/catch_compat.h"
 #include "tests/checkpoint/model.h"
-#include "tests/support/inputs.h"
 #include "tests/checkpoint/support.h"
+#include "tests/support/inputs.h"
 
 using namespace bulkhead;
 using namespace bulkhead::checkpoint;
@@ -20,9 +20,7 @@ using namespace bulkhead::testing::ckpt;
 
 namespace {
 
-std::string describe(const parallel::LayoutOptions& o) {
-  return fmt::format("tp {} ep {} etp {}", o.tp, o.ep, o.etp);
-}
+std::string describe(const parallel::LayoutOptions& o) { return fmt::format("tp {} ep {} etp {}", o.tp, o.ep, o.etp); }
 
 int64_t bytesHeld(const StateDict& state) {
   int64_t bytes = 0;

@@ -6,9 +6,9 @@
 #include <fmt/format.h>
 
 #include "checkpoint/checkpointer.h"
-#include "runtime/errors.h"
 #include "checkpoint/folder.h"
 #include "checkpoint/inspect.h"
+#include "runtime/errors.h"
 #include "tests/catch_compat.h"
 #include "tests/checkpoint/model.h"
 #include "tests/checkpoint/support.h"
@@ -134,9 +134,9 @@ TEST_CASE("a run resumed from an earlier step commits its own steps; the later o
   std::vector<std::pair<int64_t, std::string>> folders;
   for (const auto& step : listCheckpoints(dir.path())) folders.emplace_back(step.step, step.name);
   CHECK(folders == std::vector<std::pair<int64_t, std::string>>{{10, "step_000010"},
-                                                               {20, "step_000020"},
-                                                               {20, supersededFolderName(20, job)},
-                                                               {30, supersededFolderName(30, job)}});
+                                                                {20, "step_000020"},
+                                                                {20, supersededFolderName(20, job)},
+                                                                {30, supersededFolderName(30, job)}});
   for (const auto& step : listCheckpoints(dir.path()))
     if (step.name.find("superseded") != std::string::npos) {
       CHECK(step.state == "superseded (left by a resumed run)");
@@ -201,8 +201,8 @@ TEST_CASE("a key missing from the checkpoint or of another shape fails the load 
     if (rank() != 1) CHECK(text.find("failed on rank 1") != std::string::npos);
   }
   LoadResult lenient = ckpt->load(targets, {.allowMissing = true});
-  CHECK(lenient.missingKeys == (rank() == 1 ? std::vector<std::string>{"layers.9.new_weight"}
-                                            : std::vector<std::string>{}));
+  CHECK(lenient.missingKeys ==
+        (rank() == 1 ? std::vector<std::string>{"layers.9.new_weight"} : std::vector<std::string>{}));
   CHECK(mismatches(targets, shape, 5).empty());
 
   ModelShape wider{.layers = 1, .hidden = 32};

@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <fstream>
-#include <map>
 #include <iterator>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -35,7 +35,8 @@ std::string readBytes(const std::string& path) {
 }
 
 void writeBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
 // A file of a header written by hand and `data` bytes of data.
@@ -92,8 +93,9 @@ TEST_CASE("safetensors: written tensors of every dtype read back bit for bit, 8-
   const std::vector<at::ScalarType> dtypes{at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, at::kLong,
                                            at::kInt,    at::kShort, at::kChar, at::kByte,     at::kBool};
   for (size_t i = 0; i < dtypes.size(); ++i)
-    tensors.emplace_back(fmt::format("t{}.{}", i, c10::toString(dtypes[i])),
-                         randomTensor(rng, {static_cast<int64_t>(i % 3 + 1), 7, static_cast<int64_t>(i + 2)}, dtypes[i]));
+    tensors.emplace_back(
+        fmt::format("t{}.{}", i, c10::toString(dtypes[i])),
+        randomTensor(rng, {static_cast<int64_t>(i % 3 + 1), 7, static_cast<int64_t>(i + 2)}, dtypes[i]));
   tensors.emplace_back("scalar", randomTensor(rng, {}, at::kFloat));
   tensors.emplace_back("empty", at::empty({0, 4}, at::kFloat));
   const std::string path = dir.path() + "/a.safetensors";
@@ -146,7 +148,8 @@ TEST_CASE("safetensors: a file of 64 MB or more, written through aligned buffers
   for (const auto& [name, tensor] : tensors) CHECK(at::equal(file.read(*file.find(name)), tensor));
 }
 
-TEST_CASE("safetensors: a writer refuses more bytes than its tensors hold and an incomplete finish, and leaves no file") {
+TEST_CASE(
+    "safetensors: a writer refuses more bytes than its tensors hold and an incomplete finish, and leaves no file") {
   testing::TempDir dir;
   const std::string path = dir.path() + "/w.safetensors";
   {
@@ -216,8 +219,9 @@ TEST_CASE("safetensors: 10,000 mutated files are each read whole or refused, nev
   uint64_t headerEnd = 0;
   for (int i = 7; i >= 0; --i) headerEnd = (headerEnd << 8) | static_cast<unsigned char>(valid[i]);
   headerEnd += 8;
-  const std::vector<std::string> tokens{"0", "-1", "18446744073709551615", "1e30", "\"F32\"", "\"BF16\"", "[]", "{}",
-                                        "null", "[0,4]", "[4,0]", "9999999999", ",", "]", "}", "\"", "\\u0000"};
+  const std::vector<std::string> tokens{
+      "0",     "-1",    "18446744073709551615", "1e30", "\"F32\"", "\"BF16\"", "[]", "{}",     "null",
+      "[0,4]", "[4,0]", "9999999999",           ",",    "]",       "}",        "\"", "\\u0000"};
   const std::string path = dir.path() + "/fuzz.safetensors";
   int refused = 0, read = 0;
   for (int round = 0; round < 10000; ++round) {
@@ -226,22 +230,32 @@ TEST_CASE("safetensors: 10,000 mutated files are each read whole or refused, nev
     for (int e = 0; e < edits; ++e) {
       const size_t at = rng() % bytes.size();
       // Where the header lies in this copy, as far as it is still there.
-      const size_t header = std::max<size_t>(1, std::min<size_t>(headerEnd, bytes.size()) - std::min<size_t>(8, bytes.size() - 1));
+      const size_t header =
+          std::max<size_t>(1, std::min<size_t>(headerEnd, bytes.size()) - std::min<size_t>(8, bytes.size() - 1));
       switch (rng() % 6) {
-        case 0: bytes[at] = static_cast<char>(rng()); break;  // any byte
-        case 1: bytes[std::min<size_t>(8 + rng() % header, bytes.size() - 1)] = static_cast<char>(rng()); break;
-        case 2: bytes.resize(at); break;                      // truncated
-        case 3: {                                             // a JSON token swapped in
+        case 0:
+          bytes[at] = static_cast<char>(rng());
+          break;  // any byte
+        case 1:
+          bytes[std::min<size_t>(8 + rng() % header, bytes.size() - 1)] = static_cast<char>(rng());
+          break;
+        case 2:
+          bytes.resize(at);
+          break;   // truncated
+        case 3: {  // a JSON token swapped in
           const size_t in = std::min<size_t>(8 + rng() % header, bytes.size());
           bytes.replace(in, rng() % 6, tokens[rng() % tokens.size()]);
           break;
         }
-        case 4: {                                                                  // another header length
+        case 4: {  // another header length
           const uint64_t length = rng() % 3 == 0 ? rng() : rng() % (bytes.size() + 64);
-          for (int i = 0; i < 8 && i < static_cast<int>(bytes.size()); ++i) bytes[i] = static_cast<char>(length >> (8 * i));
+          for (int i = 0; i < 8 && i < static_cast<int>(bytes.size()); ++i)
+            bytes[i] = static_cast<char>(length >> (8 * i));
           break;
         }
-        default: bytes.insert(at, bytes.substr(rng() % bytes.size(), rng() % 32)); break;  // a run repeated
+        default:
+          bytes.insert(at, bytes.substr(rng() % bytes.size(), rng() % 32));
+          break;  // a run repeated
       }
       if (bytes.empty()) break;
     }
@@ -326,13 +340,12 @@ namespace {
 // A one-rank checkpoint of random tensors, some split into slices.
 std::map<std::string, at::Tensor> saveCheckpoint(const std::string& dir, const std::string& ckpt, int64_t step) {
   std::mt19937_64 rng(static_cast<uint64_t>(step) + 5);
-  std::map<std::string, at::Tensor> tensors{
-      {"layers.0.experts.w13", randomTensor(rng, {4, 2, 6, 5}, at::kBFloat16)},
-      {"layers.1.experts.w13", randomTensor(rng, {4, 2, 6, 5}, at::kBFloat16)},
-      {"layers.0.proj", randomTensor(rng, {5, 7}, at::kFloat)},
-      {"embed", randomTensor(rng, {9, 5}, at::kDouble)},
-      {"optim.step", randomTensor(rng, {1}, at::kLong)},
-      {"optim.embed.exp_avg", randomTensor(rng, {9, 5}, at::kDouble)}};
+  std::map<std::string, at::Tensor> tensors{{"layers.0.experts.w13", randomTensor(rng, {4, 2, 6, 5}, at::kBFloat16)},
+                                            {"layers.1.experts.w13", randomTensor(rng, {4, 2, 6, 5}, at::kBFloat16)},
+                                            {"layers.0.proj", randomTensor(rng, {5, 7}, at::kFloat)},
+                                            {"embed", randomTensor(rng, {9, 5}, at::kDouble)},
+                                            {"optim.step", randomTensor(rng, {1}, at::kLong)},
+                                            {"optim.embed.exp_avg", randomTensor(rng, {9, 5}, at::kDouble)}};
   StateDict state;
   for (const auto& [key, tensor] : tensors) {
     if (key == "layers.0.experts.w13") {  // in two slices along the experts, as ep 2 saves it
@@ -363,8 +376,8 @@ TEST_CASE("export -> import -> diff: split and transposed tensors, several shard
   writeBytes(map, kMap);
   const auto saved = saveCheckpoint(dir.path(), dir.path() + "/a", 7);
 
-  ExportOptions exporting{.dir = dir.path() + "/a", .out = dir.path() + "/hf", .map = map, .withOptimizer = true,
-                          .shardBytes = 300};
+  ExportOptions exporting{
+      .dir = dir.path() + "/a", .out = dir.path() + "/hf", .map = map, .withOptimizer = true, .shardBytes = 300};
   const ExportReport exported = exportSafetensors(exporting);
   CHECK(exported.step == 7);
   CHECK(exported.tensors == 2 * 8 + 1 + 1 + 2);
@@ -385,15 +398,19 @@ TEST_CASE("export -> import -> diff: split and transposed tensors, several shard
       CHECK(at::equal(file.read(*up), saved.at("layers.0.experts.w13")[3][1]));
       sawUp = true;
     }
-    if (auto* proj = file.find("m.layers.0.proj.weight")) CHECK(at::equal(file.read(*proj), saved.at("layers.0.proj").t()));
-    if (name.rfind("optimizer-", 0) == 0) sawOptimizer = sawOptimizer || file.find("optim.embed.exp_avg") != nullptr;
-    else CHECK(file.find("optim.embed.exp_avg") == nullptr);
+    if (auto* proj = file.find("m.layers.0.proj.weight"))
+      CHECK(at::equal(file.read(*proj), saved.at("layers.0.proj").t()));
+    if (name.rfind("optimizer-", 0) == 0)
+      sawOptimizer = sawOptimizer || file.find("optim.embed.exp_avg") != nullptr;
+    else
+      CHECK(file.find("optim.embed.exp_avg") == nullptr);
   }
   CHECK(sawUp);
   CHECK(sawOptimizer);
   CHECK_THROWS_AS(exportSafetensors(exporting), ConfigError);  // the folder holds an export already
 
-  const ImportReport imported = importSafetensors({.source = dir.path() + "/hf", .dir = dir.path() + "/b", .map = map, .step = 7});
+  const ImportReport imported =
+      importSafetensors({.source = dir.path() + "/hf", .dir = dir.path() + "/b", .map = map, .step = 7});
   CHECK(imported.tensors == static_cast<int64_t>(saved.size()));
   WholeTensorReader reader(imported.path, 2);
   for (const auto& [key, tensor] : saved) CHECK(at::equal(reader.read(key), tensor));

@@ -9,8 +9,8 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -25,10 +25,10 @@
 #include "checkpoint/chunking.h"
 #include "checkpoint/fault.h"
 #include "checkpoint/folder.h"
+#include "checkpoint/fs.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/rank_file.h"
 #include "checkpoint/reader.h"
-#include "checkpoint/fs.h"
 #include "runtime/errors.h"
 #include "runtime/file_store.h"
 #include "tests/catch_compat.h"
@@ -112,8 +112,12 @@ TEST_CASE("a rank file is read by HDF5's own filter pipeline, which verifies our
   testing::TempDir dir("ckpt-unit");
   std::string path = dir.path() + "/rank_00000.h5";
   at::Tensor values = testing::draw(0, 1, {37, 5, 3}, at::kFloat);
-  StagedSlice slice{.key = "w/x", .dtype = c10::ScalarType::Float, .globalShape = {37, 5, 3}, .offsets = {0, 0, 0},
-                    .shape = {37, 5, 3}, .dataset = "w%2Fx"};
+  StagedSlice slice{.key = "w/x",
+                    .dtype = c10::ScalarType::Float,
+                    .globalShape = {37, 5, 3},
+                    .offsets = {0, 0, 0},
+                    .shape = {37, 5, 3},
+                    .dataset = "w%2Fx"};
   slice.plan = ChunkPlan::make(slice.shape, 4, 600);  // 10 rows of 60 bytes per chunk: 4 chunks, the last short
   REQUIRE(slice.plan.count == 4);
   std::vector<uint8_t> staged(slice.plan.count * slice.plan.stagedBytes(), 0);
@@ -294,8 +298,8 @@ TEST_CASE("fault specs parse, and a malformed one is a ConfigError showing the f
   CHECK_THROWS_AS(fault::parse("rank=1,action=explode"), ConfigError);
   CHECK_THROWS_AS(fault::parse("action=exit"), ConfigError);
   CHECK_THROWS_AS(fault::parse("rank=x,action=exit"), ConfigError);
-  CHECK_THROWS_AS(fault::parse("rank=1,action=stall"), ConfigError);      // stall needs its seconds
-  CHECK_THROWS_AS(fault::parse("rank=1,action=exit:3"), ConfigError);     // exit takes none
+  CHECK_THROWS_AS(fault::parse("rank=1,action=stall"), ConfigError);   // stall needs its seconds
+  CHECK_THROWS_AS(fault::parse("rank=1,action=exit:3"), ConfigError);  // exit takes none
   CHECK_THROWS_AS(fault::parse("rank=1,rank=2,action=exit"), ConfigError);
 }
 
@@ -361,8 +365,8 @@ TEST_CASE("a save's background part runs at the configured niceness above the ca
   CHECK_THROWS_AS(Checkpointer::create({.dir = dir.path() + "/bad", .backgroundNice = -1}, store, 0, 1), ConfigError);
   // Rank 0 of 2, rank 1 absent: after writing its file the background part
   // waits for rank 1's report until the deadline, long enough to be seen.
-  auto ckpt = Checkpointer::create({.dir = dir.path() + "/ckpt", .timeoutSeconds = 3, .backgroundNice = added}, store,
-                                   0, 2);
+  auto ckpt =
+      Checkpointer::create({.dir = dir.path() + "/ckpt", .timeoutSeconds = 3, .backgroundNice = added}, store, 0, 2);
   StateDict state;
   state.addWhole("w", testing::draw(0, 11, {64, 32}, at::kFloat));
   const std::map<int, int> before = threadNiceness();
@@ -383,7 +387,8 @@ TEST_CASE("a save's background part runs at the configured niceness above the ca
 TEST_CASE("reads into caller's aligned buffers (O_DIRECT where the file system has it) deliver the same bytes") {
   testing::TempDir dir("ckpt-direct");
   auto store = std::make_shared<FileStore>(dir.path() + "/store");
-  auto ckpt = Checkpointer::create({.dir = dir.path() + "/ckpt", .timeoutSeconds = 30, .chunkBytes = 4096}, store, 0, 1);
+  auto ckpt =
+      Checkpointer::create({.dir = dir.path() + "/ckpt", .timeoutSeconds = 30, .chunkBytes = 4096}, store, 0, 1);
   StateDict state;
   state.add("odd", testing::draw(0, 11, {137, 29}, at::kFloat), {{137, 29}, {0, 0}, 0});
   state.add("bf", testing::draw(0, 12, {164, 33}, at::kFloat).to(at::kBFloat16), {{164, 33}, {0, 0}, 0});
@@ -399,15 +404,16 @@ TEST_CASE("reads into caller's aligned buffers (O_DIRECT where the file system h
     std::vector<std::unique_ptr<uint8_t, decltype(&std::free)>> buffers;
     size_t bytes = static_cast<size_t>(reader.largestChunk(pieces)) + CheckpointReader::kDirectSlack;
     for (int w = 0; w < 3; ++w)
-      buffers.emplace_back(static_cast<uint8_t*>(std::aligned_alloc(CheckpointReader::kDirectAlignment,
-                                                                    (bytes + 4095) / 4096 * 4096)),
-                           &std::free);
+      buffers.emplace_back(
+          static_cast<uint8_t*>(std::aligned_alloc(CheckpointReader::kDirectAlignment, (bytes + 4095) / 4096 * 4096)),
+          &std::free);
     CheckpointReader::Acquire acquire;
     if (aligned) acquire = [&](int worker, size_t) { return buffers.at(worker).get(); };
     reader.read(
         pieces,
         [&](int, const CheckpointReader::Piece& piece, const uint8_t* chunk) {
-          got[&piece - pieces.data()].assign(reinterpret_cast<const char*>(chunk), reader.plan(piece.slice).chunkBytes());
+          got[&piece - pieces.data()].assign(reinterpret_cast<const char*>(chunk),
+                                             reader.plan(piece.slice).chunkBytes());
         },
         acquire);
     return got;

@@ -134,11 +134,13 @@ TEST_CASE("a graph replay that outlives its deadline raises TimeoutError") {
   at::Tensor a = at::randn({4096, 4096}, options), b = at::randn({4096, 4096}, options) / 64;
   at::Tensor out = at::empty_like(a);
   // About 200 x 137 GFLOP: tens of milliseconds on any current GPU.
-  CapturedGraph graph(gpu(), [&] {
-    at::Tensor x = a;
-    for (int i = 0; i < 200; ++i) x = at::matmul(x, b);
-    out.copy_(x);
-  }, {.name = "slow", .warmupRuns = 1});
+  CapturedGraph graph(gpu(),
+                      [&] {
+                        at::Tensor x = a;
+                        for (int i = 0; i < 200; ++i) x = at::matmul(x, b);
+                        out.copy_(x);
+                      },
+                      {.name = "slow", .warmupRuns = 1});
   const auto started = std::chrono::steady_clock::now();
   CHECK_THROWS_AS(graph.replay(Deadline::after(std::chrono::milliseconds(1))), TimeoutError);
   CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(1));
@@ -171,10 +173,12 @@ TEST_CASE("NCCL collectives captured in a graph replay on every rank; one captur
   const auto options = at::TensorOptions().dtype(at::kFloat).device(gpu());
   at::Tensor x = at::empty({1024}, options);
   auto pair = gpuWorld().split(0, me, "graph-pair");
-  CapturedGraph graph(gpu(), [&] {
-    x.fill_(me + 1);
-    pair->allReduce(x);
-  }, {.name = "pair", .store = gpuStore(), .comms = {pair}});
+  CapturedGraph graph(gpu(),
+                      [&] {
+                        x.fill_(me + 1);
+                        pair->allReduce(x);
+                      },
+                      {.name = "pair", .store = gpuStore(), .comms = {pair}});
   for (int i = 0; i < 100; ++i) {
     graph.replay(Deadline::afterSeconds(20));
     CHECK(x.eq(n * (n + 1) / 2).all().item<bool>());
@@ -183,10 +187,12 @@ TEST_CASE("NCCL collectives captured in a graph replay on every rank; one captur
   // unlike its peers', so it is aborted afterwards.
   auto extra = gpuWorld().split(0, me, "graph-extra");
   try {
-    CapturedGraph mismatched(gpu(), [&] {
-      extra->allReduce(x);
-      if (me == n - 1) extra->allReduce(x);
-    }, {.name = "extra", .warmupRuns = 0, .store = gpuStore(), .comms = {extra}});
+    CapturedGraph mismatched(gpu(),
+                             [&] {
+                               extra->allReduce(x);
+                               if (me == n - 1) extra->allReduce(x);
+                             },
+                             {.name = "extra", .warmupRuns = 0, .store = gpuStore(), .comms = {extra}});
     FAIL_CHECK("the capture passed although one rank captured one collective more");
   } catch (const DesyncError& error) {
     const std::string text = error.what();

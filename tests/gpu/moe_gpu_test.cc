@@ -125,8 +125,8 @@ TEST_CASE("the MoE layer over NCCL matches the layer over MPI in float64") {
       INFO(fmt::format("rank {} ep {} oncePerRank {} starve {}", me, ranks, oncePerRank, starve));
       const moe::MoEOptions options = layerOptions(oncePerRank, starve);
       Result reference = run(cpuWorldPtr(), {.ep = ranks}, options, at::kDouble, tokens, projection);
-      Result ours = run(gpuWorldPtr(), {.ep = ranks}, options, at::TensorOptions(at::kFloat).device(gpu()), tokens,
-                        projection);
+      Result ours =
+          run(gpuWorldPtr(), {.ep = ranks}, options, at::TensorOptions(at::kFloat).device(gpu()), tokens, projection);
       compare(ours, reference, 1e-4);
     }
   }

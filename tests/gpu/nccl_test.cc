@@ -33,8 +33,8 @@ std::vector<ReduceOp> opsFor(at::ScalarType dtype) {
 }
 
 // Runs the same all-to-all on both backends and compares.
-bool allToAllMatches(const std::vector<std::vector<int64_t>>& rows, std::vector<int64_t> rowShape,
-                     at::ScalarType dtype, int salt) {
+bool allToAllMatches(const std::vector<std::vector<int64_t>>& rows, std::vector<int64_t> rowShape, at::ScalarType dtype,
+                     int salt) {
   int n = gpuWorld().size(), me = gpuWorld().rank();
   std::vector<int64_t> sendSplits = rows[me], recvSplits;
   int64_t sendRows = 0, recvRows = 0;

@@ -24,8 +24,14 @@ TEST_CASE("gather-sum kernels equal the reference, forward and backward", "[moe]
   const at::Device gpu(at::kCUDA, 0);
   // Widths: whole 16-byte vectors (96), more vectors than threads (2056), and
   // rows that are not whole vectors (37), which take the element-wise kernels.
-  for (auto [dtype, width] : {std::pair{at::kDouble, 96}, {at::kFloat, 96}, {at::kBFloat16, 96}, {at::kDouble, 37},
-                              {at::kFloat, 37}, {at::kBFloat16, 37}, {at::kBFloat16, 2056}, {at::kFloat, 2056}}) {
+  for (auto [dtype, width] : {std::pair{at::kDouble, 96},
+                              {at::kFloat, 96},
+                              {at::kBFloat16, 96},
+                              {at::kDouble, 37},
+                              {at::kFloat, 37},
+                              {at::kBFloat16, 37},
+                              {at::kBFloat16, 2056},
+                              {at::kFloat, 2056}}) {
     const double tolerance = dtype == at::kDouble ? 1e-12 : dtype == at::kFloat ? 1e-5 : 2e-2;
     // 300 source rows, each named once by a [120, 5] table with gaps.
     at::Tensor table = at::randperm(600, testing::sharedGenerator(1), at::kLong).view({120, 5});
@@ -131,8 +137,13 @@ TEST_CASE("gather-sum keeps its source only for learned weights, and refuses one
 TEST_CASE("grouping kernels list entries as the stable sort does", "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
   // Sizes around the kernels' segment boundaries (512 entries per warp, at most 256 segments).
-  for (auto [rows, columns, groups] : {std::tuple<int64_t, int64_t, int>{1, 1, 1}, {7, 3, 2}, {4096, 2, 2},
-                                       {8171, 8, 32}, {32681, 8, 32}, {70001, 4, 512}, {600, 8, 5}}) {
+  for (auto [rows, columns, groups] : {std::tuple<int64_t, int64_t, int>{1, 1, 1},
+                                       {7, 3, 2},
+                                       {4096, 2, 2},
+                                       {8171, 8, 32},
+                                       {32681, 8, 32},
+                                       {70001, 4, 512},
+                                       {600, 8, 5}}) {
     // Keys in [-1, groups), about a third of them -1, some groups left empty.
     at::Tensor keys = at::randint(-1, groups, {rows, columns}, testing::sharedGenerator(rows + groups), at::kLong);
     keys = at::where(keys.remainder(3).eq(0), at::full_like(keys, -1), keys);

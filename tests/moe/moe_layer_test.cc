@@ -29,9 +29,7 @@ at::Tensor gaussian(int salt, at::IntArrayRef shape) {
   return at::randn(shape, testing::sharedGenerator(salt), at::kDouble);
 }
 at::Tensor shardTokens(int shard) { return gaussian(100 + shard, {shard == kEmptyShard ? 0 : kTokens, kHidden}); }
-at::Tensor shardProjection(int shard) {
-  return gaussian(200 + shard, {shard == kEmptyShard ? 0 : kTokens, kHidden});
-}
+at::Tensor shardProjection(int shard) { return gaussian(200 + shard, {shard == kEmptyShard ? 0 : kTokens, kHidden}); }
 
 MoEOptions layerOptions(bool oncePerRank, double capacity, bool losses) {
   return {.hidden = kHidden,
@@ -127,8 +125,8 @@ void checkLayout(const Reference& reference, parallel::LayoutOptions layoutOptio
   MoEOutput out = layer.forward(tokens);
   ((out.output * at::cat(projectionParts)).sum() + out.auxLoss + out.zLoss).backward();
 
-  INFO(fmt::format("rank {} layout {} oncePerRank {} capacity {}", world.rank(), layout.describe(),
-                   options.oncePerRank, options.router.capacityFactor));
+  INFO(fmt::format("rank {} layout {} oncePerRank {} capacity {}", world.rank(), layout.describe(), options.oncePerRank,
+                   options.router.capacityFactor));
   std::vector<at::Tensor> expectedOut, expectedGrad;
   int64_t expectedDropped = 0;
   for (int shard : shards) {
@@ -196,8 +194,8 @@ TEST_CASE("a layout whose etp group differs from tp is refused", "[moe][layer]")
 
 TEST_CASE("an input of another dtype than the layer's is refused on every rank, and the layer goes on",
           "[moe][layer]") {
-  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 8},
-                                                {.warmup = false});
+  auto groups =
+      parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 8}, {.warmup = false});
   MoELayer layer(layerOptions(true, 0, true), groups, at::kDouble);
   const int rank = testing::world().rank();
   try {
@@ -212,8 +210,8 @@ TEST_CASE("an input of another dtype than the layer's is refused on every rank, 
 }
 
 TEST_CASE("a double backward through the layer is refused on every rank, and the layer goes on", "[moe][layer]") {
-  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4},
-                                                {.warmup = false});
+  auto groups =
+      parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4}, {.warmup = false});
   MoELayer layer(layerOptions(true, 0, true), groups, at::kDouble);
   const int rank = testing::world().rank();
   at::Tensor tokens = shardTokens(rank).requires_grad_(true);
@@ -233,8 +231,8 @@ TEST_CASE("a double backward through the layer is refused on every rank, and the
 
 TEST_CASE("the layer's gradients match finite differences of the global loss", "[moe][layer][gradcheck]") {
   auto& world = testing::world();
-  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4},
-                                                {.warmup = false});
+  auto groups =
+      parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4}, {.warmup = false});
   MoELayer layer(layerOptions(true, 0, true), groups, at::kDouble);
   starveExperts(layer);
   at::Tensor tokens = shardTokens(world.rank()).requires_grad_(true);
@@ -253,13 +251,12 @@ TEST_CASE("the layer's gradients match finite differences of the global loss", "
   struct Probe {
     std::string name;  // parameter suffix, or "input"
     std::vector<int64_t> globalIndex;
-    int ownerRank;     // for the input: the rank whose token moves
+    int ownerRank;  // for the input: the rank whose token moves
   };
-  const std::vector<Probe> probes{{".router.weight", {1, 2}, -1}, {".router.weight", {9, 0}, -1},
+  const std::vector<Probe> probes{{".router.weight", {1, 2}, -1},     {".router.weight", {9, 0}, -1},
                                   {".experts.w13", {6, 0, 3, 1}, -1}, {".experts.w13", {15, 1, 11, 7}, -1},
-                                  {".experts.w2", {0, 5, 4}, -1}, {".shared.w13", {1, 4, 2}, -1},
-                                  {".shared.w2", {2, 3}, -1},
-                                  {"input", {4, 6}, 5}};
+                                  {".experts.w2", {0, 5, 4}, -1},     {".shared.w13", {1, 4, 2}, -1},
+                                  {".shared.w2", {2, 3}, -1},         {"input", {4, 6}, 5}};
   const double step = 1e-5;
   for (const auto& probe : probes) {
     at::Tensor target;
@@ -319,8 +316,8 @@ TEST_CASE("the layer's gradients match finite differences of the global loss", "
 
 TEST_CASE("the expert bias moves by the rate against the loads summed over dp", "[moe][layer]") {
   auto& world = testing::world();
-  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4},
-                                                {.warmup = false});
+  auto groups =
+      parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4}, {.warmup = false});
   MoEOptions options = layerOptions(true, 0, false);
   options.router.biasUpdateRate = 0.25;
   MoELayer layer(options, groups, at::kDouble);
@@ -375,13 +372,13 @@ TEST_CASE("with globalAuxLoss the aux loss counts the slots of every replica's b
 TEST_CASE("dispatch and combine around identity experts return each token's weighted sum", "[moe][dispatcher]") {
   auto& world = testing::world();
   for (int ep : {2, 8}) {
-    auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = ep},
-                                                  {.warmup = false});
+    auto groups =
+        parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = ep}, {.warmup = false});
     for (bool oncePerRank : {true, false}) {
       // Routing travels beside the tokens in the weights' dtype (at least
       // float32), whose elements may be wider than the tokens'.
-      for (auto [dtype, weightType] : {std::pair{at::kDouble, at::kDouble}, {at::kFloat, at::kFloat},
-                                       {at::kFloat, at::kDouble}}) {
+      for (auto [dtype, weightType] :
+           {std::pair{at::kDouble, at::kDouble}, {at::kFloat, at::kFloat}, {at::kFloat, at::kDouble}}) {
         TokenDispatcher dispatcher(groups.ep(), {.numExperts = kExperts, .oncePerRank = oncePerRank});
         at::Tensor tokens = shardTokens(world.rank()).to(dtype);
         Routing routing;
@@ -403,11 +400,12 @@ TEST_CASE("dispatch and combine around identity experts return each token's weig
   }
 }
 
-TEST_CASE("a kept slot naming no expert makes every ep rank raise together, and the group goes on", "[moe][dispatcher]") {
+TEST_CASE("a kept slot naming no expert makes every ep rank raise together, and the group goes on",
+          "[moe][dispatcher]") {
   auto& world = testing::world();
   constexpr int kBadRank = 5;
-  auto groups = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = kShards},
-                                                {.warmup = false});
+  auto groups =
+      parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = kShards}, {.warmup = false});
   for (bool oncePerRank : {true, false}) {
     TokenDispatcher dispatcher(groups.ep(), {.numExperts = kExperts, .oncePerRank = oncePerRank});
     at::Tensor tokens = gaussian(400 + world.rank(), {kTokens, kHidden});
@@ -492,8 +490,8 @@ TEST_CASE("static shapes need a capacity factor and ep 1", "[moe][layer]") {
   options.staticShapes = true;
   CHECK_THROWS_AS(MoELayer(options, local, at::kDouble), ConfigError);
   if (testing::world().size() >= 2) {
-    auto spread = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 2},
-                                                  {.warmup = false});
+    auto spread =
+        parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 2}, {.warmup = false});
     options.router.capacityFactor = 1.0;
     CHECK_THROWS_AS(MoELayer(options, spread, at::kDouble), ConfigError);
   }

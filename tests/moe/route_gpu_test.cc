@@ -7,9 +7,9 @@
 #include <tuple>
 #include <utility>
 
+#include "moe/dispatch_routes.h"
 #include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
-#include "moe/dispatch_routes.h"
 #include "tests/catch_compat.h"
 #include "tests/support/inputs.h"
 
@@ -53,7 +53,9 @@ void checkSameRows(const RoutedLayout& layout, const SendRows& cpuRows, const Se
 
 // The kernels take every layout but once-per-rank planning past 64 ranks and
 // rows of more than 64 columns; there the GPU runs the ATen forms.
-bool kernelsTake(const Case& c, bool perSlot) { return (perSlot || c.ranks <= 64) && (perSlot ? c.topK : c.ranks) <= 64; }
+bool kernelsTake(const Case& c, bool perSlot) {
+  return (perSlot || c.ranks <= 64) && (perSlot ? c.topK : c.ranks) <= 64;
+}
 
 TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
@@ -62,10 +64,11 @@ TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gp
   // ranks (the last a token's rank mask holds) with more counters than a
   // block keeps in shared memory (64 x 132), and 65 ranks (the ATen forms
   // once per rank, the kernels per slot).
-  for (const Case& c : {Case{37, 96, 1, 8, 2, at::kBFloat16, at::kFloat}, Case{4096, 96, 2, 32, 8, at::kBFloat16, at::kFloat},
-                        Case{1000, 37, 4, 4, 6, at::kFloat, at::kDouble}, Case{777, 37, 8, 8, 8, at::kBFloat16, at::kFloat},
-                        Case{300, 64, 3, 5, 4, at::kDouble, at::kDouble}, Case{0, 96, 2, 4, 2, at::kBFloat16, at::kFloat},
-                        Case{50, 64, 64, 130, 8, at::kBFloat16, at::kFloat}, Case{40, 32, 65, 2, 4, at::kFloat, at::kFloat}}) {
+  for (const Case& c :
+       {Case{37, 96, 1, 8, 2, at::kBFloat16, at::kFloat}, Case{4096, 96, 2, 32, 8, at::kBFloat16, at::kFloat},
+        Case{1000, 37, 4, 4, 6, at::kFloat, at::kDouble}, Case{777, 37, 8, 8, 8, at::kBFloat16, at::kFloat},
+        Case{300, 64, 3, 5, 4, at::kDouble, at::kDouble}, Case{0, 96, 2, 4, 2, at::kBFloat16, at::kFloat},
+        Case{50, 64, 64, 130, 8, at::kBFloat16, at::kFloat}, Case{40, 32, 65, 2, 4, at::kFloat, at::kFloat}}) {
     for (bool perSlot : {false, true}) {
       INFO("tokens " << c.tokens << " hidden " << c.hidden << " ranks " << c.ranks << " local experts "
                      << c.localExperts << " top-k " << c.topK << " per slot " << perSlot);
@@ -86,7 +89,8 @@ TEST_CASE("route planning and packing kernels equal their ATen forms", "[moe][gp
       const int64_t columns = perSlot ? c.topK : c.ranks;
       REQUIRE(cpuRows.bytes.size(0) == rows);
       // The kernels size the rows for the most a dispatch can send; the ATen form, exactly.
-      REQUIRE(gpuRows.bytes.size(0) == (kernelsTake(c, perSlot) ? c.tokens * std::min<int64_t>(columns, c.topK) : rows));
+      REQUIRE(gpuRows.bytes.size(0) ==
+              (kernelsTake(c, perSlot) ? c.tokens * std::min<int64_t>(columns, c.topK) : rows));
       checkSameRows(layout, cpuRows, gpuRows, rows);
     }
   }
@@ -147,8 +151,8 @@ TEST_CASE("route planning and packing on the GPU count kept slots naming no expe
 TEST_CASE("gatherRows' kernel reads strided rows once and matches index_select, with its gradient", "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
   // Row strides of 208 and 400 bytes (16-byte vectors), 200 (4-byte words) and 100 (bytes).
-  for (auto [dtype, width, pad] : {std::tuple{at::kBFloat16, 96, 8}, {at::kFloat, 96, 4}, {at::kFloat, 37, 13},
-                                   {at::kBFloat16, 37, 13}}) {
+  for (auto [dtype, width, pad] :
+       {std::tuple{at::kBFloat16, 96, 8}, {at::kFloat, 96, 4}, {at::kFloat, 37, 13}, {at::kBFloat16, 37, 13}}) {
     INFO("dtype " << c10::toString(dtype) << " width " << width << " pad " << pad);
     // 200 source rows, some read by up to 4 output rows, some by none; the
     // source is a column slice of a wider buffer (as received rows are).

@@ -44,7 +44,8 @@ void checkIsTopK(const at::Tensor& selection, const at::Tensor& indices, double 
   const bool aboveTheRest = (std::get<0>(picked.min(1)) + slack).ge(std::get<0>(rest.max(1))).all().item<bool>();
   CHECK(aboveTheRest);
   const int64_t k = indices.size(1);
-  const bool descending = k < 2 || (picked.narrow(1, 0, k - 1) + slack).ge(picked.narrow(1, 1, k - 1)).all().item<bool>();
+  const bool descending =
+      k < 2 || (picked.narrow(1, 0, k - 1) + slack).ge(picked.narrow(1, 1, k - 1)).all().item<bool>();
   CHECK(descending);
 }
 
@@ -52,7 +53,7 @@ TEST_CASE("fused router scores equal the ATen form, forward and backward", "[moe
   const at::Device gpu(at::kCUDA, 0);
   // One lane's worth of experts and fewer, several per lane (64, 130), the
   // kernels' largest (1024 experts, top-32), and more tokens than warps.
-  const std::vector<ScoreCase> cases{{1, 1, 1},   {37, 7, 3},   {300, 64, 8},   {129, 130, 1},
+  const std::vector<ScoreCase> cases{{1, 1, 1},    {37, 7, 3},  {300, 64, 8},   {129, 130, 1},
                                      {40, 300, 6}, {5, 33, 32}, {64, 1024, 32}, {4500, 64, 8}};
   int salt = 0;
   for (const ScoreCase& c : cases) {
@@ -85,8 +86,8 @@ TEST_CASE("fused router scores equal the ATen form, forward and backward", "[moe
             auto [weights, probSum, lseSquaredSum] = referenceScores(reference, indices, options);
             ((weights * gradWeights).sum() + (probSum * gradProb).sum() + lseSquaredSum * gradLse).backward();
 
-            INFO("tokens " << c.tokens << " experts " << c.experts << " top-" << c.topK << " "
-                           << c10::toString(dtype) << (function == ScoreFunction::Sigmoid ? " sigmoid" : " softmax")
+            INFO("tokens " << c.tokens << " experts " << c.experts << " top-" << c.topK << " " << c10::toString(dtype)
+                           << (function == ScoreFunction::Sigmoid ? " sigmoid" : " softmax")
                            << (normalize ? " normalised" : "") << (biased ? " biased" : ""));
             const double tolerance = dtype == at::kDouble ? 1e-12 : 2e-5;
             at::Tensor scores = function == ScoreFunction::Softmax ? at::softmax(reference.detach(), -1)
@@ -98,8 +99,8 @@ TEST_CASE("fused router scores equal the ATen form, forward and backward", "[moe
               checkIsTopK(selection, indices, 1e-6);
             }
             CHECK(at::equal(fused->tokensPerExpert.cpu(),
-                            at::zeros({c.experts}, at::kLong).index_add_(0, indices.reshape(-1),
-                                                                         at::ones({indices.numel()}, at::kLong))));
+                            at::zeros({c.experts}, at::kLong)
+                                .index_add_(0, indices.reshape(-1), at::ones({indices.numel()}, at::kLong))));
             CHECK(at::allclose(fused->weights.cpu().to(at::kDouble), weights, tolerance, tolerance));
             CHECK(at::allclose(fused->probSum.cpu().to(at::kDouble), probSum, tolerance, tolerance * c.tokens));
             CHECK(at::allclose(fused->lseSquaredSum.cpu().to(at::kDouble), lseSquaredSum, tolerance, tolerance));
@@ -122,8 +123,11 @@ TEST_CASE("fused router scores pass on the gradients of just the outputs that ge
     const RouterOptions options{.numExperts = experts, .topK = topK, .scoreFunction = function};
     // Which of weights, probSum and lseSquaredSum the loss uses (a z-loss or
     // aux loss of coefficient 0 leaves its output without a gradient).
-    for (auto [useWeights, useProb, useLse] : {std::tuple{true, false, false}, {false, true, false},
-                                               {false, false, true}, {false, true, true}, {true, true, false}}) {
+    for (auto [useWeights, useProb, useLse] : {std::tuple{true, false, false},
+                                               {false, true, false},
+                                               {false, false, true},
+                                               {false, true, true},
+                                               {true, true, false}}) {
       auto loss = [&, useWeights = useWeights, useProb = useProb, useLse = useLse](
                       const at::Tensor& weights, const at::Tensor& probSum, const at::Tensor& lseSquaredSum) {
         at::Tensor total = at::zeros({}, weights.options());
@@ -149,15 +153,16 @@ TEST_CASE("fused router scores pass on the gradients of just the outputs that ge
 TEST_CASE("fused router scores break exact ties to the lower expert id", "[moe][gpu][router]") {
   const at::Device gpu(at::kCUDA, 0);
   // Equal logits: every score ties. Float32 sigmoid of logits above ~17 is exactly 1.
-  for (auto [function, dtype, value] : {std::tuple{ScoreFunction::Softmax, at::kDouble, 0.0},
-                                        {ScoreFunction::Sigmoid, at::kFloat, 20.0}}) {
+  for (auto [function, dtype, value] :
+       {std::tuple{ScoreFunction::Softmax, at::kDouble, 0.0}, {ScoreFunction::Sigmoid, at::kFloat, 20.0}}) {
     const RouterOptions options{.numExperts = 40, .topK = 3, .scoreFunction = function};
     at::Tensor logits = at::full({5, 40}, value, at::TensorOptions(dtype).device(gpu));
     auto plain = fusedScores(logits, options, at::Tensor());
     REQUIRE(plain.has_value());
     CHECK(at::equal(plain->indices.cpu(), at::arange(3, at::kLong).expand({5, 3})));
     // A bias lifts experts 39 and 33 above the rest, 39 the most.
-    at::Tensor bias = at::zeros({40}, at::kFloat).index_fill_(0, at::tensor({39}, at::kLong), 0.5f)
+    at::Tensor bias = at::zeros({40}, at::kFloat)
+                          .index_fill_(0, at::tensor({39}, at::kLong), 0.5f)
                           .index_fill_(0, at::tensor({33}, at::kLong), 0.25f);
     auto biased = fusedScores(logits, options, bias.to(gpu));
     REQUIRE(biased.has_value());
@@ -245,7 +250,8 @@ TEST_CASE("bf16 and fp16 logits: one float32-output GEMM with the converting for
   }
 }
 
-TEST_CASE("the router on the GPU equals the router on the CPU, losses and gate gradient included", "[moe][gpu][router]") {
+TEST_CASE("the router on the GPU equals the router on the CPU, losses and gate gradient included",
+          "[moe][gpu][router]") {
   const at::Device gpu(at::kCUDA, 0);
   const int64_t hidden = 48;
   for (int64_t tokens : {0, 1, 333}) {
@@ -274,7 +280,8 @@ TEST_CASE("the router on the GPU equals the router on the CPU, losses and gate g
       auto [indices, weights, keep, perExpert, meanProb, aux, z, gradGate] = run(gpu);
       auto [refIndices, refWeights, refKeep, refPerExpert, refMeanProb, refAux, refZ, refGradGate] = run(at::kCPU);
       INFO(tokens << " tokens, " << options.numExperts << " experts, top-" << options.topK
-                  << (options.expertBias ? ", biased sigmoid" : "") << (options.capacityFactor > 0 ? ", capacity" : ""));
+                  << (options.expertBias ? ", biased sigmoid" : "")
+                  << (options.capacityFactor > 0 ? ", capacity" : ""));
       CHECK(at::equal(indices, refIndices));
       CHECK(at::equal(keep, refKeep));
       CHECK(at::equal(perExpert, refPerExpert));

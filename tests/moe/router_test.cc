@@ -77,7 +77,8 @@ TEST_CASE("aux and z losses and their gradients match a hand-computed reference"
       at::Tensor plus = gate.detach().clone(), minus = gate.detach().clone();
       plus[e][h] += step;
       minus[e][h] -= step;
-      Losses up = referenceLosses(tokens, plus, topK, 0.1, 0.01), down = referenceLosses(tokens, minus, topK, 0.1, 0.01);
+      Losses up = referenceLosses(tokens, plus, topK, 0.1, 0.01),
+             down = referenceLosses(tokens, minus, topK, 0.1, 0.01);
       const double numeric = (up.aux + up.z - down.aux - down.z) / (2 * step);
       CHECK(grad[e][h].item<double>() == testing::Approx(numeric).epsilon(1e-6).margin(1e-9));
     }
@@ -95,12 +96,12 @@ TEST_CASE("capacity keeps each expert's highest-weight slots, ties to the earlie
   at::Tensor expected = at::tensor({0, 1, 1, 1, 0, 1, 1, 0}, at::kInt).to(at::kBool).view({4, 2});
   CHECK(at::equal(keep, expected));
 
-  Router router({.numExperts = 3, .topK = 2, .capacityFactor = 0.75},
-                gaussian(3, {3, 4}));
+  Router router({.numExperts = 3, .topK = 2, .capacityFactor = 0.75}, gaussian(3, {3, 4}));
   Routing routing = router.route(gaussian(4, {8, 4}));
   // ceil(0.75 * 8 * 2 / 3) = 4 slots per expert at most.
-  at::Tensor keptPerExpert = at::zeros({3}, at::kLong).index_add_(0, routing.indices.reshape(-1).masked_select(routing.keep.reshape(-1)),
-                                                                 at::ones({routing.keep.sum().item<int64_t>()}, at::kLong));
+  at::Tensor keptPerExpert = at::zeros({3}, at::kLong)
+                                 .index_add_(0, routing.indices.reshape(-1).masked_select(routing.keep.reshape(-1)),
+                                             at::ones({routing.keep.sum().item<int64_t>()}, at::kLong));
   CHECK(keptPerExpert.max().item<int64_t>() <= 4);
   CHECK(routing.droppedSlots == 16 - routing.keep.sum().item<int64_t>());
   CHECK(routing.droppedSlots > 0);
@@ -175,7 +176,8 @@ TEST_CASE("static dispatch: packed and padded rows hold the same kept slots", "[
   const int64_t tokensCount = 40;
   at::Tensor gate = bulkhead::testing::draw(0, 31, {experts, 16}, at::kDouble);
   // A shared direction skews the routing, so capacity 0.8 drops slots.
-  at::Tensor tokens = bulkhead::testing::draw(0, 32, {tokensCount, 16}, at::kDouble) + bulkhead::testing::draw(0, 33, {1, 16}, at::kDouble);
+  at::Tensor tokens = bulkhead::testing::draw(0, 32, {tokensCount, 16}, at::kDouble) +
+                      bulkhead::testing::draw(0, 33, {1, 16}, at::kDouble);
   Router router({.numExperts = experts, .topK = topK, .capacityFactor = 0.8}, gate);
   Routing routing = router.select(tokens, /*hostCounts=*/false);
   const int64_t capacity = staticCapacity(router.options(), tokensCount);

@@ -25,17 +25,23 @@ TEST_CASE("SwiGLU kernels are within one rounding of float64 math, forward and b
   // take the element-wise kernels, and more element groups than one pass of
   // the grid covers (460,000 rows of 37); and a strided input (the first 2F
   // columns of wider rows).
-  for (auto [dtype, rows, width, strided] :
-       {std::tuple{at::kDouble, 300L, 768L, false}, {at::kFloat, 300L, 768L, false},
-        {at::kBFloat16, 300L, 768L, false}, {at::kHalf, 300L, 768L, false}, {at::kDouble, 300L, 37L, false},
-        {at::kFloat, 300L, 37L, false}, {at::kBFloat16, 300L, 37L, false}, {at::kBFloat16, 460000L, 37L, false},
-        {at::kBFloat16, 300L, 768L, true}}) {
+  for (auto [dtype, rows, width, strided] : {std::tuple{at::kDouble, 300L, 768L, false},
+                                             {at::kFloat, 300L, 768L, false},
+                                             {at::kBFloat16, 300L, 768L, false},
+                                             {at::kHalf, 300L, 768L, false},
+                                             {at::kDouble, 300L, 37L, false},
+                                             {at::kFloat, 300L, 37L, false},
+                                             {at::kBFloat16, 300L, 37L, false},
+                                             {at::kBFloat16, 460000L, 37L, false},
+                                             {at::kBFloat16, 300L, 768L, true}}) {
     // Gates well past silu's bend on both sides.
     const int64_t columns = strided ? 2 * width + 24 : 2 * width;
     at::Tensor leaf = (4 * at::randn({rows, columns}, testing::sharedGenerator(rows + width), at::kDouble))
-                          .to(gpu, dtype).requires_grad_(true);
+                          .to(gpu, dtype)
+                          .requires_grad_(true);
     at::Tensor gateUp = strided ? leaf.narrow(1, 0, 2 * width) : leaf;
-    at::Tensor gradOut = at::randn({rows, width}, testing::sharedGenerator(rows + width + 1), at::kDouble).to(gpu, dtype);
+    at::Tensor gradOut =
+        at::randn({rows, width}, testing::sharedGenerator(rows + width + 1), at::kDouble).to(gpu, dtype);
     at::Tensor out = swiglu(gateUp);
     out.backward(gradOut);
     REQUIRE(out.grad_fn() != nullptr);
@@ -46,8 +52,10 @@ TEST_CASE("SwiGLU kernels are within one rounding of float64 math, forward and b
     at::Tensor exact = swigluReference(exactIn);
     exact.backward(gradOut.to(at::kDouble));
     // One rounding to the type (half an ulp), with room for float's own steps.
-    const double tolerance = dtype == at::kDouble ? 1e-12 : dtype == at::kFloat ? 1e-5
-                           : dtype == at::kHalf ? 1.0 / 1024 : 1.0 / 128;
+    const double tolerance = dtype == at::kDouble  ? 1e-12
+                             : dtype == at::kFloat ? 1e-5
+                             : dtype == at::kHalf  ? 1.0 / 1024
+                                                   : 1.0 / 128;
     INFO("dtype " << c10::toString(dtype) << " rows " << rows << " width " << width << " strided " << strided);
     CHECK(at::allclose(out.to(at::kDouble), exact, tolerance, tolerance));
     CHECK(at::allclose(gradIn.to(at::kDouble), exactIn.grad(), tolerance, tolerance));
@@ -55,11 +63,13 @@ TEST_CASE("SwiGLU kernels are within one rounding of float64 math, forward and b
   }
 }
 
-TEST_CASE("SwiGLU kernels refuse an input changed since the forward and a double backward, and record nothing "
-          "without grad mode", "[moe][gpu]") {
+TEST_CASE(
+    "SwiGLU kernels refuse an input changed since the forward and a double backward, and record nothing "
+    "without grad mode",
+    "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
-  at::Tensor leaf = at::randn({64, 96}, testing::sharedGenerator(7), at::kDouble).to(gpu, at::kBFloat16)
-                        .requires_grad_(true);
+  at::Tensor leaf =
+      at::randn({64, 96}, testing::sharedGenerator(7), at::kDouble).to(gpu, at::kBFloat16).requires_grad_(true);
   at::Tensor gateUp = leaf * 2;
   at::Tensor out = swiglu(gateUp);
   gateUp.add_(1);

@@ -47,8 +47,7 @@ TEST_CASE("negative split sizes are rejected") {
   at::Tensor send = at::ones({n, 2}), recv = at::empty({n, 2});
   std::vector<int64_t> splits(n, 1);
   splits[0] = -1;  // rejected for being negative, whatever the rows add up to
-  rejectsBeforeCommunicating([&] { world().allToAll(send, recv, splits, std::vector<int64_t>(n, 1)); },
-                             "is negative");
+  rejectsBeforeCommunicating([&] { world().allToAll(send, recv, splits, std::vector<int64_t>(n, 1)); }, "is negative");
 }
 
 TEST_CASE("split sizes that do not add up to the tensor's rows are rejected") {
@@ -87,8 +86,7 @@ TEST_CASE("non-contiguous, undefined and mis-sized tensors are rejected") {
   rejectsBeforeCommunicating([&] { world().reduceScatter(at::ones({3 * n + 1}), at::empty({3})); }, "elements");
   rejectsBeforeCommunicating([&] { world().allGather(at::ones({3}), at::empty({3 * n}, at::kDouble)); },
                              "input is float32 but output is float64");
-  rejectsBeforeCommunicating([&] { world().allToAll(at::ones({n, 2}), at::empty({n, 3}), {}, {}); },
-                             "rows differ");
+  rejectsBeforeCommunicating([&] { world().allToAll(at::ones({n, 2}), at::empty({n, 3}), {}, {}); }, "rows differ");
 }
 
 TEST_CASE("a peer or root outside the group is rejected") {

@@ -44,11 +44,11 @@ int main(int argc, char** argv) {
     std::vector<WorkPtr> pending;  // issued inside the region, waited on only after its end
     CheckedRegion region(runtime->store(), {runtime->worldPtr()},
                          {.name = "step", .deadline = Deadline::afterSeconds(20)});
-    pending.push_back(world.allReduce(at::randn({4096})));                               // seq 4
-    pending.push_back(world.allGather(at::randn({256}), at::empty({256 * n})));          // seq 5
-    pending.push_back(world.allReduce(at::randn({1024})));                               // seq 6: the fault
+    pending.push_back(world.allReduce(at::randn({4096})));                                      // seq 4
+    pending.push_back(world.allGather(at::randn({256}), at::empty({256 * n})));                 // seq 5
+    pending.push_back(world.allReduce(at::randn({1024})));                                      // seq 6: the fault
     pending.push_back(world.allToAll(at::randn({8 * n, 16}), at::empty({8 * n, 16}), {}, {}));  // seq 7
-    pending.push_back(world.allReduce(at::randn({32})));                                 // seq 8
+    pending.push_back(world.allReduce(at::randn({32})));                                        // seq 8
     if (mode == "extra" && me == odd) pending.push_back(world.allReduce(at::randn({32})));
 
     const auto start = std::chrono::steady_clock::now();

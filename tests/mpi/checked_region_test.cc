@@ -30,8 +30,10 @@ std::vector<WorkPtr> issueDrawn(Communicator& comm, at::Generator& shared, int c
     } else {
       work = comm.allToAll(t, at::empty_like(t), {}, {});
     }
-    if (i % 2 == 0) work->wait();
-    else pending.push_back(work);
+    if (i % 2 == 0)
+      work->wait();
+    else
+      pending.push_back(work);
   }
   return pending;
 }

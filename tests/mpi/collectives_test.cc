@@ -19,10 +19,18 @@ at::Tensor reference(ReduceOp op, int salt, at::IntArrayRef shape, at::ScalarTyp
     at::Tensor next = draw(r, salt, shape, dtype, product).to(at::kDouble);
     switch (op) {
       case ReduceOp::Sum:
-      case ReduceOp::Avg: result = result + next; break;
-      case ReduceOp::Prod: result = result * next; break;
-      case ReduceOp::Min: result = at::minimum(result, next); break;
-      case ReduceOp::Max: result = at::maximum(result, next); break;
+      case ReduceOp::Avg:
+        result = result + next;
+        break;
+      case ReduceOp::Prod:
+        result = result * next;
+        break;
+      case ReduceOp::Min:
+        result = at::minimum(result, next);
+        break;
+      case ReduceOp::Max:
+        result = at::maximum(result, next);
+        break;
     }
   }
   if (op == ReduceOp::Avg) return result.to(dtype).div_(n);

@@ -40,10 +40,18 @@ int main(int argc, char** argv) {
       at::Tensor a = at::randn({4096}, on), b = at::empty({4096 * n}, on);
       at::Tensor send = at::randn({3 * n, 8}, on), recv = at::empty({3 * n, 8}, on);
       switch (call % 4) {
-        case 0: work = group->allReduce(a, {.deadline = deadline}); break;
-        case 1: work = group->allGather(a, b, {.deadline = deadline}); break;
-        case 2: work = group->allToAll(send, recv, {}, {}, {.deadline = deadline}); break;
-        default: work = group->broadcast(a, 0, {.deadline = deadline}); break;
+        case 0:
+          work = group->allReduce(a, {.deadline = deadline});
+          break;
+        case 1:
+          work = group->allGather(a, b, {.deadline = deadline});
+          break;
+        case 2:
+          work = group->allToAll(send, recv, {}, {}, {.deadline = deadline});
+          break;
+        default:
+          work = group->broadcast(a, 0, {.deadline = deadline});
+          break;
       }
       if (work->sequence() == 0) {  // skipped by the fault: this rank is elsewhere now
         std::this_thread::sleep_for(std::chrono::seconds(30));

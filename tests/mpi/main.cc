@@ -25,8 +25,8 @@ int main(int argc, char** argv) {
   return bulkhead::guardedMain([&] {
     // mpi unless BULKHEAD_BACKEND names another CPU backend (gloo).
     const char* named = std::getenv("BULKHEAD_BACKEND");
-    bulkhead::testing::runtime = bulkhead::init(
-        {.backend = named && *named ? bulkhead::parseBackend(named) : bulkhead::Backend::Mpi});
+    bulkhead::testing::runtime =
+        bulkhead::init({.backend = named && *named ? bulkhead::parseBackend(named) : bulkhead::Backend::Mpi});
     int failed = Catch::Session().run(argc, argv);
     // Every rank's verdict: the job fails if any rank failed.
     at::Tensor verdict = at::tensor({failed}, at::kInt);

@@ -50,15 +50,17 @@ int main(int argc, char** argv) {
     if (wrongShape && me == 1 && m == 3) x = at::cat({x, x.slice(0, 0, 1)});
     return me == stages - 1 ? x.pow(2).mean() : x;
   }};
-  parallel::Pipeline pipeline(pp, {.schedule = parallel::PipelineSchedule::OneFOneB, .microBatches = kMicroBatches,
-                                   .activationShape = [](int) { return std::vector<int64_t>{kBatch, kHidden}; }});
+  parallel::Pipeline pipeline(
+      pp, {.schedule = parallel::PipelineSchedule::OneFOneB, .microBatches = kMicroBatches, .activationShape = [](int) {
+             return std::vector<int64_t>{kBatch, kHidden};
+           }});
 
   if (mode == "probe") {
     pipeline.run({chunk});
     int sends = 0;
     for (const LedgerEntry& entry : pp->ledger().entries())
-      if (entry.fingerprint.op == OpType::Send && ++sends == 5 && me == 1) std::printf("SEND_SEQ %llu\n",
-                                                                                     (unsigned long long)entry.seq);
+      if (entry.fingerprint.op == OpType::Send && ++sends == 5 && me == 1)
+        std::printf("SEND_SEQ %llu\n", (unsigned long long)entry.seq);
     return 0;
   }
   std::string outcome = "0 none";

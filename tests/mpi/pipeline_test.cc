@@ -65,8 +65,12 @@ Run runPipeline(PipelineSchedule schedule, int stages, int virtualStages) {
       return stage == total - 1 ? (x - targetOf(m)).pow(2).mean() : x;
     }});
   }
-  parallel::Pipeline pipeline(pp, {.schedule = schedule, .microBatches = kMicroBatches,
-                                   .activationShape = [](int) { return std::vector<int64_t>{kBatch, kHidden}; },
+  parallel::Pipeline pipeline(pp, {.schedule = schedule,
+                                   .microBatches = kMicroBatches,
+                                   .activationShape =
+                                       [](int) {
+                                         return std::vector<int64_t>{kBatch, kHidden};
+                                       },
                                    .activationDtype = at::kDouble});
   run.result = pipeline.run(chunks);
   return run;
@@ -136,9 +140,9 @@ TEST_CASE("1f1b keeps at most pp micro-batches' activations on the first stage; 
 
 TEST_CASE("pipeline shapes a schedule cannot run are refused before anything is sent") {
   CHECK_THROWS_AS(parallel::pipelineSteps(PipelineSchedule::OneFOneB, {.stages = 2, .virtualStages = 2}), ConfigError);
-  CHECK_THROWS_AS(parallel::pipelineSteps(PipelineSchedule::Interleaved,
-                                          {.stages = 4, .virtualStages = 2, .microBatches = 6}),
-                  ConfigError);
+  CHECK_THROWS_AS(
+      parallel::pipelineSteps(PipelineSchedule::Interleaved, {.stages = 4, .virtualStages = 2, .microBatches = 6}),
+      ConfigError);
   // Each micro-batch of each chunk is forwarded once and backwarded once, the backward after the forward.
   for (auto schedule : {PipelineSchedule::AllForwardAllBackward, PipelineSchedule::OneFOneB}) {
     for (int rank = 0; rank < 4; ++rank) {
@@ -146,8 +150,10 @@ TEST_CASE("pipeline shapes a schedule cannot run are refused before anything is 
       REQUIRE(steps.size() == 14);
       std::map<int, int> forwardAt;
       for (size_t i = 0; i < steps.size(); ++i) {
-        if (steps[i].forward) forwardAt[steps[i].microBatch] = static_cast<int>(i);
-        else CHECK(forwardAt.count(steps[i].microBatch) == 1);
+        if (steps[i].forward)
+          forwardAt[steps[i].microBatch] = static_cast<int>(i);
+        else
+          CHECK(forwardAt.count(steps[i].microBatch) == 1);
       }
     }
   }

@@ -76,7 +76,9 @@ std::string itemValue(int rank, int i) {
   return value;
 }
 
-int64_t addDelta(int rank, int i) { return 1 + static_cast<int64_t>(std::mt19937_64(7919ULL * (rank + 1) + i)() % 1000); }
+int64_t addDelta(int rank, int i) {
+  return 1 + static_cast<int64_t>(std::mt19937_64(7919ULL * (rank + 1) + i)() % 1000);
+}
 
 int64_t countOf(const std::string& casValue) {
   return casValue.empty() ? 0 : std::stoll(casValue.substr(0, casValue.find('/')));
@@ -94,14 +96,18 @@ TEST_CASE("every rank runs 1,000 mixed operations on rank 0's store, and all ran
   for (int i = 0; i < kOperations; ++i) {
     INFO("operation " << i);
     switch (kindOf(i)) {
-      case Kind::SetOwn: store.set(itemKey(me, i), itemValue(me, i), seconds(60)); break;
+      case Kind::SetOwn:
+        store.set(itemKey(me, i), itemValue(me, i), seconds(60));
+        break;
       case Kind::GetOther: {
         // The item another rank set one operation earlier: waits for it.
         int other = (me + 1 + i) % n;
         CHECK(store.get(itemKey(other, i - 1), seconds(60)) == itemValue(other, i - 1));
         break;
       }
-      case Kind::AddShared: store.add(fmt::format("counter/{}", i % kCounters), addDelta(me, i), seconds(60)); break;
+      case Kind::AddShared:
+        store.add(fmt::format("counter/{}", i % kCounters), addDelta(me, i), seconds(60));
+        break;
       case Kind::CompareSetShared:
         // Values "<count>/<rank>/<i>" are this rank's alone: getting ours back means we won.
         while (true) {

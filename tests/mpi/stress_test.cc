@@ -16,8 +16,7 @@ constexpr int64_t kLarge = 1 << 20;
 constexpr int64_t kPool = kLarge + 8192;
 }  // namespace
 
-TEST_CASE("10,000 back-to-back all-reduces and all-to-alls with changing shapes all give correct results",
-          "[stress]") {
+TEST_CASE("10,000 back-to-back all-reduces and all-to-alls with changing shapes all give correct results", "[stress]") {
   int n = world().size(), me = world().rank();
   std::vector<at::Tensor> pools;
   for (int r = 0; r < n; ++r) pools.push_back(draw(r, 9000, {kPool}, at::kFloat));

@@ -108,7 +108,8 @@ TEST_CASE("plain path: synced gradients and their clipped global norm equal the 
   CHECK(scale < 0.51);
   for (int i = 0; i < 3; ++i)
     CHECK(relativeError(model.local[i].tensor.grad(),
-                        sliceOf(want[i], model.local[i].shard.offsets, model.local[i].tensor.sizes()) * scale) <= 1e-12);
+                        sliceOf(want[i], model.local[i].shard.offsets, model.local[i].tensor.sizes()) * scale) <=
+          1e-12);
   // Below the limit nothing changes.
   std::vector<at::Tensor> before;
   for (const Parameter& p : model.local) before.push_back(p.tensor.grad().clone());
@@ -190,7 +191,8 @@ TEST_CASE("plain path: clipping an inf gradient norm scales nothing") {
   ProcessGroups groups = makeGroups(clipLayout());
   Model model(groups);
   model.setGrads(0);
-  if (world().rank() == 0) model.local[0].tensor.mutable_grad().view({-1})[2].fill_(std::numeric_limits<double>::infinity());
+  if (world().rank() == 0)
+    model.local[0].tensor.mutable_grad().view({-1})[2].fill_(std::numeric_limits<double>::infinity());
   syncGradients(model.local, groups);
   std::vector<at::Tensor> synced;
   for (const Parameter& p : model.local) synced.push_back(p.tensor.grad().clone());

@@ -25,12 +25,14 @@ namespace {
 // A global parameter of the test model and how this rank holds it.
 struct Spec {
   std::string name;
-  std::vector<int64_t> shape;   // global
+  std::vector<int64_t> shape;  // global
   ParamGroup group = ParamGroup::Dense;
 };
 
-const optim::AdamWOptions kAdamW{.beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weightDecay = 0.1,
-                                 .decays = [](const Parameter& p) { return p.tensor.dim() >= 2; }};
+const optim::AdamWOptions kAdamW{
+    .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weightDecay = 0.1, .decays = [](const Parameter& p) {
+      return p.tensor.dim() >= 2;
+    }};
 const optim::LrSchedule kSchedule{.peak = 0.05, .min = 0.005, .warmupSteps = 2, .totalSteps = 5};
 
 // Expert parameters: this rank's ep coordinate holds global experts
@@ -67,8 +69,10 @@ void compareWithPlain(const std::vector<Spec>& specs, const LayoutOptions& layou
   for (const Spec& spec : specs) {
     at::Tensor initial = seeded(spec.shape, 100, 0, 0, spec.name);
     local.push_back(localParameter(spec, groups, initial));
-    global.push_back({.name = spec.name, .tensor = initial.clone().set_requires_grad(true),
-                      .shard = ShardInfo::whole(spec.shape), .group = spec.group});
+    global.push_back({.name = spec.name,
+                      .tensor = initial.clone().set_requires_grad(true),
+                      .shard = ShardInfo::whole(spec.shape),
+                      .group = spec.group});
   }
   DistributedOptimizer distributed(local, groups, {.adamw = kAdamW});
   AdamW plain(global, kAdamW);
@@ -142,7 +146,8 @@ TEST_CASE("distributed optimizer equals plain AdamW with two optimizer instances
     // The exported state: every element of each expert moment written exactly once across the world.
     ProcessGroups groups = makeGroups({.ep = ep, .optimizerInstances = 2});
     std::vector<Parameter> local;
-    for (const Spec& spec : specs) local.push_back(localParameter(spec, groups, seeded(spec.shape, 100, 0, 0, spec.name)));
+    for (const Spec& spec : specs)
+      local.push_back(localParameter(spec, groups, seeded(spec.shape, 100, 0, 0, spec.name)));
     DistributedOptimizer distributed(local, groups, {.adamw = kAdamW});
     at::Tensor written = at::zeros({static_cast<int64_t>(specs.size())}, at::kDouble);
     for (const ShardedTensor& state : distributed.state())
@@ -172,10 +177,11 @@ TEST_CASE("distributed optimizer keeps float32 master weights for bf16 parameter
   std::vector<Parameter> local, global;
   for (const Spec& spec : specs) {
     at::Tensor initial = seeded(spec.shape, 200, 0, 0, spec.name).to(at::kBFloat16);
-    local.push_back({.name = spec.name, .tensor = initial.clone().set_requires_grad(true),
+    local.push_back({.name = spec.name,
+                     .tensor = initial.clone().set_requires_grad(true),
                      .shard = ShardInfo::whole(spec.shape, groups.dpCp()->rank())});
-    global.push_back({.name = spec.name, .tensor = initial.clone().set_requires_grad(true),
-                      .shard = ShardInfo::whole(spec.shape)});
+    global.push_back(
+        {.name = spec.name, .tensor = initial.clone().set_requires_grad(true), .shard = ShardInfo::whole(spec.shape)});
   }
   DistributedOptimizer distributed(local, groups, {.adamw = kAdamW});
   AdamW plain(global, kAdamW);
@@ -196,7 +202,8 @@ TEST_CASE("distributed optimizer keeps float32 master weights for bf16 parameter
   }
   std::vector<GlobalKey> keys;
   for (const Spec& spec : specs)
-    for (const char* suffix : {".master", ".exp_avg", ".exp_avg_sq"}) keys.push_back({"optim." + spec.name + suffix, spec.shape});
+    for (const char* suffix : {".master", ".exp_avg", ".exp_avg_sq"})
+      keys.push_back({"optim." + spec.name + suffix, spec.shape});
   auto state = distributed.state();
   for (const ShardedTensor& piece : state)
     if (piece.key != "optim.step") CHECK(piece.local.scalar_type() == at::kFloat);

@@ -23,7 +23,7 @@ TEST_CASE("LR schedule: linear warm-up, cosine decay to the minimum, then the mi
   CHECK(schedule.at(0) == 0.25);
   CHECK(schedule.at(1) == 0.5);
   CHECK(schedule.at(3) == 1.0);
-  CHECK(schedule.at(4) == 1.0);  // the peak, at the start of the decay
+  CHECK(schedule.at(4) == 1.0);                    // the peak, at the start of the decay
   CHECK(std::abs(schedule.at(9) - 0.55) < 1e-15);  // half way: (peak + min) / 2
   CHECK(std::abs(schedule.at(6) - (0.1 + 0.9 * 0.5 * (1 + std::cos(std::numbers::pi * 0.2)))) < 1e-15);
   CHECK(schedule.at(13) > 0.1);
@@ -83,8 +83,8 @@ TEST_CASE("shard layout: row-aligned, balanced, contiguous cuts covering every e
 
 TEST_CASE("row boxes cover exactly the rows asked for, each box contiguous and in order") {
   std::mt19937_64 random(23);
-  const std::vector<std::vector<int64_t>> shapes{{7},          {5, 3},          {3, 4, 2},         {2, 3, 4, 5},
-                                                 {1, 6, 4},    {4, 1, 3},       {2, 3, 2, 3, 2, 2}};
+  const std::vector<std::vector<int64_t>> shapes{{7},       {5, 3},    {3, 4, 2},         {2, 3, 4, 5},
+                                                 {1, 6, 4}, {4, 1, 3}, {2, 3, 2, 3, 2, 2}};
   for (const auto& shape : shapes) {
     const int64_t lastExtent = shape.size() == 1 ? 1 : shape.back();
     int64_t rows = 1;
@@ -153,15 +153,15 @@ TEST_CASE("by default matrices decay and norm gains and biases do not; a decays 
   at::Tensor gain = at::randn({3}, generator, at::kDouble).add_(2.0).set_requires_grad(true);
   // A tp shard of a matrix is a matrix, whatever its local shape.
   at::Tensor shard = at::randn({1, 4}, generator, at::kDouble).set_requires_grad(true);
-  std::vector<parallel::Parameter> params{
-      {.name = "w", .tensor = weight, .shard = parallel::ShardInfo::whole({5, 3})},
-      {.name = "norm", .tensor = gain, .shard = parallel::ShardInfo::whole({3})},
-      {.name = "w_tp", .tensor = shard, .shard = {{2, 4}, {1, 0}, 0}}};
+  std::vector<parallel::Parameter> params{{.name = "w", .tensor = weight, .shard = parallel::ShardInfo::whole({5, 3})},
+                                          {.name = "norm", .tensor = gain, .shard = parallel::ShardInfo::whole({3})},
+                                          {.name = "w_tp", .tensor = shard, .shard = {{2, 4}, {1, 0}, 0}}};
   const AdamWOptions options{.weightDecay = 0.25};
   CHECK(weightDecayFor(params[0], options) == 0.25);
   CHECK(weightDecayFor(params[1], options) == 0.0);
   CHECK(weightDecayFor(params[2], options) == 0.25);
-  const AdamWOptions named{.weightDecay = 0.25, .decays = [](const parallel::Parameter& p) { return p.name == "norm"; }};
+  const AdamWOptions named{.weightDecay = 0.25,
+                           .decays = [](const parallel::Parameter& p) { return p.name == "norm"; }};
   CHECK(weightDecayFor(params[0], named) == 0.0);
   CHECK(weightDecayFor(params[1], named) == 0.25);
   // A step moves each parameter as adamwUpdate does with its decay.
@@ -191,7 +191,7 @@ TEST_CASE("AdamW on bf16 parameters keeps float32 masters that accumulate update
   // under half the bf16 spacing below 1.0 (2^-9).
   adamw.step(1e-3);
   CHECK(at::equal(weight, at::ones({4, 3}, at::kBFloat16)));  // the bf16 value has not moved...
-  CHECK((adamw.master(0) < 1.0 - 9e-4).all().item<bool>());    // ...its master has
+  CHECK((adamw.master(0) < 1.0 - 9e-4).all().item<bool>());   // ...its master has
   for (int step = 0; step < 7; ++step) {
     weight.mutable_grad() = at::ones({4, 3}, at::kBFloat16);
     bias.mutable_grad() = at::ones({3}, at::kBFloat16);
@@ -229,8 +229,8 @@ TEST_CASE("seeded parameter slices are independent of the layout") {
   for (int parts : {2, 3}) {
     for (int r = 0; r < parts; ++r) {
       parallel::Range rows = parallel::partition(6, parts, r);
-      at::Tensor slice = parallel::seededSlice("layer.weight", 3, {{6, 4}, {rows.begin, 0}}, {rows.length, 4}, 0.5,
-                                               at::kDouble);
+      at::Tensor slice =
+          parallel::seededSlice("layer.weight", 3, {{6, 4}, {rows.begin, 0}}, {rows.length, 4}, 0.5, at::kDouble);
       CHECK(at::equal(slice, all.narrow(0, rows.begin, rows.length)));
     }
   }

@@ -5,8 +5,8 @@
 // state as the distributed optimizer. Pieces are copied the way a checkpoint
 // load would copy them (tests/optim/helpers.h).
 #include <ATen/ATen.h>
-#include <algorithm>
 #include <fmt/format.h>
+#include <algorithm>
 
 #include "optim/adamw.h"
 #include "optim/distributed_optimizer.h"
@@ -58,7 +58,8 @@ void setGrads(std::vector<Parameter>& params, int step) {
 std::vector<GlobalKey> stateKeys() {
   std::vector<GlobalKey> keys;
   for (int i = 0; i < 3; ++i)
-    for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) keys.push_back({fmt::format("optim.{}{}", kNames[i], suffix), kShapes[i]});
+    for (const char* suffix : {".exp_avg", ".exp_avg_sq"})
+      keys.push_back({fmt::format("optim.{}{}", kNames[i], suffix), kShapes[i]});
   keys.push_back({"optim.step", {1}});
   return keys;
 }

@@ -3,8 +3,8 @@
 // within 1e-12 relative, on seeded random weights and data.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/autograd.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include "parallel/linear.h"
 #include "parallel/vocab_parallel.h"
@@ -159,7 +159,7 @@ TEST_CASE("vocab-parallel embedding, tied logits and cross-entropy equal the sin
     at::Tensor ids = at::randint(vocab, {2, 9}, generator, at::kLong);
     at::Tensor targets = at::randint(vocab, {2, 9}, generator, at::kLong);
     targets.view({-1}).narrow(0, 0, vocab).copy_(at::arange(vocab));  // every rank's block holds some targets
-    at::Tensor weights = seeded({2, 9}, 16, tp, dp);                   // a non-uniform loss gradient
+    at::Tensor weights = seeded({2, 9}, 16, tp, dp);                  // a non-uniform loss gradient
 
     at::Tensor hidden = embedding.forward(ids);
     at::Tensor logits = embedding.logits(at::tanh(hidden));
@@ -225,8 +225,8 @@ TEST_CASE("a double backward through the tp collectives or the vocab-parallel lo
   Range rows = partition(vocab, group.size(), group.rank());
   at::Tensor logits = leaf(seeded({6, vocab}, 22).narrow(-1, rows.begin, rows.length).contiguous());
   auto generator = at::detail::createCPUGenerator(78);
-  at::Tensor loss = vocabParallelCrossEntropy(logits, at::randint(vocab, {6}, generator, at::kLong), rows.begin, group)
-                        .sum();
+  at::Tensor loss =
+      vocabParallelCrossEntropy(logits, at::randint(vocab, {6}, generator, at::kLong), rows.begin, group).sum();
   CHECK(refused(loss, logits));
   CHECK(torch::autograd::grad({loss}, {logits})[0].abs().sum().item<double>() > 0);
 }

@@ -32,8 +32,8 @@ struct Problems {
 
 std::string describeCase(int world, const LayoutOptions& o) {
   std::ostringstream text;
-  text << "world " << world << " tp " << o.tp << " cp " << o.cp << " pp " << o.pp << " ep " << o.ep << " etp "
-       << o.etp << " instances " << o.optimizerInstances << " order " << o.order;
+  text << "world " << world << " tp " << o.tp << " cp " << o.cp << " pp " << o.pp << " ep " << o.ep << " etp " << o.etp
+       << " instances " << o.optimizerInstances << " order " << o.order;
   return text.str();
 }
 
@@ -52,19 +52,29 @@ struct Axis {
 };
 // The dense grid drops ep; the expert grid drops cp and renames tp, dp to etp, edp.
 bool denseAxis(const std::string& token, const LayoutOptions& o, int dp, const Coordinates& c, Axis* axis) {
-  if (token == "tp") *axis = {o.tp, c.tp};
-  else if (token == "cp") *axis = {o.cp, c.cp};
-  else if (token == "dp") *axis = {dp, c.dp};
-  else if (token == "pp") *axis = {o.pp, c.pp};
-  else return false;
+  if (token == "tp")
+    *axis = {o.tp, c.tp};
+  else if (token == "cp")
+    *axis = {o.cp, c.cp};
+  else if (token == "dp")
+    *axis = {dp, c.dp};
+  else if (token == "pp")
+    *axis = {o.pp, c.pp};
+  else
+    return false;
   return true;
 }
 bool expertAxis(const std::string& token, const LayoutOptions& o, int edp, const Coordinates& c, Axis* axis) {
-  if (token == "tp") *axis = {o.etp, c.etp};
-  else if (token == "ep") *axis = {o.ep, c.ep};
-  else if (token == "dp") *axis = {edp, c.edp};
-  else if (token == "pp") *axis = {o.pp, c.pp};
-  else return false;
+  if (token == "tp")
+    *axis = {o.etp, c.etp};
+  else if (token == "ep")
+    *axis = {o.ep, c.ep};
+  else if (token == "dp")
+    *axis = {edp, c.edp};
+  else if (token == "pp")
+    *axis = {o.pp, c.pp};
+  else
+    return false;
   return true;
 }
 
@@ -114,57 +124,97 @@ bool accepted(int world, const LayoutOptions& o) {
 using Key = std::array<int, 6>;
 Key keyOf(GroupKind kind, const Coordinates& c, int chunk) {
   switch (kind) {
-    case GroupKind::Tp: return {c.cp, c.dp, c.pp, -1, -1, -1};
-    case GroupKind::Cp: return {c.tp, c.dp, c.pp, -1, -1, -1};
-    case GroupKind::Pp: return {c.tp, c.cp, c.dp, c.etp, c.ep, c.edp};
-    case GroupKind::Dp: return {c.tp, c.cp, c.pp, -1, -1, -1};
-    case GroupKind::DpCp: return {c.tp, c.pp, -1, -1, -1, -1};
-    case GroupKind::TpCp: return {c.dp, c.pp, -1, -1, -1, -1};
-    case GroupKind::ModelParallel: return {c.cp, c.dp, -1, -1, -1, -1};
-    case GroupKind::TpDpCp: return {c.pp, -1, -1, -1, -1, -1};
-    case GroupKind::Ep: return {c.etp, c.edp, c.pp, -1, -1, -1};
-    case GroupKind::ExpertTp: return {c.ep, c.edp, c.pp, -1, -1, -1};
-    case GroupKind::ExpertDp: return {c.etp, c.ep, c.pp, -1, -1, -1};
-    case GroupKind::ExpertModelParallel: return {c.edp, -1, -1, -1, -1, -1};
-    case GroupKind::ExpertDpIntraInstance: return {c.etp, c.ep, c.pp, c.edp / chunk, -1, -1};
-    case GroupKind::ExpertDpInterInstance: return {c.etp, c.ep, c.pp, c.edp % chunk, -1, -1};
-    case GroupKind::Embedding: break;
+    case GroupKind::Tp:
+      return {c.cp, c.dp, c.pp, -1, -1, -1};
+    case GroupKind::Cp:
+      return {c.tp, c.dp, c.pp, -1, -1, -1};
+    case GroupKind::Pp:
+      return {c.tp, c.cp, c.dp, c.etp, c.ep, c.edp};
+    case GroupKind::Dp:
+      return {c.tp, c.cp, c.pp, -1, -1, -1};
+    case GroupKind::DpCp:
+      return {c.tp, c.pp, -1, -1, -1, -1};
+    case GroupKind::TpCp:
+      return {c.dp, c.pp, -1, -1, -1, -1};
+    case GroupKind::ModelParallel:
+      return {c.cp, c.dp, -1, -1, -1, -1};
+    case GroupKind::TpDpCp:
+      return {c.pp, -1, -1, -1, -1, -1};
+    case GroupKind::Ep:
+      return {c.etp, c.edp, c.pp, -1, -1, -1};
+    case GroupKind::ExpertTp:
+      return {c.ep, c.edp, c.pp, -1, -1, -1};
+    case GroupKind::ExpertDp:
+      return {c.etp, c.ep, c.pp, -1, -1, -1};
+    case GroupKind::ExpertModelParallel:
+      return {c.edp, -1, -1, -1, -1, -1};
+    case GroupKind::ExpertDpIntraInstance:
+      return {c.etp, c.ep, c.pp, c.edp / chunk, -1, -1};
+    case GroupKind::ExpertDpInterInstance:
+      return {c.etp, c.ep, c.pp, c.edp % chunk, -1, -1};
+    case GroupKind::Embedding:
+      break;
   }
   return {};
 }
 // A member's position in its group, where the contract fixes it (-1 otherwise: rank order is checked instead).
 int positionOf(GroupKind kind, const Coordinates& c, int chunk) {
   switch (kind) {
-    case GroupKind::Tp: return c.tp;
-    case GroupKind::Cp: return c.cp;
-    case GroupKind::Pp: return c.pp;
-    case GroupKind::Dp: return c.dp;
-    case GroupKind::Ep: return c.ep;
-    case GroupKind::ExpertTp: return c.etp;
-    case GroupKind::ExpertDp: return c.edp;
-    case GroupKind::ExpertDpIntraInstance: return c.edp % chunk;
-    case GroupKind::ExpertDpInterInstance: return c.edp / chunk;
-    default: return -1;
+    case GroupKind::Tp:
+      return c.tp;
+    case GroupKind::Cp:
+      return c.cp;
+    case GroupKind::Pp:
+      return c.pp;
+    case GroupKind::Dp:
+      return c.dp;
+    case GroupKind::Ep:
+      return c.ep;
+    case GroupKind::ExpertTp:
+      return c.etp;
+    case GroupKind::ExpertDp:
+      return c.edp;
+    case GroupKind::ExpertDpIntraInstance:
+      return c.edp % chunk;
+    case GroupKind::ExpertDpInterInstance:
+      return c.edp / chunk;
+    default:
+      return -1;
   }
 }
 int expectedSize(GroupKind kind, const Layout& l) {
   int instances = l.options().optimizerInstances;
   switch (kind) {
-    case GroupKind::Tp: return l.tp();
-    case GroupKind::Cp: return l.cp();
-    case GroupKind::Pp: return l.pp();
-    case GroupKind::Dp: return l.dp();
-    case GroupKind::DpCp: return l.dp() * l.cp();
-    case GroupKind::TpCp: return l.tp() * l.cp();
-    case GroupKind::ModelParallel: return l.tp() * l.pp();
-    case GroupKind::TpDpCp: return l.tp() * l.dp() * l.cp();
-    case GroupKind::Ep: return l.ep();
-    case GroupKind::ExpertTp: return l.etp();
-    case GroupKind::ExpertDp: return l.edp();
-    case GroupKind::ExpertModelParallel: return l.etp() * l.ep() * l.pp();
-    case GroupKind::ExpertDpIntraInstance: return l.edp() / instances;
-    case GroupKind::ExpertDpInterInstance: return instances;
-    case GroupKind::Embedding: break;
+    case GroupKind::Tp:
+      return l.tp();
+    case GroupKind::Cp:
+      return l.cp();
+    case GroupKind::Pp:
+      return l.pp();
+    case GroupKind::Dp:
+      return l.dp();
+    case GroupKind::DpCp:
+      return l.dp() * l.cp();
+    case GroupKind::TpCp:
+      return l.tp() * l.cp();
+    case GroupKind::ModelParallel:
+      return l.tp() * l.pp();
+    case GroupKind::TpDpCp:
+      return l.tp() * l.dp() * l.cp();
+    case GroupKind::Ep:
+      return l.ep();
+    case GroupKind::ExpertTp:
+      return l.etp();
+    case GroupKind::ExpertDp:
+      return l.edp();
+    case GroupKind::ExpertModelParallel:
+      return l.etp() * l.ep() * l.pp();
+    case GroupKind::ExpertDpIntraInstance:
+      return l.edp() / instances;
+    case GroupKind::ExpertDpInterInstance:
+      return instances;
+    case GroupKind::Embedding:
+      break;
   }
   return -1;
 }
@@ -227,7 +277,10 @@ void checkLayout(const Layout& layout, Problems& problems) {
         problems.add(name + " groups not ordered by lowest rank");
       for (size_t position = 0; position < group.size(); ++position) {
         int rank = group[position];
-        if (rank < 0 || rank >= world) { problems.add(name + " rank out of range"); continue; }
+        if (rank < 0 || rank >= world) {
+          problems.add(name + " rank out of range");
+          continue;
+        }
         if (owner[rank] >= 0) problems.add(name + ": rank " + std::to_string(rank) + " is in two groups");
         owner[rank] = static_cast<int>(index);
         if (keyOf(kind, coords[rank], chunk) != key) problems.add(name + ": members disagree off the kind's axes");
@@ -237,7 +290,10 @@ void checkLayout(const Layout& layout, Problems& problems) {
       }
     }
     for (int rank = 0; rank < world; ++rank) {
-      if (owner[rank] < 0) { problems.add(name + ": rank " + std::to_string(rank) + " is in no group"); continue; }
+      if (owner[rank] < 0) {
+        problems.add(name + ": rank " + std::to_string(rank) + " is in no group");
+        continue;
+      }
       if (layout.groupIndex(kind, rank) != owner[rank]) problems.add(name + " groupIndex of " + std::to_string(rank));
       if (checkGroupOf(rank, groups[owner[rank]]) && layout.groupOf(kind, rank) != groups[owner[rank]])
         problems.add(name + " groupOf of " + std::to_string(rank));
@@ -274,25 +330,34 @@ SweepResult sweep(const std::vector<int>& worlds, const std::vector<std::string>
   for (int world : worlds) {
     auto d = sizes(world);
     for (const std::string& order : orders)
-      for (int tp : d) for (int cp : d) for (int pp : d) for (int ep : d) for (int etp : d) {
-        if (world % (tp * cp * pp) != 0 || world % (etp * ep * pp) != 0) continue;
-        if (counter++ % stride != 0) continue;
-        auto instanceChoices = allDivisors(world / (etp * ep * pp));
-        int instances = instanceChoices[counter % instanceChoices.size()];
-        LayoutOptions options{.tp = tp, .cp = cp, .pp = pp, .ep = ep, .etp = etp, .order = order,
-                              .optimizerInstances = instances};
-        problems.layout = describeCase(world, options);
-        bool expectAccepted = accepted(world, options);
-        try {
-          Layout layout = Layout::create(world, options);
-          if (!expectAccepted) problems.add("accepted a layout the contract refuses");
-          ++result.accepted;
-          checkLayout(layout, problems);
-        } catch (const ConfigError& e) {
-          ++result.refused;
-          if (expectAccepted) problems.add(std::string("refused: ") + e.what());
-        }
-      }
+      for (int tp : d)
+        for (int cp : d)
+          for (int pp : d)
+            for (int ep : d)
+              for (int etp : d) {
+                if (world % (tp * cp * pp) != 0 || world % (etp * ep * pp) != 0) continue;
+                if (counter++ % stride != 0) continue;
+                auto instanceChoices = allDivisors(world / (etp * ep * pp));
+                int instances = instanceChoices[counter % instanceChoices.size()];
+                LayoutOptions options{.tp = tp,
+                                      .cp = cp,
+                                      .pp = pp,
+                                      .ep = ep,
+                                      .etp = etp,
+                                      .order = order,
+                                      .optimizerInstances = instances};
+                problems.layout = describeCase(world, options);
+                bool expectAccepted = accepted(world, options);
+                try {
+                  Layout layout = Layout::create(world, options);
+                  if (!expectAccepted) problems.add("accepted a layout the contract refuses");
+                  ++result.accepted;
+                  checkLayout(layout, problems);
+                } catch (const ConfigError& e) {
+                  ++result.refused;
+                  if (expectAccepted) problems.add(std::string("refused: ") + e.what());
+                }
+              }
   }
   return result;
 }
@@ -311,8 +376,8 @@ const std::vector<std::string> kOrders = {"tp-cp-ep-dp-pp", "pp-dp-ep-cp-tp", "t
 
 TEST_CASE("layout properties hold for every layout of small worlds, in five orders") {
   Problems problems;
-  SweepResult result = sweep({1, 2, 3, 4, 6, 8, 12, 16, 24, 30, 32, 36, 48, 60, 64}, {kOrders[0]}, allDivisors, 1,
-                             problems);
+  SweepResult result =
+      sweep({1, 2, 3, 4, 6, 8, 12, 16, 24, 30, 32, 36, 48, 60, 64}, {kOrders[0]}, allDivisors, 1, problems);
   report(problems);
   // Every combination that divides is accepted in the default order (the counts come from enumerating the same sizes).
   CHECK(result.refused == 0);

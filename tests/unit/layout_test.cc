@@ -55,16 +55,16 @@ TEST_CASE("layout example: non-default order tp-dp-cp-ep-pp with cp 2") {
   // etp 1, edp 1, ep 4, pp 8. Rank 5: edp 1, ep 1, pp 0.
   Layout layout = Layout::create(16, {.tp = 2, .cp = 2, .pp = 2, .ep = 2, .order = "tp-dp-cp-ep-pp"});
   CHECK(layout.coordinates(5) == Coordinates{.tp = 1, .cp = 1, .dp = 0, .pp = 0, .etp = 0, .ep = 1, .edp = 1});
-  CHECK(layout.groupOf(GroupKind::Tp, 5) == Ranks{4, 5});              // vary tp: 4 + {0,1}
-  CHECK(layout.groupOf(GroupKind::Dp, 5) == Ranks{5, 7});              // vary dp: 5 + {0,2}
-  CHECK(layout.groupOf(GroupKind::Cp, 5) == Ranks{1, 5});              // vary cp: 1 + {0,4}
-  CHECK(layout.groupOf(GroupKind::DpCp, 5) == Ranks{1, 3, 5, 7});      // tp 1, pp 0 fixed
-  CHECK(layout.groupOf(GroupKind::TpCp, 5) == Ranks{0, 1, 4, 5});      // dp 0, pp 0 fixed
+  CHECK(layout.groupOf(GroupKind::Tp, 5) == Ranks{4, 5});                     // vary tp: 4 + {0,1}
+  CHECK(layout.groupOf(GroupKind::Dp, 5) == Ranks{5, 7});                     // vary dp: 5 + {0,2}
+  CHECK(layout.groupOf(GroupKind::Cp, 5) == Ranks{1, 5});                     // vary cp: 1 + {0,4}
+  CHECK(layout.groupOf(GroupKind::DpCp, 5) == Ranks{1, 3, 5, 7});             // tp 1, pp 0 fixed
+  CHECK(layout.groupOf(GroupKind::TpCp, 5) == Ranks{0, 1, 4, 5});             // dp 0, pp 0 fixed
   CHECK(layout.groupOf(GroupKind::ModelParallel, 5) == Ranks{4, 5, 12, 13});  // cp 1, dp 0 fixed
   CHECK(layout.groupOf(GroupKind::TpDpCp, 5) == Ranks{0, 1, 2, 3, 4, 5, 6, 7});
   CHECK(layout.groupOf(GroupKind::Pp, 5) == Ranks{5, 13});
-  CHECK(layout.groupOf(GroupKind::Ep, 5) == Ranks{1, 5});              // edp 1 fixed, vary ep: {0,4}
-  CHECK(layout.groupOf(GroupKind::ExpertDp, 5) == Ranks{4, 5, 6, 7});  // ep 1 fixed, vary edp
+  CHECK(layout.groupOf(GroupKind::Ep, 5) == Ranks{1, 5});                          // edp 1 fixed, vary ep: {0,4}
+  CHECK(layout.groupOf(GroupKind::ExpertDp, 5) == Ranks{4, 5, 6, 7});              // ep 1 fixed, vary edp
   CHECK(layout.groupOf(GroupKind::ExpertModelParallel, 5) == Ranks{1, 5, 9, 13});  // edp 1 fixed
   CHECK(layout.groupOf(GroupKind::ExpertTp, 5) == Ranks{5});
   // Dp groups numbered by (tp, cp, pp), fastest first: [0,2] [1,3] [4,6] [5,7] ...; rank 5 is tp 1, cp 1 -> 3.
@@ -183,9 +183,9 @@ TEST_CASE("a rank outside the world is refused") {
 }
 
 TEST_CASE("every group kind has its name and one creation order") {
-  const std::vector<std::string> names = {"tp",        "cp",        "pp",       "dp",        "dp-cp",
-                                          "tp-cp",     "mp",        "tp-dp-cp", "ep",        "expert-tp",
-                                          "expert-dp", "tp-ep-pp",  "embedding", "expert-dp-intra", "expert-dp-inter"};
+  const std::vector<std::string> names = {
+      "tp",        "cp",        "pp",       "dp",        "dp-cp",           "tp-cp",          "mp", "tp-dp-cp", "ep",
+      "expert-tp", "expert-dp", "tp-ep-pp", "embedding", "expert-dp-intra", "expert-dp-inter"};
   REQUIRE(allGroupKinds().size() == names.size());
   for (size_t i = 0; i < names.size(); ++i) CHECK(toString(allGroupKinds()[i]) == names[i]);
 }

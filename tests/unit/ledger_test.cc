@@ -44,8 +44,9 @@ TEST_CASE("the ledger is a bounded ring that keeps the newest entries") {
 }
 
 TEST_CASE("a fingerprint describes itself the way timeout reports quote it") {
-  CHECK(collective(OpType::AllToAll, 4096, 2048, c10::ScalarType::BFloat16).describe().rfind(
-            "all_to_all bfloat16 [4096 x 2048]", 0) == 0);
+  CHECK(collective(OpType::AllToAll, 4096, 2048, c10::ScalarType::BFloat16)
+            .describe()
+            .rfind("all_to_all bfloat16 [4096 x 2048]", 0) == 0);
   CHECK(collective(OpType::AllReduce, 8, 1).describe() == "all_reduce float32 [8 x 1] sum");
   CHECK(Fingerprint{.op = OpType::Barrier}.describe() == "barrier");
 }

@@ -176,9 +176,8 @@ TEST_CASE("no relay below two local ranks, and a second local rank 0 publishes d
   CHECK(joinNodeRelay(*store, {.localRank = 0, .localSize = -1}, seconds(2)) == nullptr);
   const NodeRelayOptions options{.localRank = 0, .localSize = 2, .nodeId = "twice"};
   std::shared_ptr<NodeRelay> first;
-  std::thread member([&] {
-    joinNodeRelay(*harness.client(), {.localRank = 1, .localSize = 2, .nodeId = "twice"}, seconds(5));
-  });
+  std::thread member(
+      [&] { joinNodeRelay(*harness.client(), {.localRank = 1, .localSize = 2, .nodeId = "twice"}, seconds(5)); });
   first = joinNodeRelay(*store, options, seconds(5));
   member.join();
   CHECK(first != nullptr);

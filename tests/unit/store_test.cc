@@ -58,8 +58,8 @@ TEMPLATE_TEST_CASE("get of a missing key raises TimeoutError within its deadline
   CHECK_FALSE(store->tryGet("never/at-all", seconds(1)).has_value());
 }
 
-TEMPLATE_TEST_CASE("wait returns once another thread has set every key, and names the keys that never come",
-                   "[store]", TcpHarness, FileHarness) {
+TEMPLATE_TEST_CASE("wait returns once another thread has set every key, and names the keys that never come", "[store]",
+                   TcpHarness, FileHarness) {
   TestType harness;
   auto waiter = harness.client(), setter = harness.client();
   std::mt19937_64 rng(13);
@@ -207,8 +207,7 @@ TEMPLATE_TEST_CASE("erase removes a key and reports whether it existed", "[store
   CHECK(store->add("doomed", 5, seconds(5)) == 5);  // a fresh start after erase
 }
 
-TEMPLATE_TEST_CASE("two PrefixStores over one store never see each other's keys", "[store]", TcpHarness,
-                   FileHarness) {
+TEMPLATE_TEST_CASE("two PrefixStores over one store never see each other's keys", "[store]", TcpHarness, FileHarness) {
   TestType harness;
   auto base = harness.client();
   PrefixStore ep0(base, "group/ep[0]"), ep1(base, "group/ep[1]/");
@@ -223,8 +222,8 @@ TEMPLATE_TEST_CASE("two PrefixStores over one store never see each other's keys"
 
   ep0.set("only-in-0", a, seconds(5));
   CHECK_FALSE(ep1.tryGet("only-in-0", seconds(5)).has_value());
-  CHECK((ep1.multiGet({"heads/0", "only-in-0"}, seconds(5)) ==
-         std::vector<std::optional<std::string>>{b, std::nullopt}));
+  CHECK(
+      (ep1.multiGet({"heads/0", "only-in-0"}, seconds(5)) == std::vector<std::optional<std::string>>{b, std::nullopt}));
   CHECK(ep0.add("count", 3, seconds(5)) == 3);
   CHECK(ep1.add("count", 4, seconds(5)) == 4);
   CHECK(ep0.compareSet("count", "3", "30", seconds(5)) == "30");
@@ -286,10 +285,11 @@ TEMPLATE_TEST_CASE("setAndGather: every thread gets every thread's value, erases
     for (int i = 0; i < kThreads; ++i)
       threads.emplace_back([&, i] {
         PrefixStore prefixed(harness.client(), "job");
-        gathered[i] = prefixed.setAndGather(
-            {.key = keys[i], .value = values[i] + std::to_string(round),
-             .erase = round > 1 ? fmt::format("round/{}/{}", round - 1, i) : "", .keys = keys},
-            seconds(10));
+        gathered[i] = prefixed.setAndGather({.key = keys[i],
+                                             .value = values[i] + std::to_string(round),
+                                             .erase = round > 1 ? fmt::format("round/{}/{}", round - 1, i) : "",
+                                             .keys = keys},
+                                            seconds(10));
       });
     for (auto& thread : threads) thread.join();
     for (int i = 0; i < kThreads; ++i) {
@@ -301,8 +301,9 @@ TEMPLATE_TEST_CASE("setAndGather: every thread gets every thread's value, erases
   CHECK_FALSE(store->tryGet("job/round/2/0", seconds(5)));  // erased by round 3
   CHECK(store->tryGet("job/round/3/0", seconds(5)));
   // A round one key of which never comes: TimeoutError names it, soon after the deadline.
-  auto [error, took] = expectError<TimeoutError>(
-      [&] { store->setAndGather({.key = "late/0", .value = "v", .keys = {"late/0", "late/1"}}, seconds(1)); });
+  auto [error, took] = expectError<TimeoutError>([&] {
+    store->setAndGather({.key = "late/0", .value = "v", .keys = {"late/0", "late/1"}}, seconds(1));
+  });
   CHECK(std::string(error.what()).find("late/1") != std::string::npos);
   CHECK(took < 3.0);
   CHECK(store->tryGet("late/0", seconds(5)) == std::optional<std::string>("v"));
@@ -317,15 +318,15 @@ TEST_CASE("a tcp setAndGather parked on keys waits again for a key erased meanwh
   std::atomic<bool> returned{false};
   std::vector<std::string> values;
   std::thread parked([&] {
-    values = gatherer->setAndGather({.key = "gather/self", .value = "me", .keys = {"gather/0", "gather/1"}},
-                                    seconds(10));
+    values =
+        gatherer->setAndGather({.key = "gather/self", .value = "me", .keys = {"gather/0", "gather/1"}}, seconds(10));
     returned = true;
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // parked on gather/1, past gather/0
   CHECK(other->erase("gather/0", seconds(5)));
   std::thread waiter([&] { bystander->wait({"gather/1"}, seconds(10)); });
   other->set("gather/1", "second", seconds(5));  // the request now waits for gather/0 again
-  waiter.join();                                  // a plain wait on the same key is answered
+  waiter.join();                                 // a plain wait on the same key is answered
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   CHECK_FALSE(returned.load());
   other->set("gather/0", "again", seconds(5));

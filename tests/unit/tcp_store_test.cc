@@ -256,8 +256,8 @@ TEST_CASE("stopping the server while clients wait takes under 2 s; the clients t
   CHECK_FALSE(harness->server.running());
   for (auto& thread : threads) thread.join();
   CHECK(errors.load() == kClients);
-  double errorDelay = std::chrono::duration<double>(Clock::time_point(Clock::duration(lastErrorAt.load())) - stopping)
-                          .count();
+  double errorDelay =
+      std::chrono::duration<double>(Clock::time_point(Clock::duration(lastErrorAt.load())) - stopping).count();
   CHECK(errorDelay < 2.0);
   for (auto& client : clients) {
     auto [error, elapsed] = expectError<Error>([&] { client->add("n", 1, seconds(1)); });

@@ -65,10 +65,8 @@ TEST_CASE("generic variables give rank, size and the rendezvous address") {
 }
 
 TEST_CASE("Open MPI comes before Slurm: mpirun inside an allocation is an Open MPI job") {
-  WorldInfo world = discoverWorld(fake({{"OMPI_COMM_WORLD_RANK", "6"},
-                                        {"OMPI_COMM_WORLD_SIZE", "8"},
-                                        {"SLURM_PROCID", "0"},
-                                        {"SLURM_NTASKS", "1"}}));
+  WorldInfo world = discoverWorld(fake(
+      {{"OMPI_COMM_WORLD_RANK", "6"}, {"OMPI_COMM_WORLD_SIZE", "8"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}));
   CHECK(world.source == WorldSource::OpenMpi);
   CHECK(world.rank == 6);
 }
