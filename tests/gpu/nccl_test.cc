@@ -337,6 +337,11 @@ TEST_CASE("the watchdog runs no buffer's deleter: a thread of its own lets go of
       at::TensorOptions().dtype(at::kFloat).device(gpu()));
   tensor.copy_(draw(me, 6300, {count}, at::kFloat));
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  // Products queued ahead on the current stream (tens of milliseconds) keep the all-reduce, which is
+  // ordered after them, pending until this thread has let go of the tensor: on one rank too, the last
+  // reference is then the watchdog's.
+  at::Tensor busy = draw(me, 6301, {2048, 2048}, at::kFloat).to(gpu());
+  for (int i = 0; i < 40; ++i) busy = at::matmul(busy, busy) / 64;
   WorkPtr work = gpuWorld().allReduce(tensor);
   tensor.reset();
   // Neither wait() nor isCompleted(): the watchdog settles it.
