@@ -27,7 +27,6 @@ need_package openmpi-bin
 need_package libhdf5-dev
 need_package libfmt-dev
 need_package catch2
-need_package clang-format-14   # .ci/format: the one formatter version CI checks against
 need_package libcli11-dev        # command lines
 need_package nlohmann-json3-dev  # JSON output
 need_package libgloo-dev        # the gloo backend (jobs started without MPI)
