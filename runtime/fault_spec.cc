@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "runtime/errors.h"
+#include "runtime/store.h"
 
 namespace bulkhead::fault {
 
@@ -32,12 +33,10 @@ std::string FaultSpec::text(const std::string& key) const {
 int64_t FaultSpec::integer(const std::string& key, int64_t minimum, int64_t maximum) const {
   if (!has(key)) reject(fmt::format("'{}' is missing", key));
   const std::string value = text(key);
-  char* end = nullptr;
-  errno = 0;
-  const long long parsed = std::strtoll(value.c_str(), &end, 10);
-  if (value.empty() || *end != '\0' || errno == ERANGE || parsed < minimum || parsed > maximum)
+  const std::optional<int64_t> parsed = parseStoreInteger(value);  // strict decimal, no overflow
+  if (!parsed || *parsed < minimum || *parsed > maximum)
     reject(fmt::format("{}='{}' is not an integer in [{}, {}]", key, value, minimum, maximum));
-  return parsed;
+  return *parsed;
 }
 
 FaultSpec::Action FaultSpec::action(const std::string& key) const {
