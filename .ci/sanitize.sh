@@ -19,20 +19,22 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="-O0" 
 bin=$build/bin
 case "$kind" in
   address)
-    cmake --build "$build" -j "$(nproc)" --target bulkhead_unit_tests bulkhead_checkpoint_unit_tests \
-      bulkhead_checkpoint_mpi_tests
+    cmake --build "$build" -j "$(nproc)" --target bulkhead_runtime_unit_tests bulkhead_parallel_unit_tests \
+      bulkhead_launch_unit_tests bulkhead_checkpoint_unit_tests bulkhead_checkpoint_mpi_tests
     # Leaks at exit are libtorch's and Open MPI's, not reports about Bulkhead's memory use.
     export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1
     export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-    "$bin/bulkhead_unit_tests"
+    "$bin/bulkhead_runtime_unit_tests"
+    "$bin/bulkhead_parallel_unit_tests"
+    "$bin/bulkhead_launch_unit_tests"
     "$bin/bulkhead_checkpoint_unit_tests"
     BULKHEAD_COLLECTIVE_TIMEOUT=120 mpirun --oversubscribe -np 4 -x ASAN_OPTIONS -x UBSAN_OPTIONS \
       "$bin/bulkhead_checkpoint_mpi_tests" "every kind of damage*"
     ;;
   thread)
-    cmake --build "$build" -j "$(nproc)" --target bulkhead_unit_tests
+    cmake --build "$build" -j "$(nproc)" --target bulkhead_runtime_unit_tests
     export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/.ci/tsan.supp"
-    "$bin/bulkhead_unit_tests" "[store],*server*,*client*,*relay*,*ledger*,*thread*"
+    "$bin/bulkhead_runtime_unit_tests" "[store],*server*,*client*,*relay*,*ledger*,*thread*"
     ;;
   *)
     echo "usage: .ci/sanitize.sh address|thread" >&2

@@ -51,12 +51,12 @@ faults() {
   local variant action strict line
   for variant in "skip 0" "mismatch-op 0" "mismatch-size 0" "delay:5 0" "exit 0" "mismatch-size 1"; do
     read -r action strict <<<"$variant"
-    line=$(bash tests/mpi/fault_injection_test.sh "$gpus" "$action" "$strict" "$build/bin/bulkhead_fault_injection" \
+    line=$(bash tests/runtime/fault_injection_test.sh "$gpus" "$action" "$strict" "$build/bin/bulkhead_fault_injection" \
       mpirun nccl 2>&1 | grep -E '^(PASS|FAIL|job exited|rank 0)' | tr '\n' ' ')
     echo "| inject $action, strict $strict, $gpus ranks | $line |"
   done
   for mode in init collective unwaited connect; do
-    line=$(NP=$gpus bash tests/gpu/gpu_fault_test.sh "$mode" "$build/bin/bulkhead_gpu_fault" mpirun 2>&1 |
+    line=$(NP=$gpus bash tests/runtime/gpu_fault_test.sh "$mode" "$build/bin/bulkhead_gpu_fault" mpirun 2>&1 |
       grep -E '^(PASS|FAIL|job exited)' | tr '\n' ' ')
     echo "| gpu_fault $mode, $gpus ranks | $line |"
   done

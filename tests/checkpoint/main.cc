@@ -6,8 +6,8 @@
 
 #include <cstdlib>
 
-#include "tests/catch_compat.h"
 #include "tests/checkpoint/support.h"
+#include "tests/support/catch_compat.h"
 
 namespace bulkhead::testing::ckpt {
 namespace {

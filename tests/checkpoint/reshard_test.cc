@@ -9,9 +9,9 @@
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/dtype.h"
 #include "runtime/errors.h"
-#include "tests/catch_compat.h"
 #include "tests/checkpoint/model.h"
 #include "tests/checkpoint/support.h"
+#include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
 
 using namespace bulkhead;

@@ -9,9 +9,9 @@
 #include "checkpoint/folder.h"
 #include "checkpoint/inspect.h"
 #include "runtime/errors.h"
-#include "tests/catch_compat.h"
 #include "tests/checkpoint/model.h"
 #include "tests/checkpoint/support.h"
+#include "tests/support/catch_compat.h"
 
 using namespace bulkhead;
 using namespace bulkhead::checkpoint;

@@ -21,7 +21,7 @@
 #include "checkpoint/tensor_reader.h"
 #include "runtime/errors.h"
 #include "runtime/file_store.h"
-#include "tests/catch_compat.h"
+#include "tests/support/catch_compat.h"
 #include "tests/support/temp_dir.h"
 
 using namespace bulkhead;

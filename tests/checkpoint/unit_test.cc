@@ -31,8 +31,8 @@
 #include "checkpoint/reader.h"
 #include "runtime/errors.h"
 #include "runtime/file_store.h"
-#include "tests/catch_compat.h"
 #include "tests/checkpoint/model.h"
+#include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
 #include "tests/support/temp_dir.h"
 

@@ -9,7 +9,7 @@
 #include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
 #include "runtime/errors.h"
-#include "tests/catch_compat.h"
+#include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
 
 namespace bulkhead::moe {

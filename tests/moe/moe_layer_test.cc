@@ -15,8 +15,8 @@
 #include "moe/moe_layer.h"
 #include "parallel/process_groups.h"
 #include "runtime/errors.h"
-#include "tests/catch_compat.h"
-#include "tests/mpi/helpers.h"
+#include "tests/support/catch_compat.h"
+#include "tests/support/mpi_helpers.h"
 
 namespace bulkhead::moe {
 namespace {

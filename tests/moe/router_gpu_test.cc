@@ -12,7 +12,7 @@
 
 #include "moe/router.h"
 #include "moe/router_scores.h"
-#include "tests/catch_compat.h"
+#include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
 
 namespace bulkhead::moe {

@@ -9,7 +9,7 @@
 #include "moe/gather_sum.h"
 #include "moe/router.h"
 #include "moe/static_dispatch.h"
-#include "tests/catch_compat.h"
+#include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
 
 namespace bulkhead::moe {

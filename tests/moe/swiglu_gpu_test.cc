@@ -13,7 +13,7 @@
 
 #include "moe/swiglu.h"
 #include "runtime/errors.h"
-#include "tests/catch_compat.h"
+#include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
 
 namespace bulkhead::moe {

@@ -13,9 +13,9 @@
 #include "optim/clip.h"
 #include "optim/distributed_optimizer.h"
 #include "parallel/grad_sync.h"
-#include "tests/catch_compat.h"
-#include "tests/mpi/helpers.h"
-#include "tests/optim/helpers.h"
+#include "tests/support/catch_compat.h"
+#include "tests/support/mpi_helpers.h"
+#include "tests/support/parallel_helpers.h"
 
 using namespace bulkhead;
 using namespace bulkhead::parallel;

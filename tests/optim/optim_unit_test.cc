@@ -13,7 +13,7 @@
 #include "optim/shard_layout.h"
 #include "parallel/shard_init.h"
 #include "runtime/errors.h"
-#include "tests/catch_compat.h"
+#include "tests/support/catch_compat.h"
 
 using namespace bulkhead;
 using namespace bulkhead::optim;

@@ -3,16 +3,16 @@
 // state exported at dp 4 (ep 1) imports at tp 2 / ep 2 / dp 2, after which
 // both layouts take the same step. The plain AdamW exports the same global
 // state as the distributed optimizer. Pieces are copied the way a checkpoint
-// load would copy them (tests/optim/helpers.h).
+// load would copy them (tests/support/parallel_helpers.h).
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <algorithm>
 
 #include "optim/adamw.h"
 #include "optim/distributed_optimizer.h"
-#include "tests/catch_compat.h"
-#include "tests/mpi/helpers.h"
-#include "tests/optim/helpers.h"
+#include "tests/support/catch_compat.h"
+#include "tests/support/mpi_helpers.h"
+#include "tests/support/parallel_helpers.h"
 
 using namespace bulkhead;
 using namespace bulkhead::parallel;

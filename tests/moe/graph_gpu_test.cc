@@ -1,0 +1,206 @@
+// CUDA graphs of a MoE layer step: a layer with static shapes (capacity mode)
+// captured forward and backward replays to what the same layer computes
+// eagerly, for 1,000 replays with new inputs; a replay past its deadline is a
+// TimeoutError; a dropless layer refuses capture, saying to set a capacity.
+// With two GPUs: NCCL all-reduces captured in a graph replay on both ranks,
+// and a rank that captured one more fails at capture on both.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "moe/moe_layer.h"
+#include "parallel/process_groups.h"
+#include "runtime/cuda_graph.h"
+#include "runtime/errors.h"
+#include "tests/support/catch_compat.h"
+#include "tests/support/gpu_helpers.h"
+
+#if BULKHEAD_TORCH_CUDA
+using namespace bulkhead;
+using namespace bulkhead::testing;
+
+namespace {
+
+constexpr int kTokens = 512, kHidden = 256, kFfn = 128, kExperts = 16, kTopK = 2;
+
+moe::MoEOptions staticOptions() {
+  return {.hidden = kHidden,
+          .ffnHidden = kFfn,
+          .router = {.numExperts = kExperts, .topK = kTopK, .auxLossCoeff = 0.01, .capacityFactor = 1.25},
+          .initStd = 0.05,
+          .seed = 91,
+          .staticShapes = true};
+}
+
+// One step of `layer` on `input`: the gradients of the previous step cleared
+// in place (so a graph replays into the same tensors), then forward and backward.
+struct Step {
+  moe::MoELayer& layer;
+  at::Tensor input, projection, output;
+  void operator()() {
+    for (auto& parameter : layer.parameters())
+      if (parameter.tensor.grad().defined()) parameter.tensor.mutable_grad().zero_();
+    if (input.grad().defined()) input.mutable_grad().zero_();
+    moe::MoEOutput out = layer.forward(input);
+    torch::autograd::backward({(out.output * projection).sum() + out.auxLoss + out.zLoss});
+    output = out.output.detach();
+  }
+  std::vector<at::Tensor> results() {
+    std::vector<at::Tensor> all{output.clone(), input.grad().clone()};
+    for (auto& parameter : layer.parameters()) all.push_back(parameter.tensor.grad().clone());
+    return all;
+  }
+};
+
+// Equal within one bf16 rounding of the largest magnitude: the token gradient
+// sums up to k rows per token in whatever order the device's atomics take.
+bool withinRounding(const at::Tensor& ours, const at::Tensor& theirs) {
+  const double scale = theirs.abs().max().item<double>();
+  return (ours.to(at::kFloat) - theirs.to(at::kFloat)).abs().max().item<double>() <= scale / 128 + 1e-6;
+}
+
+}  // namespace
+
+TEST_CASE("a MoE layer with static shapes captured in a CUDA graph replays to its eager results, 1,000 times") {
+  auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  moe::MoELayer captured(staticOptions(), groups, options), eager(staticOptions(), groups, options);
+  at::manual_seed(4242 + gpuWorld().rank());
+  Step graphStep{captured, at::randn({kTokens, kHidden}, options).requires_grad_(true),
+                 at::randn({kTokens, kHidden}, options)};
+  Step eagerStep{eager, at::empty({kTokens, kHidden}, options).requires_grad_(true), graphStep.projection};
+  CapturedGraph graph(gpu(), [&] { graphStep(); }, {.name = "moe-test"});
+  int checked = 0;
+  for (int replay = 0; replay < 1000; ++replay) {
+    at::Tensor next = at::randn({kTokens, kHidden}, options) * (1 + replay % 3);
+    {
+      c10::NoGradGuard noGrad;
+      graphStep.input.copy_(next);
+      eagerStep.input.copy_(next);
+    }
+    graph.replay(Deadline::afterSeconds(10));
+    eagerStep();
+    const bool full = replay % 100 == 0;  // every tensor now and then, the output every time
+    auto ours = full ? graphStep.results() : std::vector<at::Tensor>{graphStep.output};
+    auto theirs = full ? eagerStep.results() : std::vector<at::Tensor>{eagerStep.output};
+    for (size_t i = 0; i < ours.size(); ++i) {
+      if (withinRounding(ours[i], theirs[i])) continue;
+      FAIL_CHECK(fmt::format("replay {}: tensor {} differs from the eager step's", replay, i));
+    }
+    checked += static_cast<int>(ours.size());
+  }
+  CHECK(checked > 1000);
+  CHECK(captured.stats().droppedSlots == eager.stats().droppedSlots);
+}
+
+TEST_CASE("static shapes on a GPU (kept rows packed for the grouped products) match the dispatcher's capacity path") {
+  auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  moe::MoEOptions dynamicOptions = staticOptions();
+  dynamicOptions.staticShapes = false;
+  moe::MoELayer packed(staticOptions(), groups, options), dynamic(dynamicOptions, groups, options);
+  at::manual_seed(77 + gpuWorld().rank());
+  Step staticStep{packed, at::empty({kTokens, kHidden}, options).requires_grad_(true),
+                  at::randn({kTokens, kHidden}, options)};
+  Step dynamicStep{dynamic, at::empty({kTokens, kHidden}, options).requires_grad_(true), staticStep.projection};
+  int64_t dropped = 0;
+  for (int round = 0; round < 5; ++round) {
+    // A shared direction in every token skews the routing, so capacity drops slots.
+    at::Tensor next = at::randn({kTokens, kHidden}, options) + round * at::randn({1, kHidden}, options);
+    {
+      c10::NoGradGuard noGrad;
+      staticStep.input.copy_(next);
+      dynamicStep.input.copy_(next);
+    }
+    staticStep();
+    dynamicStep();
+    auto ours = staticStep.results(), theirs = dynamicStep.results();
+    for (size_t i = 0; i < ours.size(); ++i)
+      if (!withinRounding(ours[i], theirs[i])) FAIL_CHECK(fmt::format("round {}: tensor {} differs", round, i));
+    CHECK(packed.stats().droppedSlots == dynamic.stats().droppedSlots);
+    dropped += packed.stats().droppedSlots;
+  }
+  CHECK(dropped > 0);
+}
+
+TEST_CASE("a graph replay that outlives its deadline raises TimeoutError") {
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  at::Tensor a = at::randn({4096, 4096}, options), b = at::randn({4096, 4096}, options) / 64;
+  at::Tensor out = at::empty_like(a);
+  // About 200 x 137 GFLOP: tens of milliseconds on any current GPU.
+  CapturedGraph graph(gpu(),
+                      [&] {
+                        at::Tensor x = a;
+                        for (int i = 0; i < 200; ++i) x = at::matmul(x, b);
+                        out.copy_(x);
+                      },
+                      {.name = "slow", .warmupRuns = 1});
+  const auto started = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(graph.replay(Deadline::after(std::chrono::milliseconds(1))), TimeoutError);
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(1));
+  graph.replay(Deadline::afterSeconds(30));  // and it still runs to completion with time to do so
+}
+
+TEST_CASE("capturing a dropless MoE layer is a ConfigError that says to set a capacity") {
+  auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  moe::MoEOptions dropless = staticOptions();
+  dropless.staticShapes = false;
+  dropless.router.capacityFactor = 0;
+  moe::MoELayer layer(dropless, groups, options);
+  at::Tensor input = at::randn({kTokens, kHidden}, options);
+  try {
+    CapturedGraph graph(gpu(), [&] { layer.forward(input); }, {.name = "dropless", .warmupRuns = 1});
+    FAIL("capture of a dropless layer succeeded");
+  } catch (const ConfigError& error) {
+    CHECK(std::string(error.what()).find("set a capacity factor") != std::string::npos);
+  }
+  // The stream is out of capture: eager work goes on.
+  CHECK(layer.forward(input).output.sizes() == input.sizes());
+}
+TEST_CASE("NCCL collectives captured in a graph replay on every rank; one captured more fails at capture") {
+  const int me = gpuWorld().rank(), n = gpuWorld().size();
+  if (n < 2) {
+    WARN("one GPU: the cross-rank capture check needs two ranks");
+    return;
+  }
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(gpu());
+  at::Tensor x = at::empty({1024}, options);
+  auto pair = gpuWorld().split(0, me, "graph-pair");
+  CapturedGraph graph(gpu(),
+                      [&] {
+                        x.fill_(me + 1);
+                        pair->allReduce(x);
+                      },
+                      {.name = "pair", .store = gpuStore(), .comms = {pair}});
+  for (int i = 0; i < 100; ++i) {
+    graph.replay(Deadline::afterSeconds(20));
+    CHECK(x.eq(n * (n + 1) / 2).all().item<bool>());
+  }
+  // A fresh communicator: captured calls that never run leave its NCCL state
+  // unlike its peers', so it is aborted afterwards.
+  auto extra = gpuWorld().split(0, me, "graph-extra");
+  try {
+    CapturedGraph mismatched(gpu(),
+                             [&] {
+                               extra->allReduce(x);
+                               if (me == n - 1) extra->allReduce(x);
+                             },
+                             {.name = "extra", .warmupRuns = 0, .store = gpuStore(), .comms = {extra}});
+    FAIL_CHECK("the capture passed although one rank captured one collective more");
+  } catch (const DesyncError& error) {
+    const std::string text = error.what();
+    INFO(text);
+    CHECK(text.find("checked region 'graph-extra' #1") != std::string::npos);
+    CHECK(text.find("diverged at collective 2 of the region") != std::string::npos);
+    CHECK(text.find(fmt::format("rank {} issued all_reduce float32 [1024] sum", n - 1)) != std::string::npos);
+  }
+  extra->abort("a capture check failed");
+}
+#endif

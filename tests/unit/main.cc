@@ -1,5 +1,0 @@
-// Unit tests: one process, no MPI.
-#define CATCH_CONFIG_RUNNER
-#include "tests/catch_compat.h"
-
-int main(int argc, char** argv) { return Catch::Session().run(argc, argv); }
