@@ -22,6 +22,7 @@
 #include "runtime/gloo/gloo_backend.h"
 #include "runtime/gloo/gloo_check.h"
 #include "runtime/gloo/gloo_context.h"
+#include "runtime/gloo/gloo_state.h"
 #include "runtime/log.h"
 #include "runtime/monitor.h"
 #include "runtime/op_checks.h"
@@ -30,7 +31,6 @@ namespace bulkhead::gloo {
 namespace {
 
 using c10::ScalarType;
-using Millis = std::chrono::milliseconds;
 
 const checks::BackendRules kRules{c10::kCPU,
                                   {ScalarType::Float, ScalarType::Double, ScalarType::BFloat16, ScalarType::Half,
@@ -38,28 +38,6 @@ const checks::BackendRules kRules{c10::kCPU,
 
 // Sends and receives use their own slot prefix, apart from Gloo's collectives'.
 constexpr uint8_t kPointToPointPrefix = 0x70;
-
-// One operation. Its tensors stay here until it settles; an operation that was
-// abandoned (abort, timeout) may still be written by Gloo, so it is kept.
-struct Op {
-  Fingerprint fingerprint;
-  uint64_t seq = 0;
-  Deadline deadline = Deadline::never();
-  Deadline::Clock::time_point issuedAt;
-  std::vector<at::Tensor> buffers;
-  std::function<void(Millis)> run;                            // collectives: runs on the worker
-  std::unique_ptr<::gloo::transport::UnboundBuffer> unbound;  // sends and receives: posted at issue
-  bool isSend = false;
-  bool stalled = false;  // an injected mismatch: never runs, never completes
-  bool done = false;     // settled (under State::mutex)
-  std::exception_ptr error;
-};
-using OpPtr = std::shared_ptr<Op>;
-
-Millis remainingMillis(Deadline deadline) {
-  auto left = std::chrono::duration_cast<Millis>(deadline.remaining());
-  return std::max(left, Millis(1));
-}
 
 template <typename T>
 void reduceInto(void* c, const void* a, const void* b, size_t n, ReduceOp op) {
@@ -152,106 +130,6 @@ class GlooWork : public Work {
   std::shared_ptr<GlooCommunicator> comm_;
   OpPtr op_;
 };
-
-// What the communicator's threads share; it outlives the communicator while a
-// thread still runs a Gloo call (bounded by that call's timeout).
-struct State {
-  std::shared_ptr<::gloo::Context> context;
-  std::shared_ptr<Ledger> ledger;
-  ErrorContext errorContext;
-  std::mutex mutex;
-  std::condition_variable changed;
-  std::deque<OpPtr> collectives;                                   // waiting for the worker, in issue order
-  std::map<std::pair<int, bool>, std::deque<OpPtr>> pointToPoint;  // (peer, isSend): posted, in order
-  std::deque<OpPtr> pending;                                       // issued, not settled
-  std::vector<OpPtr> abandoned;
-  bool stopping = false;
-  bool aborted = false;
-  std::string abortReason;
-
-  // Under `mutex`.
-  void settle(const OpPtr& op, std::exception_ptr error) {
-    if (op->done) return;
-    op->done = true;
-    op->error = error;
-    if (error)
-      ledger->fail(op->fingerprint.op, op->seq);
-    else
-      ledger->complete(op->fingerprint.op, op->seq);
-    pending.erase(std::remove(pending.begin(), pending.end(), op), pending.end());
-    changed.notify_all();
-  }
-
-  // Under `mutex`: fails everything not settled and wakes every waiter.
-  void abortLocked(const std::string& reason) {
-    if (!aborted) abortReason = reason;
-    aborted = true;
-    auto error = std::make_exception_ptr(
-        CommError(fmt::format("{} was aborted ({})", errorContext.group, abortReason), errorContext));
-    for (const OpPtr& op : std::deque<OpPtr>(pending)) {
-      if (op->unbound) op->isSend ? op->unbound->abortWaitSend() : op->unbound->abortWaitRecv();
-      abandoned.push_back(op);
-      settle(op, error);
-    }
-    collectives.clear();
-    changed.notify_all();
-  }
-};
-
-// The worker: runs the collectives one at a time in issue order.
-void collectiveWorker(std::shared_ptr<State> state) {
-  for (;;) {
-    OpPtr op;
-    {
-      std::unique_lock<std::mutex> lock(state->mutex);
-      state->changed.wait(lock, [&] { return state->stopping || !state->collectives.empty(); });
-      if (state->collectives.empty()) return;
-      op = state->collectives.front();
-      state->collectives.pop_front();
-      if (op->done) continue;
-    }
-    std::exception_ptr error;
-    try {
-      guarded(toString(op->fingerprint.op), state->errorContext, [&] { op->run(remainingMillis(op->deadline)); });
-    } catch (...) {
-      error = std::current_exception();
-    }
-    std::lock_guard<std::mutex> lock(state->mutex);
-    state->settle(op, error);
-    // A Gloo context whose call failed is not reusable.
-    if (error) state->abortLocked(fmt::format("{} seq {} failed", toString(op->fingerprint.op), op->seq));
-  }
-}
-
-// Completes the sends to (or receives from) one peer, in the order posted.
-void pointToPointWorker(std::shared_ptr<State> state, std::pair<int, bool> key) {
-  for (;;) {
-    OpPtr op;
-    {
-      std::unique_lock<std::mutex> lock(state->mutex);
-      auto& queue = state->pointToPoint[key];
-      state->changed.wait(lock, [&] { return state->stopping || !queue.empty(); });
-      if (queue.empty()) return;
-      op = queue.front();
-      queue.pop_front();
-      if (op->done) continue;
-    }
-    std::exception_ptr error;
-    try {
-      guarded(key.second ? "send" : "recv", state->errorContext, [&] {
-        Millis timeout = remainingMillis(op->deadline);
-        bool completed = key.second ? op->unbound->waitSend(timeout) : op->unbound->waitRecv(timeout);
-        if (!completed) throw CommError("aborted while waiting", state->errorContext);
-      });
-    } catch (...) {
-      error = std::current_exception();
-    }
-    std::lock_guard<std::mutex> lock(state->mutex);
-    state->settle(op, error);
-    if (error && !state->aborted)
-      state->abortLocked(fmt::format("{} seq {} failed", toString(op->fingerprint.op), op->seq));
-  }
-}
 
 class GlooCommunicator : public Communicator, public std::enable_shared_from_this<GlooCommunicator> {
  public:
