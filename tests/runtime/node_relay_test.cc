@@ -12,7 +12,7 @@
 #include "runtime/monitor.h"
 #include "runtime/monitor_record.h"
 #include "runtime/node_relay.h"
-#include "tests/support/store_harness.h"
+#include "tests/runtime/store_harness.h"
 
 using namespace bulkhead;
 using namespace bulkhead::testing;

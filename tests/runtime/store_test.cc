@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "runtime/prefix_store.h"
-#include "tests/support/store_harness.h"
+#include "tests/runtime/store_harness.h"
 
 using namespace bulkhead;
 using namespace bulkhead::testing;

@@ -14,7 +14,7 @@
 
 #include "runtime/socket.h"
 #include "runtime/store_protocol.h"
-#include "tests/support/store_harness.h"
+#include "tests/runtime/store_harness.h"
 
 using namespace bulkhead;
 using namespace bulkhead::testing;
