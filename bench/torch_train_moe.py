@@ -2,7 +2,8 @@
 
 The same model as examples/train_moe (the same shapes, initial scales and data): a tied byte embedding
 scaled by sqrt(hidden) plus 0.1 x sinusoidal positions; per layer RMSNorm -> q, k, v, out projections with
-causal scaled-dot-product attention -> RMSNorm -> MoE (fp32 router, softmax, top-k, renormalised weights,
+causal scaled-dot-product attention -> RMSNorm -> MoE (fp32 router, softmax, top-k of the scores plus
+Gaussian selection noise of std 0.05, renormalised clean weights,
 Switch aux loss and z-loss; SwiGLU experts through torch._grouped_mm, dropless, no host sync); a final
 RMSNorm and the tied output layer; AdamW (fused, weight decay 0.01), gradient clipping at 1.0, the same
 warm-up and cosine schedule shape. Prints one line per mode:
@@ -28,6 +29,7 @@ for name, default in [("layers", 4), ("hidden", 1024), ("heads", 8), ("ffn", 512
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--aux-coeff", type=float, default=1e-2)
 parser.add_argument("--z-coeff", type=float, default=1e-3)
+parser.add_argument("--router-noise", type=float, default=0.05)
 parser.add_argument("--modes", default="eager,compiled")
 args = parser.parse_args()
 
@@ -115,7 +117,11 @@ class Model(torch.nn.Module):
         T, E, k = x.shape[0], args.experts, args.topk
         logits = x.float() @ self.gate[layer].float().t()
         probs = torch.softmax(logits, -1)
-        weights, experts = torch.topk(probs, k, dim=-1)
+        # Selection noise, as train_moe's router adds in training (there drawn from a hash of each token's
+        # place in the run, here from the generator: the same cost, other draws).
+        noisy = probs.detach() + args.router_noise * torch.randn_like(probs) if args.router_noise > 0 else probs.detach()
+        experts = torch.topk(noisy, k, dim=-1).indices
+        weights = probs.gather(1, experts)
         weights = weights / weights.sum(-1, keepdim=True)
         counts = torch.bincount(experts.view(-1), minlength=E)
         aux = args.aux_coeff * E * ((counts.float() / (T * k)) * probs.mean(0)).sum()

@@ -16,7 +16,7 @@ install(TARGETS bulkhead bulkhead_runtime bulkhead_parallel bulkhead_moe bulkhea
 # and is not installed: runtime/nccl/nccl_communicator.h, nccl_check.h,
 # runtime/mpi/mpi_check.h, runtime/gloo/gloo_check.h, gloo_context.h,
 # runtime/cuda_device.h, parallel/layout_grid.h, tensor_parallel_detail.h,
-# moe/kernel_support.h, moe/cuda/*, optim/parameter_checks.h,
+# moe/kernel_support.h, moe/router_noise.h, moe/cuda/*, optim/parameter_checks.h,
 # checkpoint/save_job.h, box.h.
 set(BULKHEAD_PUBLIC_HEADERS
   runtime/backoff.h runtime/checked_region.h runtime/communicator.h runtime/cpu_share.h runtime/cuda_graph.h

@@ -127,7 +127,18 @@ MoELayer::MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, co
   }
 }
 
-MoEOutput MoELayer::forward(const at::Tensor& input) {
+at::Tensor MoELayer::noiseKeys(const at::Tensor& tokens, const at::Tensor& routingKeys) {
+  const int64_t forward = forwards_++;
+  if (!router_.noisy()) return {};
+  if (!routingKeys.defined()) return at::arange(tokens.size(0), tokens.options().dtype(at::kLong)) + (forward << 32);
+  if (routingKeys.numel() != tokens.size(0) || routingKeys.scalar_type() != at::kLong)
+    throw ConfigError(fmt::format("MoE layer {}: {} routing keys of type {} for {} tokens", options_.name,
+                                  routingKeys.numel(), c10::toString(routingKeys.scalar_type()), tokens.size(0)),
+                      {.rank = worldRank_, .expected = "one int64 routing key per token"});
+  return routingKeys.reshape({-1}).to(tokens.device());
+}
+
+MoEOutput MoELayer::forward(const at::Tensor& input, const at::Tensor& routingKeys) {
   if (input.size(-1) != options_.hidden) {
     throw ConfigError(fmt::format("MoE layer {}: input of shape [{}] does not end in hidden size {}", options_.name,
                                   fmt::join(input.sizes(), ", "), options_.hidden),
@@ -156,7 +167,7 @@ MoEOutput MoELayer::forward(const at::Tensor& input) {
                                   "which a CUDA graph of this layer does not capture; balance with the aux loss",
                                   options_.name),
                       {.rank = worldRank_, .expected = "router.expertBias off when capturing"});
-  Routing routing = router_.select(tokens, /*hostCounts=*/!options_.staticShapes);
+  Routing routing = router_.select(tokens, /*hostCounts=*/!options_.staticShapes, noiseKeys(tokens, routingKeys));
   at::Tensor output = routed(tokens, routing, capturing);
   if (shared) output = output + shared->join();
 

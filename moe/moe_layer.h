@@ -91,7 +91,12 @@ class MoELayer {
   MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, const at::TensorOptions& tensorOptions);
 
   // tokens: [..., hidden]; flattened to [T, hidden] inside.
-  MoEOutput forward(const at::Tensor& tokens);
+  // routingKeys: [...] int64, one per token, its identity for the router's
+  // selection noise (RouterOptions::selectionNoise): give the same token the
+  // same key in every layout (its index in the global batch and the step, say)
+  // and the noise, hence the training run, does not depend on the layout.
+  // Undefined: keys from this layer's forward count and the token's index here.
+  MoEOutput forward(const at::Tensor& tokens, const at::Tensor& routingKeys = {});
 
   std::vector<parallel::Parameter> parameters() const;
   // Reads the last forward's counters from the device (one sync), on demand.
@@ -120,6 +125,9 @@ class MoELayer {
   // with static shapes the fixed-capacity way; the routing's losses are added
   // while the experts run. `capturing`: the forward runs under CUDA-graph capture.
   at::Tensor routed(const at::Tensor& tokens, Routing& routing, bool capturing);
+  // The keys select() gets: undefined when no noise applies, else the caller's
+  // (checked) or the default ones; counts the forward.
+  at::Tensor noiseKeys(const at::Tensor& tokens, const at::Tensor& routingKeys);
 
   MoEOptions options_;
   CommunicatorPtr dpCp_;  // every dense replica of this layer but the tp ones
@@ -136,6 +144,7 @@ class MoELayer {
   at::Tensor lastLoads_, lastAux_, lastZ_;
   at::Tensor pendingLoads_;  // with expertBias: loads since the last updateExpertBias
   int64_t lastDropped_ = 0;
+  int64_t forwards_ = 0;            // forwards run: the default routing keys' high bits
   at::Tensor lastDroppedOnDevice_;  // static shapes: the count, read by stats()
 };
 

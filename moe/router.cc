@@ -1,6 +1,7 @@
 #include "moe/router.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -8,6 +9,7 @@
 #include <cmath>
 #include <utility>
 
+#include "moe/router_noise.h"
 #include "moe/router_scores.h"
 #include "runtime/errors.h"
 
@@ -24,6 +26,10 @@ Router::Router(RouterOptions options, at::Tensor gateWeight) : options_(options)
                                   fmt::join(gate_.sizes(), " x "), options_.numExperts),
                       {.expected = "gate weight [numExperts, hidden]"});
   }
+  if (!(options_.selectionNoise >= 0) || !std::isfinite(options_.selectionNoise)) {
+    throw ConfigError(fmt::format("router: selection noise {} is not a standard deviation", options_.selectionNoise),
+                      {.expected = "selectionNoise >= 0 (0: off)"});
+  }
   if (options_.capacityFactor < 0) {
     throw ConfigError(fmt::format("router: capacity factor {} is negative", options_.capacityFactor),
                       {.expected = "0 (dropless) or a positive factor"});
@@ -31,23 +37,33 @@ Router::Router(RouterOptions options, at::Tensor gateWeight) : options_(options)
   bias_ = at::zeros({options_.numExperts}, gate_.options().dtype(at::kFloat));
 }
 
-Routing Router::route(const at::Tensor& tokens) const {
-  Routing routing = select(tokens);
+bool Router::noisy() const { return options_.selectionNoise > 0 && c10::GradMode::is_enabled(); }
+
+Routing Router::route(const at::Tensor& tokens, const at::Tensor& noiseKeys) const {
+  Routing routing = select(tokens, /*hostCounts=*/true, noiseKeys);
   addLosses(routing);
   return routing;
 }
 
-Routing Router::select(const at::Tensor& tokens, bool hostCounts) const {
+Routing Router::select(const at::Tensor& tokens, bool hostCounts, const at::Tensor& noiseKeys) const {
   const int64_t numTokens = tokens.size(0);
   const int64_t numExperts = options_.numExperts;
   // Scores in at least float32: bf16 softmax over many experts loses the ranking.
   const auto scoreType = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor keys;  // defined where the selection adds noise
+  if (noisy()) {
+    if (!noiseKeys.defined() || noiseKeys.numel() != numTokens || noiseKeys.device() != tokens.device())
+      throw ConfigError(fmt::format("router: selection noise needs a key for each of the {} tokens on {}", numTokens,
+                                    tokens.device().str()),
+                        {.expected = "noiseKeys [T] int64 on the tokens' device"});
+    keys = noiseKeys;
+  }
   Routing routing;
   if (auto mixed = mixedPrecisionLogits(tokens, gate_))
     routing.logits = std::move(*mixed);
   else
     routing.logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
-  if (auto fused = fusedScores(routing.logits, options_, options_.expertBias ? bias_ : at::Tensor())) {
+  if (auto fused = fusedScores(routing.logits, options_, options_.expertBias ? bias_ : at::Tensor(), keys)) {
     routing.indices = std::move(fused->indices);
     routing.weights = std::move(fused->weights);
     routing.tokensPerExpert = std::move(fused->tokensPerExpert);
@@ -59,6 +75,8 @@ Routing Router::select(const at::Tensor& tokens, bool hostCounts) const {
                                                                       : at::sigmoid(routing.logits);
     at::Tensor selection =
         options_.expertBias ? routing.scores.detach() + bias_.to(scoreType) : routing.scores.detach();
+    if (keys.defined())
+      selection = selection + selectionNoise(keys, numExperts, options_.selectionNoise, options_.noiseSeed, scoreType);
     routing.indices = std::get<1>(at::topk(selection, options_.topK, -1));
     routing.weights = routing.scores.gather(1, routing.indices);
     if (options_.normalizeWeights) routing.weights = routing.weights / routing.weights.sum(-1, true);

@@ -23,6 +23,14 @@
 //   biasUpdateRate towards balance (+rate when underloaded, -rate when
 //   overloaded) from loads the caller has summed over the data-parallel group,
 //   so every replica of the router keeps the same bias.
+// - selectionNoise > 0 (noisy top-k gating, as Shazeer et al. 2017 add noise
+//   to the gate for balance): while autograd records (training), the
+//   selection is the top-k of scores + bias + noise, noise[t, e] = selectionNoise
+//   * N(0, 1), a pure function of (noiseSeed, the token's key, e); the weights
+//   and both losses keep the clean scores. Tokens whose scores are near-equal
+//   (early in training, or tokens the gate cannot tell apart yet) spread over
+//   the experts instead of all taking the same few. Under a no-grad guard
+//   (evaluation, inference) the selection is deterministic, without noise.
 
 #include <ATen/core/Tensor.h>
 
@@ -42,6 +50,8 @@ struct RouterOptions {
   bool expertBias = false;  // aux-loss-free balancing
   double biasUpdateRate = 1e-3;
   double capacityFactor = 0;  // 0: dropless
+  double selectionNoise = 0;  // std of the selection noise in score units; 0: off
+  uint64_t noiseSeed = 0;
 };
 
 struct Routing {
@@ -69,7 +79,8 @@ class Router {
   // gateWeight: [E, H], the caller's parameter.
   Router(RouterOptions options, at::Tensor gateWeight);
 
-  Routing route(const at::Tensor& tokens) const;  // tokens [T, H]: select, then addLosses
+  // tokens [T, H]: select, then addLosses.
+  Routing route(const at::Tensor& tokens, const at::Tensor& noiseKeys = {}) const;
 
   // route() in two steps: the selection (indices, weights, keep, dropped
   // slots), then the losses, meanProb and tokensPerExpert, from the Routing
@@ -78,7 +89,12 @@ class Router {
   // launched while the experts run rather than before the dispatch's sync.
   // hostCounts = false: no read back to the host (droppedSlots stays 0; read
   // `dropped`), so a CUDA graph can capture the selection.
-  Routing select(const at::Tensor& tokens, bool hostCounts = true) const;
+  // noiseKeys: [T] int64, each token's identity for the selection noise (the
+  // same token must have the same key in every layout and on every rank that
+  // routes it); required while the noise applies (ConfigError otherwise).
+  Routing select(const at::Tensor& tokens, bool hostCounts = true, const at::Tensor& noiseKeys = {}) const;
+  // Whether select() adds noise now: selectionNoise > 0 and autograd records.
+  bool noisy() const;
   void addLosses(Routing& routing) const;
 
   // coeff * E * sum_i (slots_i / totalSlots) * meanProb_i: the aux loss from

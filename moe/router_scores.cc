@@ -125,7 +125,8 @@ std::optional<at::Tensor> mixedPrecisionLogits(const at::Tensor& tokens, const a
 #endif
 }
 
-std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOptions& options, const at::Tensor& bias) {
+std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOptions& options, const at::Tensor& bias,
+                                       const at::Tensor& noiseKeys) {
 #if BULKHEAD_MOE_KERNELS
   const bool applies = logits.is_cuda() && logits.dim() == 2 && logits.size(0) > 0 &&
                        logits.size(1) <= cuda::kMaxScoreExperts && options.topK >= 1 &&
@@ -136,6 +137,8 @@ std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOpt
   const at::Tensor input = logits.detach().contiguous();
   const int64_t tokens = input.size(0), experts = input.size(1), rows = cuda::scorePartialRows(tokens);
   const at::Tensor biasOnDevice = bias.defined() ? bias.to(input.device(), at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor keysOnDevice =
+      noiseKeys.defined() ? noiseKeys.to(input.device(), at::kLong).reshape({-1}).contiguous() : at::Tensor();
   FusedScores scores;
   scores.indices = at::empty({tokens, options.topK}, input.options().dtype(at::kLong));
   scores.weights = at::empty({tokens, options.topK}, input.options());
@@ -145,7 +148,13 @@ std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOpt
   scores.lseSquaredSum = at::empty({}, input.options());
   at::Tensor probPartial = at::empty({rows, experts}, input.options());
   at::Tensor lsePartial = at::empty({rows}, input.options());
-  cuda::scoreForward(scoreArgs(input, options), biasOnDevice.defined() ? biasOnDevice.data_ptr<float>() : nullptr,
+  cuda::ScoreArgs args = scoreArgs(input, options);
+  if (keysOnDevice.defined()) {
+    args.noiseKeys = keysOnDevice.data_ptr<int64_t>();
+    args.noiseStd = options.selectionNoise;
+    args.noiseSeed = options.noiseSeed;
+  }
+  cuda::scoreForward(args, biasOnDevice.defined() ? biasOnDevice.data_ptr<float>() : nullptr,
                      {.indices = scores.indices.data_ptr<int64_t>(),
                       .weights = scores.weights.data_ptr(),
                       .keep = scores.keep.defined() ? scores.keep.data_ptr<bool>() : nullptr,
@@ -165,7 +174,7 @@ std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOpt
   }
   return scores;
 #else
-  (void)logits, (void)options, (void)bias;
+  (void)logits, (void)options, (void)bias, (void)noiseKeys;
   return std::nullopt;
 #endif
 }

@@ -39,10 +39,14 @@ struct FusedScores {
 // backward raises (ConfigError).
 std::optional<at::Tensor> mixedPrecisionLogits(const at::Tensor& tokens, const at::Tensor& gate);
 
-// logits [T, E] float32 or float64; bias [E] (float32) or undefined. nullopt
+// logits [T, E] float32 or float64; bias [E] (float32) or undefined;
+// noiseKeys [T] int64 or undefined: where defined, the selection adds the
+// noise moe/router_noise.h draws for these keys with options.selectionNoise
+// and options.noiseSeed, computed inside the kernel (no [T, E] tensor). nullopt
 // where the kernels do not apply (not built, CPU tensors, no tokens, more
 // than 1024 experts, top-k above 32, another dtype): the caller takes the
 // ATen form then.
-std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOptions& options, const at::Tensor& bias);
+std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOptions& options, const at::Tensor& bias,
+                                       const at::Tensor& noiseKeys = {});
 
 }  // namespace bulkhead::moe

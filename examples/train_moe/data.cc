@@ -54,7 +54,7 @@ Batches::Batches(std::string text, int sequence, int globalBatch, uint64_t seed)
   }
 }
 
-std::pair<at::Tensor, at::Tensor> Batches::batch(int64_t step, int rank, int ranks, c10::Device device) const {
+TokenBatch Batches::batch(int64_t step, int rank, int ranks, c10::Device device) const {
   if (globalBatch_ % ranks != 0) {
     throw ConfigError(fmt::format("data: a global batch of {} sequences does not split over {} data-parallel ranks",
                                   globalBatch_, ranks),
@@ -73,7 +73,12 @@ std::pair<at::Tensor, at::Tensor> Batches::batch(int64_t step, int rank, int ran
       data[row][position] = static_cast<unsigned char>(text_[start + position]);
   }
   window = window.to(device, /*non_blocking=*/true);
-  return {window.narrow(1, 0, sequence_).contiguous(), window.narrow(1, 1, sequence_).contiguous()};
+  const int64_t firstKey = (step * globalBatch_ + rank * local) * int64_t{sequence_};
+  at::Tensor keys =
+      at::arange(firstKey, firstKey + int64_t{local} * sequence_, at::TensorOptions(at::kLong).device(device));
+  return {.ids = window.narrow(1, 0, sequence_).contiguous(),
+          .targets = window.narrow(1, 1, sequence_).contiguous(),
+          .keys = keys.view({local, sequence_})};
 }
 
 }  // namespace bulkhead::examples

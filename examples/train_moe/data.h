@@ -13,6 +13,13 @@
 
 namespace bulkhead::examples {
 
+// A batch of byte sequences: ids and next-byte targets; keys, each token's
+// place in the whole run (its sequence's index over all steps' global batches
+// times the sequence length, plus its position), key the routers' noise.
+struct TokenBatch {
+  at::Tensor ids, targets, keys;  // [rows, sequence] int64 each
+};
+
 std::string generateCorpus(uint64_t seed, size_t bytes);
 
 class Batches {
@@ -20,9 +27,9 @@ class Batches {
   Batches(std::string text, int sequence, int globalBatch, uint64_t seed);
 
   // Sequences [rank * B/ranks, (rank+1) * B/ranks) of step `step`'s global
-  // batch of B: (ids, targets), each [B/ranks, sequence] int64 on `device`;
-  // targets are the ids shifted by one byte.
-  std::pair<at::Tensor, at::Tensor> batch(int64_t step, int rank, int ranks, c10::Device device) const;
+  // batch of B, each tensor [B/ranks, sequence] int64 on `device`; targets
+  // are the ids shifted by one byte.
+  TokenBatch batch(int64_t step, int rank, int ranks, c10::Device device) const;
 
   int64_t tokensPerStep() const { return int64_t{globalBatch_} * sequence_; }
 

@@ -74,7 +74,9 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
                                        .topK = config.topK,
                                        .auxLossCoeff = config.auxLossCoeff,
                                        .zLossCoeff = config.zLossCoeff,
-                                       .capacityFactor = config.capacityFactor},
+                                       .capacityFactor = config.capacityFactor,
+                                       .selectionNoise = config.routerNoise,
+                                       .noiseSeed = config.seed * 1000 + static_cast<uint64_t>(layer)},
                             .oncePerRank = config.oncePerRank,
                             .globalAuxLoss = true,
                             .sharedExpertHidden = config.sharedFfn,
@@ -118,11 +120,10 @@ at::Tensor MoETransformer::attention(int layer, const at::Tensor& x) const {
   return out_[layer].forward(mixed.transpose(1, 2).reshape({batch, sequence, localHeads * headDim}));
 }
 
-ModelOutput MoETransformer::forward(const at::Tensor& ids, const at::Tensor& targets) {
-  return forwardPart(ids, at::Tensor(), targets);
-}
+ModelOutput MoETransformer::forward(const TokenBatch& batch) { return forwardPart(batch, at::Tensor()); }
 
-ModelOutput MoETransformer::forwardPart(const at::Tensor& ids, const at::Tensor& input, const at::Tensor& targets) {
+ModelOutput MoETransformer::forwardPart(const TokenBatch& batch, const at::Tensor& input) {
+  const at::Tensor &ids = batch.ids, &targets = batch.targets;
   at::Tensor x = input;
   if (part_.first) {
     // Token embeddings scaled up to unit size, positions kept smaller, so the
@@ -136,7 +137,7 @@ ModelOutput MoETransformer::forwardPart(const at::Tensor& ids, const at::Tensor&
   at::Tensor aux = at::zeros({}, x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
   for (size_t i = 0; i < moe_.size(); ++i) {
     x = x + attention(static_cast<int>(i), norm(attentionNorm_[i], x));
-    moe::MoEOutput out = moe_[i]->forward(norm(moeNorm_[i], x));
+    moe::MoEOutput out = moe_[i]->forward(norm(moeNorm_[i], x), batch.keys);
     x = x + out.output;
     aux = aux + out.auxLoss + out.zLoss;
   }

@@ -12,6 +12,7 @@
 #include <optional>
 #include <vector>
 
+#include "examples/train_moe/data.h"
 #include "moe/moe_layer.h"
 #include "parallel/linear.h"
 #include "parallel/parameter.h"
@@ -32,6 +33,12 @@ struct ModelConfig {
   double auxLossCoeff = 1e-2;
   double zLossCoeff = 1e-3;
   double capacityFactor = 0;  // 0: dropless
+  // The router's selection noise (moe::RouterOptions::selectionNoise), keyed by
+  // each token's place in the global batch and the step, so every layout and a
+  // resumed run draw the same noise. Without it, the tokens of a frequent byte
+  // (the space is 18% of the corpus) start on the same two experts and the
+  // first layer's load is 2 to 8 times the mean for tens of steps.
+  double routerNoise = 0.05;
   bool oncePerRank = true;
   uint64_t seed = 1;
   at::ScalarType dtype = at::kFloat;
@@ -59,12 +66,12 @@ class MoETransformer {
   MoETransformer(const MoETransformer&) = delete;
   MoETransformer& operator=(const MoETransformer&) = delete;
 
-  // ids, targets: [batch, sequence] int64 on the groups' device (the whole model).
-  ModelOutput forward(const at::Tensor& ids, const at::Tensor& targets);
-  // This part: the first embeds `ids`, the others continue from `input` (the
-  // previous part's activations); returns the activations, or on the last
-  // part the loss, and this part's MoE losses.
-  ModelOutput forwardPart(const at::Tensor& ids, const at::Tensor& input, const at::Tensor& targets);
+  // batch: [rows, sequence] int64 on the groups' device (the whole model).
+  ModelOutput forward(const TokenBatch& batch);
+  // This part: the first embeds the batch's ids, the others continue from
+  // `input` (the previous part's activations); returns the activations, or on
+  // the last part the loss, and this part's MoE losses.
+  ModelOutput forwardPart(const TokenBatch& batch, const at::Tensor& input);
   const ModelPart& part() const { return part_; }
   // The embedding weight on a first or last part (undefined elsewhere).
   at::Tensor embeddingWeight() const;

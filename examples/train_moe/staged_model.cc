@@ -39,15 +39,14 @@ StagedModel::StagedModel(const ModelConfig& config, const parallel::ProcessGroup
   }
 }
 
-double StagedModel::forwardBackward(const std::vector<at::Tensor>& idsOf, const std::vector<at::Tensor>& targetsOf) {
-  if (static_cast<int>(idsOf.size()) != options_.microBatches || targetsOf.size() != idsOf.size())
-    throw ConfigError(fmt::format("{} micro-batches of ids and {} of targets for a schedule of {}", idsOf.size(),
-                                  targetsOf.size(), options_.microBatches),
+double StagedModel::forwardBackward(const std::vector<TokenBatch>& microBatches) {
+  if (static_cast<int>(microBatches.size()) != options_.microBatches)
+    throw ConfigError(fmt::format("{} micro-batches for a schedule of {}", microBatches.size(), options_.microBatches),
                       {.rank = groups_.world()->rank()});
   std::vector<parallel::PipelineChunk> chunks;
   for (auto& part : parts_) {
     chunks.push_back({.forward = [&, model = part.get()](int m, const at::Tensor& input) {
-      ModelOutput out = model->forwardPart(idsOf[m], input, targetsOf[m]);
+      ModelOutput out = model->forwardPart(microBatches[m], input);
       return parallel::PipelineOutput(out.loss, out.auxLoss);
     }});
   }

@@ -26,12 +26,12 @@ class StagedModel {
   // ConfigError when the layers do not divide over pp x vpp stages.
   StagedModel(const ModelConfig& config, const parallel::ProcessGroups& groups, StagedOptions options = {});
 
-  // Forward and backward of this rank's micro-batches (ids and targets
-  // [rows, sequence] each, microBatches of them); gradients accumulate in the
+  // Forward and backward of this rank's micro-batches (microBatches of them,
+  // [rows, sequence] each); gradients accumulate in the
   // parameters (the tied embedding's copies hold their sum). Returns the loss,
   // the mean over every data-parallel rank's tokens, on every rank.
   // Collective over the world.
-  double forwardBackward(const std::vector<at::Tensor>& ids, const std::vector<at::Tensor>& targets);
+  double forwardBackward(const std::vector<TokenBatch>& microBatches);
 
   std::vector<parallel::Parameter> parameters() const;
   std::vector<parallel::ShardedTensor> buffers() const;

@@ -235,14 +235,12 @@ int main(int argc, char** argv) {
       // Micro-batch m of every dp rank together is the same slice of the global batch in
       // any layout (rows [m B / M, (m + 1) B / M)), so the MoE losses, which are not
       // linear in the batch, see the same tokens whatever dp is.
-      std::vector<at::Tensor> ids, targets;
-      for (int m = 0; m < options.microBatches; ++m) {
-        auto [i, t] = batches.batch(step, m * dp->size() + dp->rank(), options.microBatches * dp->size(), device);
-        ids.push_back(i);
-        targets.push_back(t);
-      }
+      std::vector<examples::TokenBatch> microBatches;
+      for (int m = 0; m < options.microBatches; ++m)
+        microBatches.push_back(
+            batches.batch(step, m * dp->size() + dp->rank(), options.microBatches * dp->size(), device));
       // The data-parallel mean of the loss (every rank's batch is the same size).
-      const double meanLoss = model.forwardBackward(ids, targets);
+      const double meanLoss = model.forwardBackward(microBatches);
       const double gradNorm = optimizer.step(schedule.at(step), {.maxGradNorm = options.clip});
       optimizer.zeroGrad();
       windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

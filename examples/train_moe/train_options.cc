@@ -40,6 +40,10 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
       ->group("Model");
   app.add_option("--aux-coeff", m.auxLossCoeff, "load-balancing loss coefficient")->check(count)->group("Model");
   app.add_option("--z-coeff", m.zLossCoeff, "router z-loss coefficient")->check(count)->group("Model");
+  app.add_option("--router-noise", m.routerNoise,
+                 "std of the noise on the router's scores when it picks experts in training (0: none)")
+      ->check(count)
+      ->group("Model");
   app.add_option("--capacity", m.capacityFactor, "expert capacity factor (0: dropless)")->check(count)->group("Model");
   app.add_flag_callback(
          "--per-slot", [&m] { m.oncePerRank = false; },

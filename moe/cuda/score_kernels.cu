@@ -40,6 +40,30 @@ __device__ T warpMax(T value) {
   return value;
 }
 
+// The selection noise of moe/router_noise.cc, the same bits in scalar form:
+// a 32-bit mixer, the token's hash from its key and the seed, then two
+// uniform draws per expert turned into a normal one (Box-Muller, in double).
+__device__ uint32_t mix32(uint32_t x) {
+  x = (x ^ (x >> 16)) * 0x45d9f3bu;
+  x = (x ^ (x >> 16)) * 0x45d9f3bu;
+  return x ^ (x >> 16);
+}
+
+__device__ uint32_t noiseTokenHash(int64_t key, uint64_t seed) {
+  const auto bits = static_cast<uint64_t>(key);
+  uint32_t h = mix32(static_cast<uint32_t>(bits) + static_cast<uint32_t>(seed));
+  h = mix32(h ^ static_cast<uint32_t>(bits >> 32));
+  return mix32(h ^ static_cast<uint32_t>(seed >> 32));
+}
+
+__device__ double noiseDraw(uint32_t tokenHash, int64_t expert, double std) {
+  const uint32_t first = mix32(tokenHash + static_cast<uint32_t>(static_cast<uint64_t>(2 * expert + 1) * 0x9E3779B1u));
+  const uint32_t second = mix32(first ^ 0x85EBCA6Bu);
+  const double u1 = (static_cast<double>(first) + 0.5) / 4294967296.0;
+  const double u2 = (static_cast<double>(second) + 0.5) / 4294967296.0;
+  return std * sqrt(-2.0 * log(u1)) * cos(2.0 * 3.14159265358979323846 * u2);
+}
+
 // One token's logits and scores, expert i * 32 + lane in slot i of each lane.
 template <typename T, int kPerLane>
 struct TokenScores {
@@ -92,6 +116,17 @@ __global__ void scoreForwardKernel(ScoreArgs a, const float* bias, ScoreOutputs 
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) probSum[i] += a.sigmoid ? token.score[i] / token.scoreSum : token.score[i];
 
+    // What the top-k ranks: score + bias + noise, NaN counted as +inf.
+    T selection[kPerLane];
+    const uint32_t tokenHash = a.noiseKeys != nullptr ? noiseTokenHash(a.noiseKeys[t], a.noiseSeed) : 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int64_t e = i * 32 + lane;
+      if (e >= a.experts) continue;
+      T value = token.score[i] + (bias != nullptr ? static_cast<T>(bias[e]) : T(0));
+      if (a.noiseKeys != nullptr) value += static_cast<T>(noiseDraw(tokenHash, e, a.noiseStd));
+      selection[i] = isnan(value) ? T(INFINITY) : value;
+    }
     unsigned taken = 0;  // bit i: expert i * 32 + lane is selected
     int64_t myExpert = 0;
     T myWeight = 0, selectedSum = 0;
@@ -102,9 +137,7 @@ __global__ void scoreForwardKernel(ScoreArgs a, const float* bias, ScoreOutputs 
       for (int i = 0; i < kPerLane; ++i) {
         const int64_t e = i * 32 + lane;
         if (e >= a.experts || ((taken >> i) & 1u)) continue;
-        T value = token.score[i] + (bias != nullptr ? static_cast<T>(bias[e]) : T(0));
-        if (isnan(value)) value = INFINITY;
-        if (bestExpert < 0 || value > best) best = value, bestExpert = e;  // e rises with i: ties keep the lower
+        if (bestExpert < 0 || selection[i] > best) best = selection[i], bestExpert = e;  // ties keep the lower e
       }
       for (int offset = 16; offset > 0; offset >>= 1) {
         const T value = __shfl_xor_sync(kAllLanes, best, offset);

@@ -7,7 +7,7 @@
 //
 // Per token t, with logits l over E experts and lse = logsumexp(l):
 // - scores p: softmax(l), or sigmoid(l); normalised scores: p, or p / sum(p).
-// - selection: the top-k of p + bias (bias may be absent), descending, ties to
+// - selection: the top-k of p + bias + noise (either may be absent), descending, ties to
 //   the lower expert id, NaN counted as +inf; weights: the selected p, divided
 //   by their sum when `normalize`.
 // All arithmetic is in the logits' type (float32 or float64).
@@ -25,7 +25,12 @@ struct ScoreArgs {
   bool normalize = true;         // weights renormalised to sum to one per token
   bool doubles = false;          // float64 logits, weights and sums; else float32
   const void* logits = nullptr;  // [T, E] contiguous
-  void* stream = nullptr;        // cudaStream_t
+  // Selection noise (moe/router_noise.h), drawn in the kernel from each
+  // token's key: std * N(0, 1) added to the selection only. Null: none.
+  const int64_t* noiseKeys = nullptr;  // [T]
+  double noiseStd = 0;
+  uint64_t noiseSeed = 0;
+  void* stream = nullptr;  // cudaStream_t
 };
 
 // Rows of the partial sums below for `tokens` tokens: one per launched warp.

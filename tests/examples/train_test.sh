@@ -13,7 +13,9 @@
 #            within 1e-9 of the straight run; --pp 2 on the README's run: the loss falls
 #            like the pp 1 run's
 #   width    the first loss is within 10% of ln(256) (a uniform guess over bytes)
-#            at widths 64, 256 and 1024 (16 experts, top-2, float32)
+#            at widths 64, 256 and 1024 (16 experts, top-2, float32); at width 256
+#            on 4 ranks, the first layer's load at step 20 is below twice the
+#            mean (imbalance < 2), for two seeds
 # usage: train_test.sh falls|resume|layouts|pipeline|width <train_moe> <mpirun>
 set -euo pipefail
 mode=$1 train=$2 mpirun=$3
@@ -59,6 +61,14 @@ first = float(open(sys.argv[1]).readline().split()[1])
 print(f"hidden {sys.argv[2]}: first loss {first:.4f}, ln(256) = {math.log(256):.4f}")
 assert abs(first - math.log(256)) <= 0.1 * math.log(256), "the first loss is not within 10% of ln(256)"
 PY
+    done
+    for seed in 1 2; do
+      run 4 "$work/balance$seed.txt" --hidden 256 --experts 16 --topk 2 --seed "$seed" --stop-after 20 --log-interval 1
+      line=$(grep -a "step    20 |" "$work/out.txt") || { tail -5 "$work/out.txt"; echo "FAIL: no step 20 line"; exit 1; }
+      imbalance=$(sed 's/.*imbalance \([0-9.]*\).*/\1/' <<< "$line")
+      echo "hidden 256, seed $seed: imbalance $imbalance at step 20"
+      python3 -c "import sys; sys.exit(0 if float('$imbalance') < 2 else 1)" ||
+        { echo "FAIL: the first layer's load at step 20 is $imbalance x the mean (want < 2)"; exit 1; }
     done
     ;;
   falls)

@@ -30,8 +30,12 @@ at::Tensor gaussian(int salt, at::IntArrayRef shape) {
 }
 at::Tensor shardTokens(int shard) { return gaussian(100 + shard, {shard == kEmptyShard ? 0 : kTokens, kHidden}); }
 at::Tensor shardProjection(int shard) { return gaussian(200 + shard, {shard == kEmptyShard ? 0 : kTokens, kHidden}); }
+// Each token's routing key: its place in the global input, whichever rank holds it.
+at::Tensor shardKeys(int shard) {
+  return at::arange(shard == kEmptyShard ? 0 : kTokens, at::kLong) + int64_t{shard} * kTokens;
+}
 
-MoEOptions layerOptions(bool oncePerRank, double capacity, bool losses) {
+MoEOptions layerOptions(bool oncePerRank, double capacity, bool losses, double noise = 0) {
   return {.hidden = kHidden,
           .ffnHidden = kFfn,
           .router = {.numExperts = kExperts,
@@ -40,7 +44,9 @@ MoEOptions layerOptions(bool oncePerRank, double capacity, bool losses) {
                      .zLossCoeff = losses ? 0.01 : 0,
                      .expertBias = true,
                      .biasUpdateRate = 100,
-                     .capacityFactor = capacity},
+                     .capacityFactor = capacity,
+                     .selectionNoise = noise,
+                     .noiseSeed = 5},
           .oncePerRank = oncePerRank,
           .sharedExpertHidden = 6,
           .initStd = 0.3,
@@ -98,7 +104,7 @@ Reference referenceRun(MoELayer& layer) {
   std::vector<at::Tensor> inputs;
   for (int shard = 0; shard < kShards; ++shard) {
     inputs.push_back(shardTokens(shard).requires_grad_(true));
-    MoEOutput out = layer.forward(inputs.back());
+    MoEOutput out = layer.forward(inputs.back(), shardKeys(shard));
     loss = loss + (out.output * shardProjection(shard)).sum() + out.auxLoss + out.zLoss;
     reference.outputs.push_back(out.output.detach());
     reference.dropped.push_back(layer.stats().droppedSlots);
@@ -119,14 +125,18 @@ void checkLayout(const Reference& reference, parallel::LayoutOptions layoutOptio
   std::vector<int> shards;
   for (int shard = groups.dp()->rank() * layout.tp(); shard < (groups.dp()->rank() + 1) * layout.tp(); ++shard)
     shards.push_back(shard);
-  std::vector<at::Tensor> tokenParts, projectionParts;
-  for (int shard : shards) tokenParts.push_back(shardTokens(shard)), projectionParts.push_back(shardProjection(shard));
+  std::vector<at::Tensor> tokenParts, projectionParts, keyParts;
+  for (int shard : shards) {
+    tokenParts.push_back(shardTokens(shard));
+    projectionParts.push_back(shardProjection(shard));
+    keyParts.push_back(shardKeys(shard));
+  }
   at::Tensor tokens = at::cat(tokenParts).requires_grad_(true);
-  MoEOutput out = layer.forward(tokens);
+  MoEOutput out = layer.forward(tokens, at::cat(keyParts));
   ((out.output * at::cat(projectionParts)).sum() + out.auxLoss + out.zLoss).backward();
 
-  INFO(fmt::format("rank {} layout {} oncePerRank {} capacity {}", world.rank(), layout.describe(), options.oncePerRank,
-                   options.router.capacityFactor));
+  INFO(fmt::format("rank {} layout {} oncePerRank {} capacity {} noise {}", world.rank(), layout.describe(),
+                   options.oncePerRank, options.router.capacityFactor, options.router.selectionNoise));
   std::vector<at::Tensor> expectedOut, expectedGrad;
   int64_t expectedDropped = 0;
   for (int shard : shards) {
@@ -163,12 +173,22 @@ TEST_CASE("every ep layout computes the reference's outputs and gradients", "[mo
   REQUIRE(testing::world().size() == kShards);
   auto local = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{}, {.warmup = false});
   for (double capacity : {0.0, 1.0}) {
-    MoELayer referenceLayer(layerOptions(true, capacity, true), local, at::kDouble);
-    starveExperts(referenceLayer);
-    Reference reference = referenceRun(referenceLayer);
-    if (capacity > 0) CHECK(reference.dropped[0] > 0);
-    for (bool oncePerRank : {true, false}) {
-      for (int ep : {1, 2, 4, 8}) checkLayout(reference, {.ep = ep}, layerOptions(oncePerRank, capacity, true));
+    // With selection noise too: keyed by each token's place in the global
+    // input, it draws the same noise whichever rank routes the token.
+    std::vector<at::Tensor> cleanOutputs;
+    for (double noise : {0.0, 0.05}) {
+      MoELayer referenceLayer(layerOptions(true, capacity, true, noise), local, at::kDouble);
+      starveExperts(referenceLayer);
+      Reference reference = referenceRun(referenceLayer);
+      if (capacity > 0) CHECK(reference.dropped[0] > 0);
+      if (noise == 0)
+        cleanOutputs = reference.outputs;
+      else
+        CHECK_FALSE(at::allclose(at::cat(reference.outputs), at::cat(cleanOutputs)));  // the noise picked others
+      for (bool oncePerRank : {true, false}) {
+        for (int ep : {1, 2, 4, 8})
+          checkLayout(reference, {.ep = ep}, layerOptions(oncePerRank, capacity, true, noise));
+      }
     }
   }
 }

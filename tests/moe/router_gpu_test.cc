@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moe/router.h"
+#include "moe/router_noise.h"
 #include "moe/router_scores.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
@@ -60,7 +61,8 @@ TEST_CASE("fused router scores equal the ATen form, forward and backward", "[moe
     for (at::ScalarType dtype : {at::kDouble, at::kFloat}) {
       for (ScoreFunction function : {ScoreFunction::Softmax, ScoreFunction::Sigmoid}) {
         for (bool normalize : {true, false}) {
-          for (bool biased : {false, true}) {
+          for (int extra : {0, 1, 2}) {  // nothing, a bias, a bias and selection noise
+            const bool biased = extra >= 1, noisy = extra == 2;
             ++salt;
             const RouterOptions options{.numExperts = static_cast<int>(c.experts),
                                         .topK = c.topK,
@@ -69,12 +71,18 @@ TEST_CASE("fused router scores equal the ATen form, forward and backward", "[moe
             at::Tensor logits = (3 * at::randn({c.tokens, c.experts}, testing::sharedGenerator(salt), at::kDouble));
             at::Tensor bias = biased ? 0.02 * at::randn({c.experts}, testing::sharedGenerator(salt + 1000), at::kFloat)
                                      : at::Tensor();
+            // Keys far apart and negative ones: the kernel draws the noise router_noise.cc draws.
+            at::Tensor keys = noisy ? at::arange(c.tokens, at::kLong) * 1000003 - 77 : at::Tensor();
+            RouterOptions noisyOptions = options;
+            noisyOptions.selectionNoise = noisy ? 0.05 : 0;
+            noisyOptions.noiseSeed = static_cast<uint64_t>(salt) << 33 | 5;
             at::Tensor gradWeights = at::randn({c.tokens, c.topK}, testing::sharedGenerator(salt + 2000), at::kDouble);
             at::Tensor gradProb = at::randn({c.experts}, testing::sharedGenerator(salt + 3000), at::kDouble);
             const double gradLse = 0.37;
 
             at::Tensor input = logits.to(gpu, dtype).requires_grad_(true);
-            auto fused = fusedScores(input, options, biased ? bias.to(gpu) : at::Tensor());
+            auto fused = fusedScores(input, noisyOptions, biased ? bias.to(gpu) : at::Tensor(),
+                                     noisy ? keys.to(gpu) : at::Tensor());
             REQUIRE(fused.has_value());
             ((fused->weights * gradWeights.to(gpu, dtype)).sum() + (fused->probSum * gradProb.to(gpu, dtype)).sum() +
              fused->lseSquaredSum * gradLse)
@@ -88,11 +96,14 @@ TEST_CASE("fused router scores equal the ATen form, forward and backward", "[moe
 
             INFO("tokens " << c.tokens << " experts " << c.experts << " top-" << c.topK << " " << c10::toString(dtype)
                            << (function == ScoreFunction::Sigmoid ? " sigmoid" : " softmax")
-                           << (normalize ? " normalised" : "") << (biased ? " biased" : ""));
+                           << (normalize ? " normalised" : "") << (biased ? " biased" : "") << (noisy ? " noisy" : ""));
             const double tolerance = dtype == at::kDouble ? 1e-12 : 2e-5;
             at::Tensor scores = function == ScoreFunction::Softmax ? at::softmax(reference.detach(), -1)
                                                                    : at::sigmoid(reference.detach());
             at::Tensor selection = biased ? scores + bias.to(at::kDouble) : scores;
+            if (noisy)
+              selection =
+                  selection + selectionNoise(keys, c.experts, 0.05, noisyOptions.noiseSeed, dtype).to(at::kDouble);
             if (dtype == at::kDouble) {
               CHECK(at::equal(indices, std::get<1>(selection.topk(c.topK, -1))));
             } else {
@@ -258,7 +269,8 @@ TEST_CASE("the router on the GPU equals the router on the CPU, losses and gate g
     for (const RouterOptions& options :
          {RouterOptions{.numExperts = 16, .topK = 4},
           RouterOptions{.numExperts = 24, .topK = 3, .scoreFunction = ScoreFunction::Sigmoid, .expertBias = true},
-          RouterOptions{.numExperts = 16, .topK = 2, .normalizeWeights = false, .capacityFactor = 1.0}}) {
+          RouterOptions{.numExperts = 16, .topK = 2, .normalizeWeights = false, .capacityFactor = 1.0},
+          RouterOptions{.numExperts = 16, .topK = 2, .selectionNoise = 0.05, .noiseSeed = 7}}) {
       at::Tensor tokensIn = at::randn({tokens, hidden}, testing::sharedGenerator(11), at::kDouble);
       at::Tensor gate = at::randn({options.numExperts, hidden}, testing::sharedGenerator(12), at::kDouble) * 0.3;
       at::Tensor gradWeights = at::randn({tokens, options.topK}, testing::sharedGenerator(13), at::kDouble);
@@ -270,7 +282,8 @@ TEST_CASE("the router on the GPU equals the router on the CPU, losses and gate g
           router.updateBias(at::arange(options.numExperts, at::kFloat).remainder(5));
           router.updateBias(at::arange(options.numExperts, at::kFloat).remainder(3));
         }
-        Routing routing = router.route(tokensIn.to(device));
+        // Keys that are not the token's index: the noise is drawn from the key, on either device.
+        Routing routing = router.route(tokensIn.to(device), (at::arange(tokens, at::kLong) * 7919 + 123).to(device));
         (routing.auxLoss + routing.zLoss + (routing.weights * gradWeights.to(device)).sum()).backward();
         return std::make_tuple(routing.indices.cpu(), routing.weights.detach().cpu(), routing.keep.cpu(),
                                routing.tokensPerExpert.cpu(), routing.meanProb.detach().cpu(),
@@ -280,8 +293,8 @@ TEST_CASE("the router on the GPU equals the router on the CPU, losses and gate g
       auto [indices, weights, keep, perExpert, meanProb, aux, z, gradGate] = run(gpu);
       auto [refIndices, refWeights, refKeep, refPerExpert, refMeanProb, refAux, refZ, refGradGate] = run(at::kCPU);
       INFO(tokens << " tokens, " << options.numExperts << " experts, top-" << options.topK
-                  << (options.expertBias ? ", biased sigmoid" : "")
-                  << (options.capacityFactor > 0 ? ", capacity" : ""));
+                  << (options.expertBias ? ", biased sigmoid" : "") << (options.capacityFactor > 0 ? ", capacity" : "")
+                  << (options.selectionNoise > 0 ? ", noisy" : ""));
       CHECK(at::equal(indices, refIndices));
       CHECK(at::equal(keep, refKeep));
       CHECK(at::equal(perExpert, refPerExpert));

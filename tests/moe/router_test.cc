@@ -1,6 +1,7 @@
 // The router's losses, capacity policy and the token permutation, against
 // references computed here element by element (float64, one process).
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <cmath>
 #include <vector>
@@ -8,7 +9,9 @@
 #include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
 #include "moe/router.h"
+#include "moe/router_noise.h"
 #include "moe/static_dispatch.h"
+#include "runtime/errors.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
 
@@ -120,6 +123,63 @@ TEST_CASE("the expert bias steers selection but not the combine weights", "[moe]
   CHECK((routing.indices != 2).all().item<bool>());
   at::Tensor scores = at::softmax(at::matmul(tokens, gate.t()), -1);
   CHECK(at::allclose(routing.weights, scores.gather(1, routing.indices), 1e-15, 0));
+}
+
+TEST_CASE("selection noise spreads tokens the gate cannot tell apart, only in training", "[moe][router]") {
+  // One token repeated: every copy has the same scores, and a gate this small
+  // keeps them within a few thousandths of 1/16.
+  at::Tensor gate = 0.01 * gaussian(31, {16, 8});
+  at::Tensor tokens = gaussian(32, {1, 8}).expand({4096, 8}).contiguous();
+  at::Tensor keys = at::arange(4096, at::kLong) * 3 + (int64_t{1} << 40);
+  const RouterOptions options{.numExperts = 16, .topK = 2, .selectionNoise = 0.05, .noiseSeed = 11};
+  auto imbalance = [](const Routing& routing) {
+    at::Tensor loads = routing.tokensPerExpert.to(at::kDouble);
+    return (loads.max() / loads.mean()).item<double>();
+  };
+  Router clean({.numExperts = 16, .topK = 2}, gate);
+  CHECK(imbalance(clean.route(tokens)) == 8.0);  // every copy takes the same two of 16
+
+  Router noisy(options, gate);
+  CHECK(noisy.noisy());
+  Routing routing = noisy.route(tokens, keys);
+  CHECK(imbalance(routing) < 1.25);
+  // The weights stay the clean scores of the chosen experts.
+  at::Tensor scores = at::softmax(at::matmul(tokens, gate.t()), -1);
+  at::Tensor picked = scores.gather(1, routing.indices);
+  CHECK(at::allclose(routing.weights, picked / picked.sum(-1, true), 1e-15, 0));
+  // A pure function of (seed, key, expert): the same again, the same for a
+  // slice of the tokens routed alone, other draws under another seed.
+  CHECK(at::equal(noisy.route(tokens, keys).indices, routing.indices));
+  at::Tensor part = noisy.route(tokens.narrow(0, 1000, 300), keys.narrow(0, 1000, 300)).indices;
+  CHECK(at::equal(part, routing.indices.narrow(0, 1000, 300)));
+  Router reseeded({.numExperts = 16, .topK = 2, .selectionNoise = 0.05, .noiseSeed = 12}, gate);
+  CHECK_FALSE(at::equal(reseeded.route(tokens, keys).indices, routing.indices));
+
+  CHECK_THROWS_AS(noisy.route(tokens), ConfigError);  // no keys
+  CHECK_THROWS_AS(noisy.route(tokens, keys.narrow(0, 0, 10)), ConfigError);
+  CHECK_THROWS_AS(Router({.numExperts = 16, .topK = 2, .selectionNoise = -0.1}, gate), ConfigError);
+  {
+    const c10::NoGradGuard noGrad;  // evaluation: the clean top-k, no keys needed
+    CHECK_FALSE(noisy.noisy());
+    CHECK(at::equal(noisy.route(tokens).indices, clean.route(tokens).indices));
+  }
+}
+
+TEST_CASE("selection noise is standard normal draws, independent across keys and experts", "[moe][router]") {
+  // Keys far apart, negative and consecutive ones among them.
+  at::Tensor keys = at::cat({at::arange(-20000, 20000, at::kLong), at::arange(0, 20000, at::kLong) * 1000003 + 7,
+                             at::arange(0, 20000, at::kLong) + (int64_t{5} << 50)});
+  at::Tensor noise = selectionNoise(keys, 8, 0.5, 99, at::kDouble);
+  REQUIRE(noise.sizes() == at::IntArrayRef({80000, 8}));
+  at::Tensor unit = noise / 0.5;
+  CHECK(std::abs(unit.mean().item<double>()) < 0.01);
+  CHECK(std::abs(unit.std().item<double>() - 1) < 0.01);
+  CHECK(std::abs((unit.pow(4).mean().item<double>()) - 3) < 0.1);  // a normal's fourth moment
+  // Neighbouring experts and neighbouring keys uncorrelated.
+  CHECK(std::abs((unit.narrow(1, 0, 7) * unit.narrow(1, 1, 7)).mean().item<double>()) < 0.01);
+  CHECK(std::abs((unit.narrow(0, 0, 79999) * unit.narrow(0, 1, 79999)).mean().item<double>()) < 0.01);
+  CHECK(at::equal(selectionNoise(keys.narrow(0, 500, 9), 8, 0.5, 99, at::kDouble), noise.narrow(0, 500, 9)));
+  CHECK(at::equal(selectionNoise(keys, 8, 0.5, 99, at::kFloat), noise.to(at::kFloat)));
 }
 
 TEST_CASE("sigmoid scores: top-k of the sigmoids, weights renormalised to one", "[moe][router]") {
