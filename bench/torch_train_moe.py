@@ -1,11 +1,11 @@
 """train_moe's model in plain PyTorch on one GPU, the reference of bench/run_train_bench.sh.
 
-The same model as examples/train_moe (the same shapes, initial scales and data): a tied byte embedding
-scaled by sqrt(hidden) plus 0.1 x sinusoidal positions; per layer RMSNorm -> q, k, v, out projections with
+The same model as examples/train_moe (the same shapes, initial scales and data): a unit-size byte
+embedding plus 0.1 x sinusoidal positions; per layer RMSNorm -> q, k, v, out projections with
 causal scaled-dot-product attention -> RMSNorm -> MoE (fp32 router, softmax, top-k of the scores plus
 Gaussian selection noise of std 0.05, renormalised clean weights,
 Switch aux loss and z-loss; SwiGLU experts through torch._grouped_mm, dropless, no host sync); a final
-RMSNorm and the tied output layer; AdamW (fused, weight decay 0.01), gradient clipping at 1.0, the same
+RMSNorm and an output layer that starts at zero; AdamW (fused, weight decay 0.01), gradient clipping at 1.0, the same
 warm-up and cosine schedule shape. Prints one line per mode:
 
     TORCH_TRAIN eager|compiled tokens_per_s=... step_ms=...
@@ -85,7 +85,8 @@ class Model(torch.nn.Module):
         proj_std = 0.02 / math.sqrt(2.0 * L)
         normal = lambda *shape, std: torch.nn.Parameter(torch.randn(*shape, device=device, dtype=dtype) * std)
         ones = lambda: torch.nn.Parameter(torch.ones(H, device=device, dtype=dtype))
-        self.embed = normal(256, H, std=0.02 * min(1.0, 64.0 / H))
+        self.embed = normal(256, H, std=1.0)
+        self.output = torch.nn.Parameter(torch.zeros(256, H, device=device, dtype=dtype))
         self.attn_norm = torch.nn.ParameterList([ones() for _ in range(L)])
         self.moe_norm = torch.nn.ParameterList([ones() for _ in range(L)])
         self.qkv = torch.nn.ParameterList([normal(3 * H, H, std=0.02) for _ in range(L)])
@@ -137,14 +138,14 @@ class Model(torch.nn.Module):
         return y.view(shape), aux + z
 
     def forward(self, ids, targets):
-        x = F.embedding(ids, self.embed) * math.sqrt(args.hidden) + 0.1 * self.positions[: ids.shape[1]]
+        x = F.embedding(ids, self.embed) + 0.1 * self.positions[: ids.shape[1]]
         extra = torch.zeros((), device=device)
         for layer in range(args.layers):
             x = x + self.attention(layer, self.norm(self.attn_norm[layer], x))
             y, losses = self.moe(layer, self.norm(self.moe_norm[layer], x))
             x = x + y
             extra = extra + losses
-        logits = self.norm(self.final_norm, x) @ self.embed.t()
+        logits = self.norm(self.final_norm, x) @ self.output.t()
         loss = F.cross_entropy(logits.view(-1, 256).float(), targets.reshape(-1))
         return loss, extra
 

@@ -30,7 +30,7 @@ at::Tensor positions(int64_t sequence, int64_t hidden, const at::TensorOptions& 
 // a width of 64; wider, the std shrinks as 1 / hidden (as muP scales the
 // output layer with the width), so the first loss stays near ln(vocab) at any
 // width instead of growing with it (19.5 at 1,024 with 0.02).
-double embeddingStd(int hidden) { return 0.02 * std::min(1.0, 64.0 / hidden); }
+double tiedEmbeddingStd(int hidden) { return 0.02 * std::min(1.0, 64.0 / hidden); }
 
 }  // namespace
 
@@ -41,10 +41,20 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
     throw ConfigError(fmt::format("model: layers [{}, {}) are not a part of {} layers", part_.firstLayer,
                                   part_.endLayer, config.layers),
                       {.rank = groups.world()->rank()});
-  if (part_.first || part_.last)
-    embedding_.emplace("embed", config.vocab, config.hidden, tp_,
-                       parallel::VocabEmbeddingOptions{
-                           .initStd = embeddingStd(config.hidden), .seed = config.seed, .dtype = config.dtype});
+  // Untied (the default): unit-size token embeddings, and an output layer
+  // that starts at zero, so the first loss is ln(vocab) at any width and the
+  // logits grow only as the output layer learns. Tied: one matrix both ways,
+  // a copy of it on the last stage (see tiedEmbeddingStd).
+  const bool embeds = part_.first || (part_.last && config.tiedEmbedding);
+  if (embeds)
+    embedding_.emplace(
+        "embed", config.vocab, config.hidden, tp_,
+        parallel::VocabEmbeddingOptions{.initStd = config.tiedEmbedding ? tiedEmbeddingStd(config.hidden) : 1.0,
+                                        .seed = config.seed,
+                                        .dtype = config.dtype});
+  if (part_.last && !config.tiedEmbedding)
+    output_.emplace("output", config.vocab, config.hidden, tp_,
+                    parallel::VocabEmbeddingOptions{.initStd = 0, .seed = config.seed, .dtype = config.dtype});
   if (config.heads % tp_.size() != 0 || config.hidden % config.heads != 0) {
     throw ConfigError(fmt::format("model: {} heads of hidden size {} do not split over tp {}", config.heads,
                                   config.hidden, tp_.size()),
@@ -132,7 +142,8 @@ ModelOutput MoETransformer::forwardPart(const TokenBatch& batch, const at::Tenso
     if (!positions_.defined() || positions_.size(0) != ids.size(1) || positions_.options().dtype() != options.dtype() ||
         positions_.device() != options.device())
       positions_ = 0.1 * positions(ids.size(1), config_.hidden, options);
-    x = embedding_->forward(ids) * std::sqrt(static_cast<double>(config_.hidden)) + positions_;
+    const double scale = config_.tiedEmbedding ? std::sqrt(static_cast<double>(config_.hidden)) : 1.0;
+    x = embedding_->forward(ids) * scale + positions_;
   }
   at::Tensor aux = at::zeros({}, x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
   for (size_t i = 0; i < moe_.size(); ++i) {
@@ -142,8 +153,9 @@ ModelOutput MoETransformer::forwardPart(const TokenBatch& batch, const at::Tenso
     aux = aux + out.auxLoss + out.zLoss;
   }
   if (!part_.last) return {x, aux};
-  at::Tensor logits = embedding_->logits(norm(finalNorm_, x));
-  at::Tensor loss = parallel::vocabParallelCrossEntropy(logits, targets, embedding_->vocabRange().begin, tp_).mean();
+  const parallel::VocabParallelEmbedding& output = output_ ? *output_ : *embedding_;
+  at::Tensor logits = output.logits(norm(finalNorm_, x));
+  at::Tensor loss = parallel::vocabParallelCrossEntropy(logits, targets, output.vocabRange().begin, tp_).mean();
   return {loss, aux};
 }
 
@@ -167,6 +179,7 @@ std::vector<parallel::Parameter> MoETransformer::parameters() const {
     }
   }
   auto append = [&](std::vector<parallel::Parameter> more) { all.insert(all.end(), more.begin(), more.end()); };
+  if (output_) append(output_->parameters());
   auto appendNorm = [&](const Norm& n) {
     all.push_back({.name = n.name,
                    .tensor = n.weight,

@@ -1,10 +1,11 @@
 #pragma once
 // A small MoE transformer language model on Bulkhead's layers: a vocabulary-
-// parallel byte embedding (tied with the output layer), then per layer
-// RMSNorm -> causal self-attention (heads split over tp: column-parallel q, k,
-// v, row-parallel output) -> RMSNorm -> MoE feed-forward (experts over ep,
-// expert-tp = tp), and a final RMSNorm. Every weight starts from a seeded
-// slice of its global tensor, so every layout trains the same model.
+// parallel byte embedding, then per layer RMSNorm -> causal self-attention
+// (heads split over tp: column-parallel q, k, v, row-parallel output) ->
+// RMSNorm -> MoE feed-forward (experts over ep, expert-tp = tp), a final
+// RMSNorm and a vocabulary-parallel output layer (or the embedding again,
+// tied). Every weight starts from a seeded slice of its global tensor, so
+// every layout trains the same model.
 
 #include <ATen/core/Tensor.h>
 
@@ -39,6 +40,9 @@ struct ModelConfig {
   // (the space is 18% of the corpus) start on the same two experts and the
   // first layer's load is 2 to 8 times the mean for tens of steps.
   double routerNoise = 0.05;
+  // The output layer is the embedding matrix (GPT-2's tying) instead of a
+  // layer of its own.
+  bool tiedEmbedding = false;
   bool oncePerRank = true;
   uint64_t seed = 1;
   at::ScalarType dtype = at::kFloat;
@@ -52,7 +56,7 @@ struct ModelOutput {
 // The part of the model one pipeline chunk holds: layers [firstLayer,
 // endLayer) by global index (so checkpoints do not depend on the pipeline
 // size). The first part embeds the bytes; the last applies the final norm and
-// the tied output layer. A last part that is not also the first holds a copy
+// the output layer. Tied, a last part that is not also the first holds a copy
 // of the embedding (pipelineCopy: its gradient is summed with the first
 // part's, and it is counted and saved once).
 struct ModelPart {
@@ -73,7 +77,7 @@ class MoETransformer {
   // the last part the loss, and this part's MoE losses.
   ModelOutput forwardPart(const TokenBatch& batch, const at::Tensor& input);
   const ModelPart& part() const { return part_; }
-  // The embedding weight on a first or last part (undefined elsewhere).
+  // The embedding weight on a first part, or tied on a last part (undefined elsewhere).
   at::Tensor embeddingWeight() const;
 
   std::vector<parallel::Parameter> parameters() const;
@@ -94,6 +98,7 @@ class MoETransformer {
   ModelPart part_;
   parallel::TpGroup tp_;
   std::optional<parallel::VocabParallelEmbedding> embedding_;
+  std::optional<parallel::VocabParallelEmbedding> output_;  // the untied output layer, on the last part
   std::vector<parallel::ColumnParallelLinear> q_, k_, v_;
   std::vector<parallel::RowParallelLinear> out_;
   std::vector<Norm> attentionNorm_, moeNorm_;

@@ -18,7 +18,10 @@ parallel::PipelineOptions pipelineOptions(const StagedOptions& options) {
 }  // namespace
 
 StagedModel::StagedModel(const ModelConfig& config, const parallel::ProcessGroups& groups, StagedOptions options)
-    : groups_(groups), options_(options), pipeline_(groups.pp(), pipelineOptions(options)) {
+    : groups_(groups),
+      options_(options),
+      tied_(config.tiedEmbedding),
+      pipeline_(groups.pp(), pipelineOptions(options)) {
   const int pp = groups.pp()->size(), rank = groups.pp()->rank(), stages = pp * options.virtualStages;
   if (config.layers % stages != 0)
     throw ConfigError(fmt::format("model: {} layers do not divide over {} pipeline stages (pp {} x vpp {})",
@@ -51,7 +54,7 @@ double StagedModel::forwardBackward(const std::vector<TokenBatch>& microBatches)
     }});
   }
   parallel::PipelineResult result = pipeline_.run(chunks);
-  tieEmbeddingGradients();
+  if (tied_) tieEmbeddingGradients();
 
   // The loss lives on the last stage (the same on every tp rank there): one
   // contribution per data-parallel replica, summed over the world.

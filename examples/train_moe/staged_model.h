@@ -1,8 +1,8 @@
 #pragma once
 // train_moe's model over a pipeline: this rank's parts of the MoE transformer
 // (stage = chunk * pp + pp rank; the layers split evenly over pp x vpp stages),
-// the schedule that runs them over micro-batches, and the sum of the tied
-// embedding's gradients between the first and the last stage. With pp = 1,
+// the schedule that runs them over micro-batches, and, with a tied embedding,
+// the sum of its gradients between the first and the last stage. With pp = 1,
 // vpp = 1 and one micro-batch it is the whole model in one forward and one
 // backward.
 
@@ -43,6 +43,7 @@ class StagedModel {
 
   const parallel::ProcessGroups& groups_;
   StagedOptions options_;
+  bool tied_;  // the embedding's gradients are summed between the first and the last stage
   std::vector<std::unique_ptr<MoETransformer>> parts_;
   parallel::Pipeline pipeline_;
 };

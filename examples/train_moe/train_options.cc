@@ -44,6 +44,7 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
                  "std of the noise on the router's scores when it picks experts in training (0: none)")
       ->check(count)
       ->group("Model");
+  app.add_flag("--tied-embedding", m.tiedEmbedding, "the output layer is the embedding matrix")->group("Model");
   app.add_option("--capacity", m.capacityFactor, "expert capacity factor (0: dropless)")->check(count)->group("Model");
   app.add_flag_callback(
          "--per-slot", [&m] { m.oncePerRank = false; },

@@ -87,6 +87,7 @@ def hf_names(key, dtype, value):
     if m:
         return [(f"model.layers.{m[1]}.mlp.experts.{e}.down_proj.weight", dtype, value[e]) for e in range(value.shape[0])]
     simple = [(r"embed\.weight", "model.embed_tokens.weight"), (r"final_norm\.weight", "model.norm.weight"),
+              (r"output\.weight", "lm_head.weight"),
               (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
               (r"layers\.(\d+)\.attn\.(q|k|v)\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
               (r"layers\.(\d+)\.attn\.out\.weight", r"model.layers.\1.self_attn.o_proj.weight"),

@@ -8,7 +8,8 @@
 #            within 1e-9 relative (float64)
 #   layouts  (ep1,dp1) (ep2,dp2) (ep4) (tp2,ep2): the same 20-step loss curve
 #   pipeline (pp 1) (pp 2) (pp 4) (pp 2, ep 2) (pp 2, tp 2) (pp 2, vpp 2) and one rank, 4
-#            micro-batches: the same 10-step loss curve within 1e-12 (float64); a
+#            micro-batches: the same 10-step loss curve within 1e-12 (float64), and
+#            with a tied embedding at (pp 2) (pp 4) (pp 2, vpp 2); a
 #            checkpoint saved at (pp 2, ep 2) resumes at (pp 1), (pp 4) and (pp 2, ep 1)
 #            within 1e-9 of the straight run; --pp 2 on the README's run: the loss falls
 #            like the pp 1 run's
@@ -124,6 +125,13 @@ PY
       set -- $variant
       run 4 "$work/$1.txt" "${@:2}" --steps 10 "${piped[@]}"
       compare "$work/$1.txt" "$work/one.txt" 1e-12
+    done
+    # Tied, the last stage holds a copy of the embedding whose gradient is summed with the first stage's.
+    run 1 "$work/one_tied.txt" --steps 10 --tied-embedding "${piped[@]}"
+    for variant in "pp2 --pp 2" "pp4 --pp 4" "pp2vpp2 --pp 2 --vpp 2"; do
+      set -- $variant
+      run 4 "$work/$1_tied.txt" "${@:2}" --steps 10 --tied-embedding "${piped[@]}"
+      compare "$work/$1_tied.txt" "$work/one_tied.txt" 1e-12
     done
     # Saved at (pp 2, ep 2) at step 6, resumed in three other layouts.
     run 4 "$work/straight.txt" --pp 2 --ep 2 --steps 12 "${piped[@]}"
