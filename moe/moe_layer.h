@@ -126,7 +126,7 @@ class MoELayer {
   // while the experts run. `capturing`: the forward runs under CUDA-graph capture.
   at::Tensor routed(const at::Tensor& tokens, Routing& routing, bool capturing);
   // The keys select() gets: undefined when no noise applies, else the caller's
-  // (checked) or the default ones; counts the forward.
+  // or the default ones; counts the forward.
   at::Tensor noiseKeys(const at::Tensor& tokens, const at::Tensor& routingKeys);
 
   MoEOptions options_;

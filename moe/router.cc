@@ -52,9 +52,10 @@ Routing Router::select(const at::Tensor& tokens, bool hostCounts, const at::Tens
   const auto scoreType = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor keys;  // defined where the selection adds noise
   if (noisy()) {
-    if (!noiseKeys.defined() || noiseKeys.numel() != numTokens || noiseKeys.device() != tokens.device())
-      throw ConfigError(fmt::format("router: selection noise needs a key for each of the {} tokens on {}", numTokens,
-                                    tokens.device().str()),
+    if (!noiseKeys.defined() || noiseKeys.numel() != numTokens || noiseKeys.device() != tokens.device() ||
+        noiseKeys.scalar_type() != at::kLong)
+      throw ConfigError(fmt::format("router: selection noise needs an int64 key for each of the {} tokens on {}",
+                                    numTokens, tokens.device().str()),
                         {.expected = "noiseKeys [T] int64 on the tokens' device"});
     keys = noiseKeys;
   }

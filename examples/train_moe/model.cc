@@ -68,6 +68,7 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
   const double projectionStd = 0.02 / std::sqrt(2.0 * config.layers);
   for (int layer = part_.firstLayer; layer < part_.endLayer; ++layer) {
     const std::string prefix = fmt::format("layers.{}", layer);
+    const uint64_t layerSeed = config.seed * 1000 + static_cast<uint64_t>(layer);
     const parallel::ColumnParallelOptions column{.bias = false, .seed = config.seed, .dtype = config.dtype};
     q_.emplace_back(prefix + ".attn.q", config.hidden, config.hidden, tp_, column);
     k_.emplace_back(prefix + ".attn.k", config.hidden, config.hidden, tp_, column);
@@ -86,12 +87,12 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
                                        .zLossCoeff = config.zLossCoeff,
                                        .capacityFactor = config.capacityFactor,
                                        .selectionNoise = config.routerNoise,
-                                       .noiseSeed = config.seed * 1000 + static_cast<uint64_t>(layer)},
+                                       .noiseSeed = layerSeed},
                             .oncePerRank = config.oncePerRank,
                             .globalAuxLoss = true,
                             .sharedExpertHidden = config.sharedFfn,
                             .initStd = projectionStd,
-                            .seed = config.seed * 1000 + static_cast<uint64_t>(layer)};
+                            .seed = layerSeed};
     moe_.push_back(std::make_unique<moe::MoELayer>(options, groups, at::TensorOptions(config.dtype).device(device)));
   }
   if (part_.last) finalNorm_ = normWeight("final_norm.weight");
