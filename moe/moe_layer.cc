@@ -153,11 +153,7 @@ MoEOutput MoELayer::forward(const at::Tensor& input, const at::Tensor& routingKe
   if (sharedW13_.defined())
     shared.emplace(tokens, sharedExpertStreamFor(tokens.device()), [&] { return sharedExpert(tokens); });
   const bool capturing = streamCapturing(tokens);
-  if (!options_.staticShapes && capturing)
-    throw ConfigError(fmt::format("MoE layer {}: dropless dispatch reads its counts on the host and cannot be "
-                                  "captured by a CUDA graph; set a capacity factor and MoEOptions::staticShapes",
-                                  options_.name),
-                      {.rank = worldRank_, .expected = "static shapes under CUDA-graph capture"});
+  if (!options_.staticShapes && capturing && !droplessOnDevice(tokens)) throwHostCounts();
   if (options_.router.expertBias && capturing)
     throw ConfigError(fmt::format("MoE layer {}: the expert bias sums the loads of every forward between updates, "
                                   "which a CUDA graph of this layer does not capture; balance with the aux loss",
@@ -185,7 +181,11 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
     fixed = staticDispatch(tokens, routing, options_.router.numExperts, staticCapacity(options_.router, tokens.size(0)),
                            experts_.groupedFor(tokens));
     expertOutput = experts_.forward(fixed->expertInput, fixed->rowsPerExpert, fixed->rowEnds);
+  } else if (droplessOnDevice(tokens) &&
+             (fixed = droplessDispatch(tokens, routing, options_.router.numExperts, /*groupedExperts=*/true))) {
+    expertOutput = experts_.forward(fixed->expertInput, {}, fixed->rowEnds);
   } else {
+    if (capturing) throwHostCounts();
     plan = dispatcher_.dispatch(tokens, routing);
     expertOutput = experts_.forward(plan->expertInput, plan->tokensPerLocalExpert, plan->expertRowEnds);
   }
@@ -211,6 +211,18 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
     routing.auxLoss = router_.switchLoss(slots, 1.0, routing.meanProb) / total.squeeze(0).clamp_min(1);
   }
   return fixed ? staticCombine(*fixed, routing, expertOutput) : dispatcher_.combine(*plan, expertOutput);
+}
+
+bool MoELayer::droplessOnDevice(const at::Tensor& tokens) const {
+  return options_.router.capacityFactor <= 0 && dispatcher_.localExperts() == options_.router.numExperts &&
+         experts_.groupedFor(tokens);
+}
+
+void MoELayer::throwHostCounts() const {
+  throw ConfigError(fmt::format("MoE layer {}: dropless dispatch here reads its counts on the host and cannot be "
+                                "captured by a CUDA graph; set a capacity factor and MoEOptions::staticShapes",
+                                options_.name),
+                    {.rank = worldRank_, .expected = "static shapes under CUDA-graph capture"});
 }
 
 std::optional<c10::Stream> MoELayer::sharedExpertStreamFor(c10::Device device) {

@@ -64,8 +64,11 @@ struct MoEOptions {
   // Fixed shapes (moe/static_dispatch.h): every expert gets exactly its
   // capacity of rows and nothing is read back to the host, so a CUDA graph can
   // capture the layer. Needs a capacity factor and ep 1 (ConfigError
-  // otherwise). Without it, a forward under CUDA-graph capture is a
-  // ConfigError: dropless dispatch reads its counts on the host.
+  // otherwise). Without it the layer is dropless; at ep 1 on a GPU with
+  // grouped products (bf16) it keeps its counts on the device, with no
+  // exchange (moe/static_dispatch.h, droplessDispatch), and can be captured;
+  // elsewhere the dispatcher reads its counts on the host, and a forward
+  // under CUDA-graph capture is a ConfigError.
   bool staticShapes = false;
   // Each collective of the layer, forward and backward (dispatch, combine,
   // expert-tp, the aux-loss counts); unset: BULKHEAD_COLLECTIVE_TIMEOUT.
@@ -125,6 +128,9 @@ class MoELayer {
   // with static shapes the fixed-capacity way; the routing's losses are added
   // while the experts run. `capturing`: the forward runs under CUDA-graph capture.
   at::Tensor routed(const at::Tensor& tokens, Routing& routing, bool capturing);
+  // Dropless with every expert here and grouped products on these tokens: no host read, no exchange.
+  bool droplessOnDevice(const at::Tensor& tokens) const;
+  [[noreturn]] void throwHostCounts() const;
   // The keys select() gets: undefined when no noise applies, else the caller's
   // or the default ones; counts the forward.
   at::Tensor noiseKeys(const at::Tensor& tokens, const at::Tensor& routingKeys);

@@ -40,10 +40,26 @@ StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int 
   return plan;
 }
 
+std::optional<StaticPlan> droplessDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts,
+                                           bool groupedExperts) {
+  if (!groupedExperts || routing.position.defined() || tokens.dim() != 2 || routing.indices.dim() != 2 ||
+      routing.indices.size(0) != tokens.size(0))
+    return std::nullopt;
+  StaticPlan plan{.packed = true};
+  const int64_t slots = routing.indices.numel();
+  at::Tensor order;
+  if (!groupByKeyKernels(routing.indices, numExperts, slots, order, plan.slotTable, &plan.rowEnds)) return std::nullopt;
+  // Each token's row goes to its k slots' rows, which together are every row once.
+  plan.expertInput = gatherRows(tokens, plan.slotTable, slots);
+  return plan;
+}
+
 at::Tensor staticCombine(const StaticPlan& plan, const Routing& routing, const at::Tensor& expertOutput) {
   // Weights in at least float32, as the dispatcher's combine takes them; a
   // dropped slot's column is skipped and its weight gets no gradient.
   const at::ScalarType weightType = at::promote_types(routing.weights.scalar_type(), at::kFloat);
+  if (plan.packed && !plan.keptRows.defined())  // dropless: every row is a slot's
+    return gatherSum(expertOutput, plan.slotTable, routing.weights.to(weightType), SourceRows::Every);
   if (plan.packed)  // the kept rows lead, once each: the backward zeroes only the rows after them
     return gatherSum(expertOutput, plan.slotTable, routing.weights.to(weightType), SourceRows::Prefix, plan.keptRows);
   return gatherSum(expertOutput, plan.slotTable, routing.weights.to(weightType));

@@ -25,10 +25,18 @@
 //   expertOutput[row of (t, j)]; dropped slots add nothing and get no gradient.
 // - Differentiable both ways through gatherRowsOrZero and gatherSum
 //   (moe/gather_sum.h): no atomics, sums in a fixed order.
+//
+// Dropless with every expert on this rank (ep 1), the packed layout needs no
+// capacity: each slot is kept, so the buffer is exactly [T * k, H], the slots
+// of each expert in slot order (as the dispatcher orders them at ep 1), and
+// the group ends stay on the device. droplessDispatch builds it without a
+// read back to the host or an exchange; its results equal the dispatcher's
+// at ep 1 bit for bit (the same rows in the same order, the same sums).
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "moe/router.h"
@@ -42,13 +50,21 @@ struct StaticPlan {
   at::Tensor slotTable;                // [T, k] int64: each slot's expert row, -1 where dropped
   std::vector<int64_t> rowsPerExpert;  // padded: C each, on the host; packed: empty
   at::Tensor rowEnds;                  // int32 group ends on the device (packed: the last is T * k)
-  at::Tensor keptRows;                 // packed: the kept rows, one int32 on the device
+  at::Tensor keptRows;                 // packed with a capacity: the kept rows, one int32 on the device
 };
 
 int64_t staticCapacity(const RouterOptions& router, int64_t tokens);
 
 StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts, int64_t capacity,
                           bool packed = false);
+
+// The dropless packed plan (capacity 0, keptRows undefined: every row is a
+// slot's), or nothing where it does not apply: the routing has a capacity
+// (routing.position defined), or the grouping kernels or at::_grouped_mm do
+// not run on these tokens (`groupedExperts` false: the experts need their
+// counts on the host), in which case the dispatcher runs.
+std::optional<StaticPlan> droplessDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts,
+                                           bool groupedExperts);
 
 at::Tensor staticCombine(const StaticPlan& plan, const Routing& routing, const at::Tensor& expertOutput);
 

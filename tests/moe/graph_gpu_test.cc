@@ -1,7 +1,9 @@
 // CUDA graphs of a MoE layer step: a layer with static shapes (capacity mode)
 // captured forward and backward replays to what the same layer computes
 // eagerly, for 1,000 replays with new inputs; a replay past its deadline is a
-// TimeoutError; a dropless layer refuses capture, saying to set a capacity.
+// TimeoutError; dropless at ep 1 in bf16 keeps its counts on the device (the
+// dispatcher's results bit for bit) and captures; a layer whose dispatch reads
+// counts on the host refuses capture, saying to set a capacity.
 // With two GPUs: NCCL all-reduces captured in a graph replay on both ranks,
 // and a rank that captured one more fails at capture on both.
 #include <ATen/ATen.h>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "moe/moe_layer.h"
+#include "moe/static_dispatch.h"
 #include "parallel/process_groups.h"
 #include "runtime/cuda_graph.h"
 #include "runtime/errors.h"
@@ -147,9 +150,89 @@ TEST_CASE("a graph replay that outlives its deadline raises TimeoutError") {
   graph.replay(Deadline::afterSeconds(30));  // and it still runs to completion with time to do so
 }
 
-TEST_CASE("capturing a dropless MoE layer is a ConfigError that says to set a capacity") {
+TEST_CASE("dropless at ep 1 with grouped products gives the dispatcher's results bit for bit, from the device alone") {
+  auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  REQUIRE(groups.ep()->size() == 1);
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  at::manual_seed(5150 + gpuWorld().rank());
+  at::Tensor gate = (at::randn({kExperts, kHidden}, options) * 0.05).requires_grad_(true);
+  moe::Router router({.numExperts = kExperts, .topK = kTopK}, gate);
+  moe::GroupedExperts experts({.numExperts = kExperts, .hidden = kHidden, .ffnHidden = kFfn, .initStd = 0.05},
+                              /*firstExpert=*/0, kExperts, groups.expertTp(), options);
+  moe::TokenDispatcher dispatcher(groups.ep(), {.numExperts = kExperts});
+  for (int round = 0; round < 3; ++round) {
+    // A shared direction skews the loads, so the groups differ in size.
+    at::Tensor base = at::randn({kTokens, kHidden}, options) + round * at::randn({1, kHidden}, options);
+    at::Tensor upstream = at::randn({kTokens, kHidden}, options);
+    std::vector<std::vector<at::Tensor>> results;
+    for (const bool onDevice : {false, true}) {
+      at::Tensor tokens = base.clone().requires_grad_(true);
+      for (const at::Tensor& w : {gate, experts.w13(), experts.w2()}) w.mutable_grad() = at::Tensor();
+      moe::Routing routing = router.select(tokens);
+      at::Tensor out;
+      if (onDevice) {
+        auto plan = moe::droplessDispatch(tokens, routing, kExperts, experts.groupedFor(tokens));
+        REQUIRE(plan.has_value());
+        CHECK(plan->expertInput.size(0) == kTokens * kTopK);
+        out = moe::staticCombine(*plan, routing, experts.forward(plan->expertInput, {}, plan->rowEnds));
+      } else {
+        moe::DispatchPlan plan = dispatcher.dispatch(tokens, routing);
+        out =
+            dispatcher.combine(plan, experts.forward(plan.expertInput, plan.tokensPerLocalExpert, plan.expertRowEnds));
+      }
+      torch::autograd::backward({(out.to(at::kFloat) * upstream.to(at::kFloat)).sum()});
+      results.push_back({out.detach(), tokens.grad(), gate.grad(), experts.w13().grad(), experts.w2().grad()});
+    }
+    for (size_t i = 0; i < results[0].size(); ++i) {
+      INFO(fmt::format("round {}, tensor {}", round, i));
+      REQUIRE(results[1][i].defined());
+      CHECK(results[1][i].abs().max().item<float>() > 0);
+      CHECK(at::equal(results[0][i], results[1][i]));
+    }
+  }
+  // Not on the CPU, nor with a capacity: the dispatcher runs there.
+  at::Tensor cpuTokens = at::randn({8, kHidden}, at::kFloat);
+  moe::Router cpuRouter({.numExperts = kExperts, .topK = kTopK}, at::randn({kExperts, kHidden}, at::kFloat));
+  CHECK_FALSE(moe::droplessDispatch(cpuTokens, cpuRouter.select(cpuTokens), kExperts, true).has_value());
+  moe::Router capped({.numExperts = kExperts, .topK = kTopK, .capacityFactor = 1.0}, gate);
+  at::Tensor tokens = at::randn({kTokens, kHidden}, options);
+  CHECK_FALSE(moe::droplessDispatch(tokens, capped.select(tokens), kExperts, true).has_value());
+}
+
+TEST_CASE("a dropless layer at ep 1 in bf16 captures and replays to its eager results") {
   auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), parallel::LayoutOptions{}, {.warmup = false});
   const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  moe::MoEOptions dropless = staticOptions();
+  dropless.staticShapes = false;
+  dropless.router.capacityFactor = 0;
+  moe::MoELayer captured(dropless, groups, options), eager(dropless, groups, options);
+  at::manual_seed(6060 + gpuWorld().rank());
+  Step graphStep{captured, at::randn({kTokens, kHidden}, options).requires_grad_(true),
+                 at::randn({kTokens, kHidden}, options)};
+  Step eagerStep{eager, at::empty({kTokens, kHidden}, options).requires_grad_(true), graphStep.projection};
+  // Capture fails on any read back to the host: passing it shows the layer needs none.
+  CapturedGraph graph(gpu(), [&] { graphStep(); }, {.name = "dropless-ep1"});
+  for (int replay = 0; replay < 100; ++replay) {
+    at::Tensor next = at::randn({kTokens, kHidden}, options) + (replay % 4) * at::randn({1, kHidden}, options);
+    {
+      c10::NoGradGuard noGrad;
+      graphStep.input.copy_(next);
+      eagerStep.input.copy_(next);
+    }
+    graph.replay(Deadline::afterSeconds(10));
+    eagerStep();
+    auto ours = graphStep.results(), theirs = eagerStep.results();
+    for (size_t i = 0; i < ours.size(); ++i)
+      if (!withinRounding(ours[i], theirs[i])) FAIL_CHECK(fmt::format("replay {}: tensor {} differs", replay, i));
+  }
+  CHECK(captured.stats().droppedSlots == 0);
+  CHECK(captured.stats().imbalance > 1);
+}
+
+TEST_CASE("capturing a layer whose dispatch reads counts on the host is a ConfigError that says to set a capacity") {
+  auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  // float32 experts multiply one group at a time, with their counts on the host.
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(gpu());
   moe::MoEOptions dropless = staticOptions();
   dropless.staticShapes = false;
   dropless.router.capacityFactor = 0;
@@ -157,13 +240,14 @@ TEST_CASE("capturing a dropless MoE layer is a ConfigError that says to set a ca
   at::Tensor input = at::randn({kTokens, kHidden}, options);
   try {
     CapturedGraph graph(gpu(), [&] { layer.forward(input); }, {.name = "dropless", .warmupRuns = 1});
-    FAIL("capture of a dropless layer succeeded");
+    FAIL("capture of a dispatcher layer succeeded");
   } catch (const ConfigError& error) {
     CHECK(std::string(error.what()).find("set a capacity factor") != std::string::npos);
   }
   // The stream is out of capture: eager work goes on.
   CHECK(layer.forward(input).output.sizes() == input.sizes());
 }
+
 TEST_CASE("NCCL collectives captured in a graph replay on every rank; one captured more fails at capture") {
   const int me = gpuWorld().rank(), n = gpuWorld().size();
   if (n < 2) {
