@@ -134,6 +134,7 @@ at::Tensor DistributedOptimizer::masterPiece(const Bucket& bucket, const ShardLa
 
 void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
   std::vector<WorkPtr> works;
+  const bool fusedKernels = fused::available(groups_.world()->device());
   for (Bucket& bucket : buckets_) {
     const ShardLayout& layout = bucket.layout;
     const int ranks = layout.ranks();
@@ -143,20 +144,27 @@ void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
     // there: one bucket-sized buffer, not a converted copy of each gradient,
     // their concatenation and then this.
     at::Tensor padded = at::empty({ranks * layout.shardMax}, options);
+    std::vector<at::Tensor> into, from;  // on a GPU, converted together in few kernels
     for (int r = 0; r < ranks; ++r) {
       at::Tensor region = padded.narrow(0, r * layout.shardMax, layout.shardMax);
       region.narrow(0, layout.shardLength(r), layout.shardMax - layout.shardLength(r)).zero_();
       for (const auto& piece : bucket.pieces[r]) {
-        at::Tensor into = region.narrow(0, piece.shardOffset, piece.numel);
         const at::Tensor& grad = params_[bucket.members[piece.param]].tensor.grad();
         if (!grad.defined()) {
-          into.zero_();
+          region.narrow(0, piece.shardOffset, piece.numel).zero_();
           continue;
         }
         const int64_t rowElems = layout.params[piece.param].rowElems;
-        into.copy_(grad.reshape({-1}).narrow(0, piece.rowBegin * rowElems, piece.numel));
+        const at::Tensor rows = grad.reshape({-1}).narrow(0, piece.rowBegin * rowElems, piece.numel);
+        if (!fusedKernels) {
+          region.narrow(0, piece.shardOffset, piece.numel).copy_(rows);
+          continue;
+        }
+        into.push_back(region.narrow(0, piece.shardOffset, piece.numel));
+        from.push_back(rows);
       }
     }
+    if (fusedKernels) fused::copy(into, from);
     if (ranks == 1) {
       bucket.gradShard = padded;
       continue;
