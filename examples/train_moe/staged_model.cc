@@ -2,8 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 
+#include <chrono>
+#include <utility>
+
+#include "parallel/tensor_parallel.h"
+#include "runtime/backoff.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::examples {
@@ -42,7 +48,34 @@ StagedModel::StagedModel(const ModelConfig& config, const parallel::ProcessGroup
   }
 }
 
-double StagedModel::forwardBackward(const std::vector<TokenBatch>& microBatches) {
+StepLoss::StepLoss(WorkPtr work, at::Tensor sum, int replicas, Deadline deadline)
+    : work_(std::move(work)), sum_(std::move(sum)), replicas_(replicas), deadline_(deadline) {
+  if (!sum_.is_cuda()) return;
+  host_ = at::empty(sum_.sizes(), sum_.options().device(at::kCPU).pinned_memory(true));
+  host_.copy_(sum_, /*non_blocking=*/true);  // on the stream, behind the all-reduce
+  const c10::impl::VirtualGuardImpl device(sum_.device().type());
+  copied_.emplace(sum_.device().type());
+  copied_->record(device.getStream(sum_.device()));
+}
+
+double StepLoss::get() {
+  if (value_) return *value_;
+  work_->wait(deadline_);  // raises the all-reduce's error or its timeout
+  if (copied_) {
+    // The copy right behind the completed all-reduce: microseconds.
+    Backoff backoff(std::chrono::microseconds(20));
+    while (!copied_->query()) {
+      if (deadline_.expired())
+        throw TimeoutError("train_moe: the step's loss did not reach the host by its deadline",
+                           {.expected = "the loss copied behind its all-reduce"});
+      backoff.pause(deadline_);
+    }
+  }
+  value_ = (copied_ ? host_ : sum_).item<double>() / replicas_;
+  return *value_;
+}
+
+StepLoss StagedModel::forwardBackward(const std::vector<TokenBatch>& microBatches) {
   if (static_cast<int>(microBatches.size()) != options_.microBatches)
     throw ConfigError(fmt::format("{} micro-batches for a schedule of {}", microBatches.size(), options_.microBatches),
                       {.rank = groups_.world()->rank()});
@@ -61,8 +94,9 @@ double StagedModel::forwardBackward(const std::vector<TokenBatch>& microBatches)
   const bool counts = groups_.pp()->rank() == groups_.pp()->size() - 1 && groups_.tp()->rank() == 0;
   at::Tensor loss = counts ? result.losses.mean().reshape({1})
                            : at::zeros({1}, at::TensorOptions(at::kDouble).device(groups_.world()->device()));
-  groups_.world()->allReduce(loss)->wait();
-  return loss.item<double>() / groups_.dpCp()->size();
+  const Deadline deadline = parallel::collectiveDeadline(std::nullopt);
+  WorkPtr work = groups_.world()->allReduce(loss, {.deadline = deadline});
+  return StepLoss(std::move(work), loss, groups_.dpCp()->size(), deadline);
 }
 
 void StagedModel::tieEmbeddingGradients() {

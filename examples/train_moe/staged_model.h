@@ -7,14 +7,38 @@
 // backward.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "examples/train_moe/model.h"
 #include "parallel/pipeline.h"
+#include "runtime/communicator.h"
+#include "runtime/deadline.h"
 
 namespace bulkhead::examples {
+
+// A step's loss on its way to the host: the world's sum is all-reduced and
+// copied to page-locked memory behind the step's work, and get() waits for
+// that alone, not for work queued after it (the optimizer's), so the host
+// queues the update without first draining the GPU.
+class StepLoss {
+ public:
+  StepLoss(WorkPtr work, at::Tensor sum, int replicas, Deadline deadline);
+  // The mean over every data-parallel rank's tokens, on every rank; raises the
+  // all-reduce's error, or TimeoutError past its deadline.
+  double get();
+
+ private:
+  WorkPtr work_;
+  at::Tensor sum_, host_;
+  std::optional<c10::Event> copied_;
+  int replicas_;
+  Deadline deadline_;
+  std::optional<double> value_;
+};
 
 struct StagedOptions {
   int virtualStages = 1;  // chunks per pipeline rank (interleaved 1F1B when > 1)
@@ -29,9 +53,10 @@ class StagedModel {
   // Forward and backward of this rank's micro-batches (microBatches of them,
   // [rows, sequence] each); gradients accumulate in the
   // parameters (the tied embedding's copies hold their sum). Returns the loss,
-  // the mean over every data-parallel rank's tokens, on every rank.
+  // the mean over every data-parallel rank's tokens, on every rank, as a
+  // StepLoss to read once the rest of the step is queued.
   // Collective over the world.
-  double forwardBackward(const std::vector<TokenBatch>& microBatches);
+  StepLoss forwardBackward(const std::vector<TokenBatch>& microBatches);
 
   std::vector<parallel::Parameter> parameters() const;
   std::vector<parallel::ShardedTensor> buffers() const;

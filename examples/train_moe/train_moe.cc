@@ -240,9 +240,10 @@ int main(int argc, char** argv) {
         microBatches.push_back(
             batches.batch(step, m * dp->size() + dp->rank(), options.microBatches * dp->size(), device));
       // The data-parallel mean of the loss (every rank's batch is the same size).
-      const double meanLoss = model.forwardBackward(microBatches);
+      examples::StepLoss loss = model.forwardBackward(microBatches);
       const double gradNorm = optimizer.step(schedule.at(step), {.maxGradNorm = options.clip});
       optimizer.zeroGrad();
+      const double meanLoss = loss.get();  // read with the update already queued
       windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       ++windowSteps;
       if (reporter.lossLog.is_open()) reporter.lossLog << fmt::format("{} {:.17g} {:.17g}\n", step, meanLoss, gradNorm);
