@@ -278,4 +278,12 @@ bool groupByKeyKernels(const at::Tensor& key, int64_t groups, int64_t count, at:
 #endif
 }
 
+int64_t groupByKeyKernelsMaxGroups() {
+#if BULKHEAD_MOE_KERNELS
+  return cuda::kMaxGroups;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace bulkhead::moe

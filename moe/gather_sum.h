@@ -62,4 +62,7 @@ at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, i
 bool groupByKeyKernels(const at::Tensor& key, int64_t groups, int64_t count, at::Tensor& order, at::Tensor& table,
                        at::Tensor* ends = nullptr);
 
+// The most groups groupByKeyKernels takes (0 where its kernels are not built).
+int64_t groupByKeyKernelsMaxGroups();
+
 }  // namespace bulkhead::moe

@@ -215,7 +215,7 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
 
 bool MoELayer::droplessOnDevice(const at::Tensor& tokens) const {
   return options_.router.capacityFactor <= 0 && dispatcher_.localExperts() == options_.router.numExperts &&
-         experts_.groupedFor(tokens);
+         droplessDispatchApplies(tokens, options_.router.numExperts, experts_.groupedFor(tokens));
 }
 
 void MoELayer::throwHostCounts() const {

@@ -48,9 +48,12 @@ namespace bulkhead::moe {
 struct MoEOptions {
   std::string name = "moe";
   int hidden = 64;
-  int ffnHidden = 128;      // per expert, global (before etp)
-  RouterOptions router;     // numExperts, topK, losses, capacity, bias
-  bool oncePerRank = true;  // dispatch a token once per destination rank
+  int ffnHidden = 128;   // per expert, global (before etp)
+  RouterOptions router;  // numExperts, topK, losses, capacity, bias
+  // Dispatch a token once per destination rank (else once per selected
+  // expert). Where nothing travels (the dropless device path at ep 1) both
+  // give the once-per-rank sums.
+  bool oncePerRank = true;
   // Aux loss from slot counts summed over the dp x cp group (one small
   // all-reduce per step) instead of this rank's alone. P_i stays this rank's
   // mean, so the data-parallel mean of the loss is the global batch's, whatever
@@ -64,11 +67,11 @@ struct MoEOptions {
   // Fixed shapes (moe/static_dispatch.h): every expert gets exactly its
   // capacity of rows and nothing is read back to the host, so a CUDA graph can
   // capture the layer. Needs a capacity factor and ep 1 (ConfigError
-  // otherwise). Without it the layer is dropless; at ep 1 on a GPU with
-  // grouped products (bf16) it keeps its counts on the device, with no
-  // exchange (moe/static_dispatch.h, droplessDispatch), and can be captured;
-  // elsewhere the dispatcher reads its counts on the host, and a forward
-  // under CUDA-graph capture is a ConfigError.
+  // otherwise). Without it, a dropless layer (capacity 0) at ep 1 on a GPU
+  // with grouped products (bf16, at most 512 experts) keeps its counts on the
+  // device, with no exchange (moe/static_dispatch.h, droplessDispatch), and
+  // can be captured; elsewhere the dispatcher reads its counts on the host,
+  // and a forward under CUDA-graph capture is a ConfigError.
   bool staticShapes = false;
   // Each collective of the layer, forward and backward (dispatch, combine,
   // expert-tp, the aux-loss counts); unset: BULKHEAD_COLLECTIVE_TIMEOUT.

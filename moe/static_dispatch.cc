@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 
 #include "moe/gather_sum.h"
 
@@ -40,10 +41,16 @@ StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int 
   return plan;
 }
 
+bool droplessDispatchApplies(const at::Tensor& tokens, int numExperts, bool groupedExperts) {
+  return groupedExperts && tokens.is_cuda() && tokens.dim() == 2 && tokens.size(0) > 0 &&
+         numExperts <= groupByKeyKernelsMaxGroups();
+}
+
 std::optional<StaticPlan> droplessDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts,
                                            bool groupedExperts) {
-  if (!groupedExperts || routing.position.defined() || tokens.dim() != 2 || routing.indices.dim() != 2 ||
-      routing.indices.size(0) != tokens.size(0))
+  if (!droplessDispatchApplies(tokens, numExperts, groupedExperts) || routing.position.defined() ||
+      routing.indices.dim() != 2 || routing.indices.size(0) != tokens.size(0) ||
+      routing.indices.numel() > std::numeric_limits<int32_t>::max())
     return std::nullopt;
   StaticPlan plan{.packed = true};
   const int64_t slots = routing.indices.numel();

@@ -31,7 +31,9 @@
 // of each expert in slot order (as the dispatcher orders them at ep 1), and
 // the group ends stay on the device. droplessDispatch builds it without a
 // read back to the host or an exchange; its results equal the dispatcher's
-// at ep 1 bit for bit (the same rows in the same order, the same sums).
+// once-per-rank results at ep 1 bit for bit (the same rows in the same order,
+// the same sums). Per slot, the dispatcher rounds each weighted slot to the
+// tokens' dtype before the sum; here each token's sum is rounded once.
 
 #include <ATen/core/Tensor.h>
 
@@ -60,9 +62,13 @@ StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int 
 
 // The dropless packed plan (capacity 0, keptRows undefined: every row is a
 // slot's), or nothing where it does not apply: the routing has a capacity
-// (routing.position defined), or the grouping kernels or at::_grouped_mm do
-// not run on these tokens (`groupedExperts` false: the experts need their
-// counts on the host), in which case the dispatcher runs.
+// (routing.position defined), there are no tokens, T * k rows overflow int32
+// group ends, or the grouping kernels or at::_grouped_mm do not run on these
+// tokens (`groupedExperts` false: the experts need their counts on the
+// host); the dispatcher runs there (and raises what it raises).
+// Contract: a dropless Router::select's routing: every slot kept, every id
+// in [0, numExperts). It is not checked here (that would read the device).
+bool droplessDispatchApplies(const at::Tensor& tokens, int numExperts, bool groupedExperts);
 std::optional<StaticPlan> droplessDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts,
                                            bool groupedExperts);
 

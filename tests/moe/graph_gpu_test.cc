@@ -61,8 +61,9 @@ struct Step {
   }
 };
 
-// Equal within one bf16 rounding of the largest magnitude: the token gradient
-// sums up to k rows per token in whatever order the device's atomics take.
+// Equal within one bf16 rounding of the largest magnitude: a replay and an
+// eager step may pick other GEMM kernels, and the capacity path's token
+// gradient may sum its rows in another order than the packed one.
 bool withinRounding(const at::Tensor& ours, const at::Tensor& theirs) {
   const double scale = theirs.abs().max().item<double>();
   return (ours.to(at::kFloat) - theirs.to(at::kFloat)).abs().max().item<double>() <= scale / 128 + 1e-6;
@@ -197,6 +198,11 @@ TEST_CASE("dropless at ep 1 with grouped products gives the dispatcher's results
   moe::Router capped({.numExperts = kExperts, .topK = kTopK, .capacityFactor = 1.0}, gate);
   at::Tensor tokens = at::randn({kTokens, kHidden}, options);
   CHECK_FALSE(moe::droplessDispatch(tokens, capped.select(tokens), kExperts, true).has_value());
+  // No tokens, more experts than the grouping kernels take, or experts that need their counts on the host.
+  CHECK(moe::droplessDispatchApplies(tokens, kExperts, true));
+  CHECK_FALSE(moe::droplessDispatchApplies(at::empty({0, kHidden}, options), kExperts, true));
+  CHECK_FALSE(moe::droplessDispatchApplies(tokens, 4096, true));
+  CHECK_FALSE(moe::droplessDispatchApplies(tokens, kExperts, false));
 }
 
 TEST_CASE("a dropless layer at ep 1 in bf16 captures and replays to its eager results") {
@@ -225,8 +231,7 @@ TEST_CASE("a dropless layer at ep 1 in bf16 captures and replays to its eager re
     for (size_t i = 0; i < ours.size(); ++i)
       if (!withinRounding(ours[i], theirs[i])) FAIL_CHECK(fmt::format("replay {}: tensor {} differs", replay, i));
   }
-  CHECK(captured.stats().droppedSlots == 0);
-  CHECK(captured.stats().imbalance > 1);
+  CHECK(captured.stats().imbalance > 1);  // the replays' own routing, read back after them
 }
 
 TEST_CASE("capturing a layer whose dispatch reads counts on the host is a ConfigError that says to set a capacity") {
