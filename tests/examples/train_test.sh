@@ -17,7 +17,11 @@
 #            at widths 64, 256 and 1024 (16 experts, top-2, float32); at width 256
 #            on 4 ranks, the first layer's load at step 20 is below twice the
 #            mean (imbalance < 2), for two seeds
-# usage: train_test.sh falls|resume|layouts|pipeline|width <train_moe> <mpirun>
+#   gpu      bf16 on one GPU (the MoE layers' device-side dropless path, the
+#            loss read behind its all-reduce, the optimizer's kernels): the
+#            first loss is ln(256), the loss falls, every loss and norm is
+#            finite; skipped (77) without a GPU
+# usage: train_test.sh falls|resume|layouts|pipeline|width|gpu <train_moe> <mpirun>
 set -euo pipefail
 mode=$1 train=$2 mpirun=$3
 work=$(mktemp -d)
@@ -155,5 +159,28 @@ assert ends[1] < 0.6 * curves[1][0], "the pp 2 run's loss did not fall"
 assert abs(ends[1] - ends[0]) < 0.05 * ends[0], "the pp 2 run's loss falls unlike the pp 1 run's"
 PY
     ;;
-  *) echo "usage: $0 falls|resume|layouts|pipeline|width <train_moe> <mpirun>" >&2; exit 2 ;;
+  gpu)
+    if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+      echo "SKIPPED: no GPU on this machine (nvidia-smi lists none); the GPU tests run on the device machine"
+      exit 77
+    fi
+    run 1 "$work/gpu.txt" --backend nccl --dtype bfloat16 --layers 2 --hidden 256 --heads 4 --ffn 256 --experts 8 \
+      --topk 2 --seq 128 --batch 16 --steps 60 --warmup 10 --log-interval 20
+    line=$(grep -a "step    60 |" "$work/out.txt") || { tail -5 "$work/out.txt"; echo "FAIL: no step 60 line"; exit 1; }
+    echo "$line"
+    grep -q "TFLOP/s" <<< "$line" || { echo "FAIL: the GPU log line has no TFLOP/s"; exit 1; }
+    python3 - "$work/gpu.txt" "$line" <<'PY'
+import math, sys
+rows = [line.split() for line in open(sys.argv[1])]
+losses = [float(r[1]) for r in rows]
+assert len(losses) == 60 and all(math.isfinite(x) for x in losses), "a loss is missing or not finite"
+assert all(math.isfinite(float(r[2])) for r in rows), "a gradient norm is not finite"
+print(f"bf16 on one GPU: first loss {losses[0]:.4f} (ln 256 = {math.log(256):.4f}), step 60 {losses[-1]:.4f}")
+assert abs(losses[0] - math.log(256)) <= 0.01 * math.log(256), "the first loss is not ln(256)"
+assert sum(losses[-10:]) / 10 < 0.7 * losses[0], "the loss did not fall"
+printed = float(sys.argv[2].split("| loss ")[1].split()[0])
+assert abs(printed - losses[-1]) <= 5e-5, f"the logged loss {printed} is not the step's {losses[-1]}"
+PY
+    ;;
+  *) echo "usage: $0 falls|resume|layouts|pipeline|width|gpu <train_moe> <mpirun>" >&2; exit 2 ;;
 esac
