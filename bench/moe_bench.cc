@@ -72,6 +72,7 @@ struct Options {
   bool sharedInLine = false;  // run it on the layer's stream, not beside it
   int sharedRounds = 0;       // beside against in line, alternating rounds
   bool perSlot = false;
+  bool packed = false;  // static shapes: packed rows for grouped products, not padded ones
   bool stepOnly = false;
   int memorySteps = 0;  // with --step-only: memory after each of this many more steps
   std::string profile;  // Chrome trace of 5 steps, rank 0's; rank r's gets ".rank<r>" (bench/profile_summary.py)
@@ -94,6 +95,9 @@ void addFlags(CLI::App& app, Options& o) {
   app.add_flag("--shared-in-line", o.sharedInLine, "run the shared expert on the layer's stream");
   app.add_option("--shared-rounds", o.sharedRounds, "shared expert beside against in line, alternating rounds")
       ->check(cli::nonNegative());
+  app.add_flag("--packed", o.packed,
+               "with --graph and a capacity: pack the kept rows for grouped products instead of padding each "
+               "expert's capacity for batched ones");
   app.add_flag("--per-slot", o.perSlot, "dispatch once per selected expert, not once per rank");
   app.add_flag("--step-only", o.stepOnly, "time the step and its memory only");
   app.add_option("--memory-steps", o.memorySteps, "with --step-only: memory after each of this many more steps")
@@ -181,7 +185,8 @@ int main(int argc, char** argv) {
         .oncePerRank = !options.perSlot,
         .sharedExpertHidden = options.sharedFfn,
         .overlapSharedExpert = !options.sharedInLine,
-        .staticShapes = options.graph && options.capacity > 0};
+        .staticShapes = options.graph && options.capacity > 0,
+        .packedStaticRows = options.packed};
     if (options.graph && ranks > 1)
       throw ConfigError("--graph needs one rank: the captured layer keeps its counts on the device at ep 1 only");
     moe::MoELayer layer(layerOptions, groups, tensorOptions);
@@ -352,10 +357,11 @@ int main(int argc, char** argv) {
     // same kernels, rows and counts, forward and backward: input and weight
     // gradients), and the model FLOPs of both (router and experts, x3 for the
     // backward).
-    // With static shapes and grouped products the kept rows are packed (T x k rows, the dropless
-    // count); without grouped products every expert gets its capacity of rows, padding included.
+    // Static shapes pad every expert's capacity of rows (batched products), unless packed (T x k
+    // rows, the dropless count, through grouped products).
     const int64_t capacity = moe::staticCapacity(layerOptions.router, options.tokens);
-    const bool padded = layerOptions.staticShapes && !layer.experts().groupedFor(plan.expertInput);
+    const bool padded =
+        layerOptions.staticShapes && !(layerOptions.packedStaticRows && layer.experts().groupedFor(plan.expertInput));
     const int64_t productRows = padded ? capacity * options.experts : expertRows;
     const std::vector<int64_t> productCounts =
         padded ? std::vector<int64_t>(static_cast<size_t>(options.experts), capacity) : plan.tokensPerLocalExpert;
@@ -365,7 +371,8 @@ int main(int argc, char** argv) {
     at::Tensor floorRows = at::randn({productRows, options.hidden}, tensorOptions).requires_grad_(true);
     at::Tensor floorGrad = at::randn({productRows, options.hidden}, tensorOptions);
     auto products = [&] {
-      at::Tensor out = layer.experts().forward(floorRows, productCounts, productEnds);
+      at::Tensor out = padded ? layer.experts().forwardPadded(floorRows)
+                              : layer.experts().forward(floorRows, productCounts, productEnds);
       torch::autograd::backward({out}, {floorGrad});
     };
     for (int i = 0; i < 3; ++i) products();
@@ -390,7 +397,8 @@ int main(int argc, char** argv) {
     if (me == 0) {
       fmt::print("MODE {}\n", options.perSlot ? "per-slot" : "once-per-rank");
       fmt::print("CAPACITY {}\n", options.capacity > 0 ? fmt::format("{:g}", options.capacity) : "dropless");
-      fmt::print("EXECUTION {}\n", options.graph ? "graph" : "eager");
+      fmt::print("EXECUTION {}{}\n", options.graph ? "graph" : "eager",
+                 layerOptions.staticShapes ? (padded ? "/padded" : "/packed") : "");
       fmt::print("EXPERT_PRODUCTS_MS {:.3f}\n", floorMs);
       fmt::print("STEP_OVER_PRODUCTS {:.2f}\n", stepMs / floorMs);
       fmt::print("STEP_TFLOPS {:.1f}\n", stepFlops / stepMs / 1e9);

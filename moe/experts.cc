@@ -15,6 +15,7 @@
 #include <numeric>
 #include <utility>
 
+#include "moe/batched_linear.h"
 #include "moe/swiglu.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/errors.h"
@@ -83,16 +84,25 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
   w2_ = stacked(w2, {0, hidden, ffnLocal});
 }
 
-at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
-                                   const at::Tensor& groupEnds) const {
+template <typename Products>
+at::Tensor GroupedExperts::overExpertTp(const at::Tensor& tokens, Products products) const {
   const parallel::TpGroup etp{
       .comm = expertTp_, .timeout = options_.timeout, .paramGroup = parallel::ParamGroup::Expert};
-  at::Tensor x = parallel::copyToTensorParallel(tokens, etp);
-  const at::Tensor ends = groupEndsFor(x, groupEnds, groupedMm_);
-  // One product for both projections: one gradient to x, none to sum.
-  at::Tensor gateUp = groupedLinear(x, w13_.flatten(1, 2), counts, ends);
-  at::Tensor partial = groupedLinear(swiglu(gateUp), w2_, counts, ends);
-  return parallel::reduceFromTensorParallel(partial, etp);
+  return parallel::reduceFromTensorParallel(products(parallel::copyToTensorParallel(tokens, etp)), etp);
+}
+
+at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<int64_t>& counts,
+                                   const at::Tensor& groupEnds) const {
+  return overExpertTp(tokens, [&](const at::Tensor& x) {
+    const at::Tensor ends = groupEndsFor(x, groupEnds, groupedMm_);
+    // One product for both projections: one gradient to x, none to sum.
+    at::Tensor gateUp = groupedLinear(x, w13_.flatten(1, 2), counts, ends);
+    return groupedLinear(swiglu(gateUp), w2_, counts, ends);
+  });
+}
+
+at::Tensor GroupedExperts::forwardPadded(const at::Tensor& tokens) const {
+  return overExpertTp(tokens, [&](const at::Tensor& x) { return batchedLinear(swiglu(batchedLinear(x, w13_)), w2_); });
 }
 
 std::vector<parallel::Parameter> GroupedExperts::parameters(const std::string& prefix, int replicaId) const {

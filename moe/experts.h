@@ -19,6 +19,9 @@
 //   options, so a shape _grouped_mm refuses fails on no rank (a rank with no
 //   rows multiplies nothing either way). Experts with no rows still take part,
 //   so every weight gets a gradient (zeros).
+// - Padded groups (forwardPadded, every expert the same number of rows): one
+//   strided batched GEMM per projection on every device; the weight gradients
+//   go into w13.grad() and w2.grad() in place (moe/batched_linear.h).
 
 #include <ATen/core/Tensor.h>
 
@@ -53,6 +56,10 @@ class GroupedExperts {
   // the host; groupEnds: their running sum as int32 on the tokens' device.
   // counts may be empty where groupedFor(tokens): the device ends suffice.
   at::Tensor forward(const at::Tensor& tokens, const std::vector<int64_t>& counts, const at::Tensor& groupEnds) const;
+  // tokens [E_local * C, H], C rows per local expert (padded groups): one
+  // strided batched GEMM per projection, each weight gradient added to the
+  // weight's .grad inside its GEMM (moe/batched_linear.h).
+  at::Tensor forwardPadded(const at::Tensor& tokens) const;
   // Whether rows like `tokens` go through at::_grouped_mm (which takes the
   // group ends on the device and needs no counts on the host).
   bool groupedFor(const at::Tensor& tokens) const;
@@ -64,6 +71,9 @@ class GroupedExperts {
   const at::Tensor& w2() const { return w2_; }
 
  private:
+  template <typename Products>
+  at::Tensor overExpertTp(const at::Tensor& tokens, Products products) const;
+
   ExpertOptions options_;
   bool groupedMm_;  // options_.groupedMm where the shapes fit at::_grouped_mm
   int firstExpert_;

@@ -178,9 +178,11 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
   std::optional<StaticPlan> fixed;
   at::Tensor expertOutput;
   if (options_.staticShapes) {
+    const bool packed = options_.packedStaticRows && experts_.groupedFor(tokens);
     fixed = staticDispatch(tokens, routing, options_.router.numExperts, staticCapacity(options_.router, tokens.size(0)),
-                           experts_.groupedFor(tokens));
-    expertOutput = experts_.forward(fixed->expertInput, fixed->rowsPerExpert, fixed->rowEnds);
+                           packed);
+    expertOutput = packed ? experts_.forward(fixed->expertInput, fixed->rowsPerExpert, fixed->rowEnds)
+                          : experts_.forwardPadded(fixed->expertInput);
   } else if (droplessOnDevice(tokens) &&
              (fixed = droplessDispatch(tokens, routing, options_.router.numExperts, /*groupedExperts=*/true))) {
     expertOutput = experts_.forward(fixed->expertInput, {}, fixed->rowEnds);

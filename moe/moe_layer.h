@@ -73,6 +73,13 @@ struct MoEOptions {
   // can be captured; elsewhere the dispatcher reads its counts on the host,
   // and a forward under CUDA-graph capture is a ConfigError.
   bool staticShapes = false;
+  // Static shapes' expert rows: false (the default), every expert's capacity
+  // of rows, zero-padded, through batched GEMMs that add each weight gradient
+  // to the weight's .grad inside the GEMM (moe/batched_linear.h); true, where
+  // grouped products apply, the kept rows packed for at::_grouped_mm, which
+  // multiplies T x k rows instead of E x capacity but leaves autograd to add
+  // the weight gradients to held ones in a pass of their own.
+  bool packedStaticRows = false;
   // Each collective of the layer, forward and backward (dispatch, combine,
   // expert-tp, the aux-loss counts); unset: BULKHEAD_COLLECTIVE_TIMEOUT.
   std::optional<std::chrono::milliseconds> timeout;

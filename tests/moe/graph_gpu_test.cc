@@ -103,34 +103,43 @@ TEST_CASE("a MoE layer with static shapes captured in a CUDA graph replays to it
   CHECK(captured.stats().droppedSlots == eager.stats().droppedSlots);
 }
 
-TEST_CASE("static shapes on a GPU (kept rows packed for the grouped products) match the dispatcher's capacity path") {
+TEST_CASE(
+    "static shapes on a GPU, padded (batched products) and packed (grouped), match the dispatcher's capacity "
+    "path") {
   auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), parallel::LayoutOptions{}, {.warmup = false});
   const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
   moe::MoEOptions dynamicOptions = staticOptions();
   dynamicOptions.staticShapes = false;
-  moe::MoELayer packed(staticOptions(), groups, options), dynamic(dynamicOptions, groups, options);
-  at::manual_seed(77 + gpuWorld().rank());
-  Step staticStep{packed, at::empty({kTokens, kHidden}, options).requires_grad_(true),
-                  at::randn({kTokens, kHidden}, options)};
-  Step dynamicStep{dynamic, at::empty({kTokens, kHidden}, options).requires_grad_(true), staticStep.projection};
-  int64_t dropped = 0;
-  for (int round = 0; round < 5; ++round) {
-    // A shared direction in every token skews the routing, so capacity drops slots.
-    at::Tensor next = at::randn({kTokens, kHidden}, options) + round * at::randn({1, kHidden}, options);
-    {
-      c10::NoGradGuard noGrad;
-      staticStep.input.copy_(next);
-      dynamicStep.input.copy_(next);
+  moe::MoELayer dynamic(dynamicOptions, groups, options);
+  for (bool packedRows : {false, true}) {
+    moe::MoEOptions fixedOptions = staticOptions();
+    fixedOptions.packedStaticRows = packedRows;
+    moe::MoELayer fixed(fixedOptions, groups, options);
+    at::manual_seed(77 + gpuWorld().rank());
+    Step staticStep{fixed, at::empty({kTokens, kHidden}, options).requires_grad_(true),
+                    at::randn({kTokens, kHidden}, options)};
+    Step dynamicStep{dynamic, at::empty({kTokens, kHidden}, options).requires_grad_(true), staticStep.projection};
+    int64_t dropped = 0;
+    for (int round = 0; round < 5; ++round) {
+      // A shared direction in every token skews the routing, so capacity drops slots.
+      at::Tensor next = at::randn({kTokens, kHidden}, options) + round * at::randn({1, kHidden}, options);
+      {
+        c10::NoGradGuard noGrad;
+        staticStep.input.copy_(next);
+        dynamicStep.input.copy_(next);
+      }
+      staticStep();
+      dynamicStep();
+      auto ours = staticStep.results(), theirs = dynamicStep.results();
+      for (size_t i = 0; i < ours.size(); ++i) {
+        if (withinRounding(ours[i], theirs[i])) continue;
+        FAIL_CHECK(fmt::format("{} rows, round {}: tensor {} differs", packedRows ? "packed" : "padded", round, i));
+      }
+      CHECK(fixed.stats().droppedSlots == dynamic.stats().droppedSlots);
+      dropped += fixed.stats().droppedSlots;
     }
-    staticStep();
-    dynamicStep();
-    auto ours = staticStep.results(), theirs = dynamicStep.results();
-    for (size_t i = 0; i < ours.size(); ++i)
-      if (!withinRounding(ours[i], theirs[i])) FAIL_CHECK(fmt::format("round {}: tensor {} differs", round, i));
-    CHECK(packed.stats().droppedSlots == dynamic.stats().droppedSlots);
-    dropped += packed.stats().droppedSlots;
+    CHECK(dropped > 0);
   }
-  CHECK(dropped > 0);
 }
 
 TEST_CASE("a graph replay that outlives its deadline raises TimeoutError") {
