@@ -26,6 +26,18 @@
 #endif
 
 namespace bulkhead::moe {
+namespace {
+
+// namedRows int32 [G] on the rows' device, the rows G equal groups.
+bool namedRowsFit(const at::Tensor& namedRows, const at::Tensor& rows, int64_t rowCount) {
+  return namedRows.defined() && namedRows.scalar_type() == at::kInt && namedRows.dim() == 1 && namedRows.numel() > 0 &&
+         namedRows.device() == rows.device() && namedRows.is_contiguous() && rowCount % namedRows.numel() == 0;
+}
+bool namedRowsFit(const at::Tensor& namedRows, const at::Tensor& source) {
+  return namedRowsFit(namedRows, source, source.size(0));
+}
+
+}  // namespace
 
 at::Tensor gatherSumReference(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights) {
   const int64_t outputs = table.size(0), columns = table.size(1);
@@ -44,12 +56,14 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-// Rows [*namedRows, rows) of a contiguous buffer set to zero on the device.
+// The rows of a contiguous buffer after each group's named ones (namedRows
+// int32 [G]: G equal groups) set to zero on the device.
 void zeroRowsAfter(const at::Tensor& buffer, const at::Tensor& namedRows) {
   cuda::zeroTail({.rows = buffer.data_ptr(),
                   .count = buffer.size(0),
                   .rowBytes = buffer.size(1) * buffer.element_size(),
                   .first = namedRows.data_ptr<int32_t>(),
+                  .groups = namedRows.numel(),
                   .stream = c10::cuda::getCurrentCUDAStream(buffer.device().index()).stream()});
 }
 
@@ -111,10 +125,11 @@ struct GatherSumBackward : Node {
 
 at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights, SourceRows named,
                      const at::Tensor& namedRows) {
-  if (named == SourceRows::Prefix &&
-      (!namedRows.defined() || namedRows.scalar_type() != at::kInt || namedRows.numel() != 1))
-    throw ConfigError("gatherSum: SourceRows::Prefix needs namedRows, one int32",
-                      {.expected = "namedRows: an int32 tensor of one element"});
+  if (named == SourceRows::Prefix && !namedRowsFit(namedRows, source))
+    throw ConfigError(
+        "gatherSum: SourceRows::Prefix needs namedRows, int32 [G] on the source's device, G dividing "
+        "the source rows",
+        {.expected = "namedRows: an int32 tensor of G elements, the source rows G equal groups"});
 #if BULKHEAD_MOE_KERNELS
   const bool floating =
       weights.defined() ? (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kDouble) : true;
@@ -151,8 +166,9 @@ namespace {
 // The caller has checked that the table fits the source.
 // zeroed: the rows the table does not name are zeros (the kernel writes only
 // the rows it names).
-// namedRows (one int32 on the device), where given: the table names rows
-// [0, namedRows) and only the rows after them are zeroed.
+// namedRows (int32 [G] on the device), where given: the rows are G equal
+// groups, the table names the first namedRows[g] rows of group g, and only
+// the rows after those are zeroed.
 at::Tensor expandRowsKernel(const at::Tensor& source, int64_t rows, const at::Tensor& table, bool zeroed = false,
                             const at::Tensor& namedRows = {}) {
 #if BULKHEAD_MOE_KERNELS
@@ -226,6 +242,9 @@ at::Tensor withGatherBackward(at::Tensor output, const at::Tensor& source, const
 at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows,
                             const at::Tensor& namedRows) {
   checkGatherArgs("gatherRowsOrZero", source, table, rows);
+  if (namedRows.defined() && !namedRowsFit(namedRows, source, rows))
+    throw ConfigError(fmt::format("gatherRowsOrZero: namedRows does not divide {} rows into int32 groups", rows),
+                      {.expected = "namedRows: an int32 tensor of G elements on the source's device, G dividing rows"});
   at::Tensor output;
   {
     const c10::NoGradGuard untracked;

@@ -17,10 +17,11 @@ namespace bulkhead::moe {
 // backward starts from a zeroed gradient. Every: each exactly once (as the
 // combine's tables do), so the backward writes every gradient row itself and
 // skips zeroing them; a table that misses a row then leaves that row's
-// gradient undefined. Prefix: the table names rows [0, n) once each and no
-// other, n being `namedRows` (one int32 on the source's device, known only
-// there: a packed buffer's kept rows), so the backward writes those and zeroes
-// only the rest.
+// gradient undefined. Prefix: the source rows are G equal groups (G =
+// namedRows' size), and the table names the first namedRows[g] rows of group
+// g once each and no other (namedRows int32 [G] on the source's device, known
+// only there: a packed buffer's kept rows, G = 1; a padded buffer's kept rows
+// per expert, G = E), so the backward writes those and zeroes only the rest.
 enum class SourceRows { Some, Every, Prefix };
 
 at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights,
@@ -45,8 +46,9 @@ at::Tensor gatherRows(const at::Tensor& source, const at::Tensor& table, int64_t
 // padding): the rows it misses are zeros and get no gradient; the backward is
 // the same gatherSum. On CUDA, where the kernels are built: a zeroed buffer and
 // gatherRows' kernel; elsewhere an index_select and a masked fill.
-// namedRows (optional, one int32 on the device): the table names exactly rows
-// [0, namedRows), so only the rows after them are zeroed.
+// namedRows (optional, int32 [G] on the device): the rows are G equal groups
+// and the table names exactly the first namedRows[g] rows of group g, so only
+// the rows after those are zeroed (G = 1: rows [0, namedRows)).
 at::Tensor gatherRowsOrZero(const at::Tensor& source, const at::Tensor& table, int64_t rows,
                             const at::Tensor& namedRows = {});
 

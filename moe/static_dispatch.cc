@@ -35,7 +35,10 @@ StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int 
   // p < C at expert e reads into row e * C + p, so no two slots share a row.
   plan.slotTable = at::where(routing.keep, routing.indices * capacity + routing.position,
                              at::full({}, -1, routing.indices.options()));
-  plan.expertInput = gatherRowsOrZero(tokens, plan.slotTable, numExperts * capacity);
+  // Expert e's kept slots fill its first min(selected, C) rows: only the rows after them are zeroed.
+  if (tokens.is_cuda() && numExperts > 0)
+    plan.keptRows = routing.tokensPerExpert.clamp_max(capacity).to(at::kInt).contiguous();
+  plan.expertInput = gatherRowsOrZero(tokens, plan.slotTable, numExperts * capacity, plan.keptRows);
   plan.rowsPerExpert.assign(static_cast<size_t>(numExperts), capacity);
   plan.rowEnds = at::arange(1, numExperts + 1, tokens.options().dtype(at::kInt)) * static_cast<int>(capacity);
   return plan;
@@ -67,7 +70,7 @@ at::Tensor staticCombine(const StaticPlan& plan, const Routing& routing, const a
   const at::ScalarType weightType = at::promote_types(routing.weights.scalar_type(), at::kFloat);
   if (plan.packed && !plan.keptRows.defined())  // dropless: every row is a slot's
     return gatherSum(expertOutput, plan.slotTable, routing.weights.to(weightType), SourceRows::Every);
-  if (plan.packed)  // the kept rows lead, once each: the backward zeroes only the rows after them
+  if (plan.keptRows.defined())  // the kept rows lead (each expert's, padded), once each: the rest is zeroed
     return gatherSum(expertOutput, plan.slotTable, routing.weights.to(weightType), SourceRows::Prefix, plan.keptRows);
   return gatherSum(expertOutput, plan.slotTable, routing.weights.to(weightType));
 }

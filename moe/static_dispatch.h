@@ -9,7 +9,8 @@
 // Two layouts of the expert rows, both of shapes fixed by (T, k, E, C):
 // - padded: expertInput [E * C, H], expert e's rows at [e * C, (e + 1) * C);
 //   the slot of rank p < C of expert e at row e * C + p. Its group sizes are
-//   known on the host (C each): for experts that multiply one group at a time.
+//   known on the host (C each): for batched GEMMs (GroupedExperts::
+//   forwardPadded), which add each weight gradient in place.
 // - packed: expertInput [T * k, H], the kept slots of each expert one after
 //   the other (expert e's from the running sum of the kept counts before it,
 //   in rank order), then zero rows up to T * k, which the last expert's group
@@ -52,7 +53,7 @@ struct StaticPlan {
   at::Tensor slotTable;                // [T, k] int64: each slot's expert row, -1 where dropped
   std::vector<int64_t> rowsPerExpert;  // padded: C each, on the host; packed: empty
   at::Tensor rowEnds;                  // int32 group ends on the device (packed: the last is T * k)
-  at::Tensor keptRows;                 // packed with a capacity: the kept rows, one int32 on the device
+  at::Tensor keptRows;  // on a GPU, int32 on the device: packed, the kept rows [1]; padded, each expert's [E]
 };
 
 int64_t staticCapacity(const RouterOptions& router, int64_t tokens);

@@ -109,13 +109,16 @@ __global__ void expandKernel(ExpandArgs e) {
   }
 }
 
-// Blocks stride over the rows; a row before the first to clear is skipped
-// whole, so a short tail costs little more than the launch.
+// Blocks stride over the rows; a row before its group's first to clear is
+// skipped whole (one group: the walk starts at the first), so short tails cost
+// little more than the launch.
 template <typename Chunk>
 __global__ void zeroTailKernel(ZeroTailArgs z) {
-  const int64_t first = *z.first;
+  const int64_t groupRows = z.count / z.groups;
   const int64_t chunks = z.rowBytes / static_cast<int64_t>(sizeof(Chunk));
-  for (int64_t row = first + blockIdx.x; row < z.count; row += gridDim.x) {
+  const int64_t start = z.groups == 1 ? *z.first : 0;
+  for (int64_t row = start + blockIdx.x; row < z.count; row += gridDim.x) {
+    if (row % groupRows < z.first[row / groupRows]) continue;
     auto* out = reinterpret_cast<Chunk*>(static_cast<char*>(z.rows) + row * z.rowBytes);
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) out[i] = Chunk{};
   }
@@ -191,7 +194,7 @@ void expandRows(const ExpandArgs& args) {
 }
 
 void zeroTail(const ZeroTailArgs& args) {
-  if (args.count == 0 || args.rowBytes == 0) return;
+  if (args.count == 0 || args.rowBytes == 0 || args.groups <= 0) return;
   const int chunk = chunkBytes({args.rowBytes}, {args.rows});
   const auto blocks = static_cast<unsigned>(args.count < 1024 ? args.count : 1024);
   auto stream = static_cast<cudaStream_t>(args.stream);

@@ -64,13 +64,16 @@ struct ExpandArgs {
 };
 void expandRows(const ExpandArgs& args);
 
-// Zeroes rows [*first, count) of `rows` (count rows of rowBytes bytes,
-// contiguous), where `first` (one int32 on the device) is known only there:
-// the tail of a buffer whose leading rows something else wrote.
+// Zeroes the tail of each of `groups` equal groups of `rows` (count rows of
+// rowBytes bytes, contiguous; count a multiple of groups): in group g, rows
+// [first[g], count / groups) of it, where `first` (int32 [groups] on the
+// device) is known only there: the tails of buffers whose leading rows
+// something else wrote (one group: a packed buffer; one per expert: a padded one).
 struct ZeroTailArgs {
   void* rows = nullptr;
   int64_t count = 0, rowBytes = 0;
   const int32_t* first = nullptr;
+  int64_t groups = 1;
   void* stream = nullptr;
 };
 void zeroTail(const ZeroTailArgs& args);

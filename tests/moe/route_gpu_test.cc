@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "moe/dispatch_routes.h"
 #include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
+#include "runtime/errors.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
 
@@ -201,6 +203,56 @@ TEST_CASE("gatherRowsOrZero's kernel fills the rows its table misses with zeros 
     CHECK(out.ne(0).any(1).sum().item<int64_t>() == named);
     CHECK(at::allclose(gradSource.to(at::kDouble), refSource.to(at::kDouble), 2e-2, 2e-2));
   }
+}
+
+TEST_CASE("per-group named rows (a padded buffer's kept rows per expert) are kept, and only the tails zeroed",
+          "[moe][gpu]") {
+  const at::Device gpu(at::kCUDA, 0);
+  constexpr int64_t kGroups = 5, kGroupRows = 40, kWidth = 64;
+  // Group g names its first kept[g] rows (0 and all 40 included), each once, from 2 columns of random sources.
+  const std::vector<int32_t> kept{17, 0, 40, 3, 29};
+  std::vector<int64_t> named;
+  for (int64_t g = 0; g < kGroups; ++g)
+    for (int64_t p = 0; p < kept[g]; ++p) named.push_back(g * kGroupRows + p);
+  const auto count = static_cast<int64_t>(named.size());  // 89: 45 sources, one column of the last empty
+  at::Tensor shuffled =
+      at::tensor(named, at::kLong).index_select(0, at::randperm(count, testing::sharedGenerator(31), at::kLong));
+  at::Tensor table = at::cat({shuffled, at::full({1}, -1, at::kLong)}).view({-1, 2});
+  const int64_t sources = table.size(0);
+  at::Tensor namedRows = at::tensor(std::vector<int32_t>(kept.begin(), kept.end()), at::kInt);
+  at::Tensor weights = at::rand({sources, 2}, testing::sharedGenerator(32), at::kFloat) + 0.5;
+  for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    INFO("dtype " << c10::toString(dtype));
+    at::Tensor source = at::randn({sources, kWidth}, testing::sharedGenerator(33), at::kDouble).to(dtype) + 1;
+    at::Tensor grad = at::randn({kGroups * kGroupRows, kWidth}, testing::sharedGenerator(34), at::kDouble).to(dtype);
+    at::Tensor rowsIn = at::randn({kGroups * kGroupRows, kWidth}, testing::sharedGenerator(35), at::kDouble).to(dtype);
+    at::Tensor sumGrad = at::randn({sources, kWidth}, testing::sharedGenerator(36), at::kDouble).to(dtype);
+    auto run = [&](const at::Device& device) {
+      at::Tensor leaf = source.clone().to(device).requires_grad_(true);
+      at::full({kGroups * kGroupRows, kWidth}, 7, leaf.options()).sum();  // garbage in recycled memory first
+      at::Tensor expanded = device.is_cuda()
+                                ? gatherRowsOrZero(leaf, table.to(device), kGroups * kGroupRows, namedRows.to(device))
+                                : gatherRowsOrZero(leaf, table, kGroups * kGroupRows);
+      expanded.backward(grad.to(device));
+      at::Tensor rows = rowsIn.clone().to(device).requires_grad_(true);
+      at::full({kGroups * kGroupRows, kWidth}, 7, leaf.options()).sum();
+      at::Tensor summed = device.is_cuda() ? gatherSum(rows, table.to(device), weights.to(device), SourceRows::Prefix,
+                                                       namedRows.to(device))
+                                           : gatherSum(rows, table, weights);
+      summed.backward(sumGrad.to(device));
+      return std::vector<at::Tensor>{expanded.cpu(), leaf.grad().cpu(), summed.cpu(), rows.grad().cpu()};
+    };
+    auto ours = run(gpu), theirs = run(at::kCPU);
+    CHECK(at::equal(ours[0], theirs[0]));
+    CHECK(ours[0].ne(0).any(1).sum().item<int64_t>() == count);  // the tails are zeros
+    CHECK(at::allclose(ours[1].to(at::kDouble), theirs[1].to(at::kDouble), 2e-2, 2e-2));
+    CHECK(at::allclose(ours[2].to(at::kDouble), theirs[2].to(at::kDouble), 2e-2, 2e-2));
+    CHECK(at::allclose(ours[3].to(at::kDouble), theirs[3].to(at::kDouble), 1e-2, 1e-2));  // weighted, once each
+    CHECK(ours[3].ne(0).any(1).sum().item<int64_t>() == count);
+  }
+  // A namedRows that does not divide the rows is refused.
+  at::Tensor leaf = at::randn({sources, kWidth}, at::TensorOptions().device(gpu));
+  CHECK_THROWS_AS(gatherRowsOrZero(leaf, table.to(gpu), kGroups * kGroupRows - 1, namedRows.to(gpu)), ConfigError);
 }
 
 }  // namespace
