@@ -6,8 +6,9 @@
 # Env: NP (ranks = ep, default: every GPU); MPIRUN_ARGS (extra mpirun flags, such as a
 # binding, given to Bulkhead and the PyTorch reference alike); CAPACITY (the capacity
 # factor of one more once-per-rank run per token count, default 1.25; 0: none; on one
-# GPU also captured in a CUDA graph). On one GPU the dropless layer is captured too.
-# Every run also times its own floor: the layer's grouped expert products alone.
+# GPU also captured in a CUDA graph, its rows padded and packed). On one GPU the
+# dropless layer is captured too.
+# Every run also times its own floor: the layer's expert products alone.
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench/results/moe_$(date +%Y%m%d).md}
@@ -44,6 +45,8 @@ for tokens in $token_counts; do
     if [ "$ranks" -eq 1 ]; then  # the captured layer has static shapes, at ep 1
       graphed=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np 1 "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --capacity "$capacity" --graph 2>&1 || true)
       [ -n "$(value STEP_MS "$graphed")" ] || { echo "bulkhead-moe-bench --graph failed:"; echo "$graphed" | tail -20; exit 1; }
+      packed=$(mpirun --oversubscribe ${mpirun_args[@]+"${mpirun_args[@]}"} -np 1 "$build/bin/bulkhead-moe-bench" --tokens "$tokens" $sizes --capacity "$capacity" --graph --packed 2>&1 || true)
+      [ -n "$(value STEP_MS "$packed")" ] || { echo "bulkhead-moe-bench --graph --packed failed:"; echo "$packed" | tail -20; exit 1; }
     fi
   fi
   for run in once slot; do
@@ -57,6 +60,7 @@ for tokens in $token_counts; do
   [ "$ranks" -ne 1 ] || floor_row "$tokens" "$droplessGraph" "$t"
   [ "$capacity" = 0 ] || floor_row "$tokens" "$capped" "$t"
   [ "$capacity" = 0 ] || [ "$ranks" -ne 1 ] || floor_row "$tokens" "$graphed" "$t"
+  [ "$capacity" = 0 ] || [ "$ranks" -ne 1 ] || floor_row "$tokens" "$packed" "$t"
 done
 {
   echo "# MoE layer: Bulkhead vs a PyTorch reference, and dispatch + combine vs raw NCCL"
@@ -81,16 +85,19 @@ done
   echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   printf '%s\n' "${rows[@]}"
   echo
-  echo "The step beside its own floor: the layer's grouped expert products alone, on the same rows with the same"
+  echo "The step beside its own floor: the layer's expert products alone (grouped or batched, as the step), on the same rows with the same"
   echo "kernels, forward and backward (input and weight gradients), median of 20. TFLOP/s count the router and the"
   echo "experts' products (6 x rows x H x F forward, x3 with the backward); rows: the expert rows after any drops."
   echo
   echo "Graph (one GPU): the step captured once in a CUDA graph and replayed. Dropless, the layer groups its T x k"
-  echo "slots by expert on the device; with a capacity it has static shapes (fixed buffers from the capacity, the kept"
-  echo "rows packed expert after expert, so the grouped products multiply T x k rows as dropless ones do). Neither"
-  echo "reads anything back to the host. vs PyTorch: the PyTorch step over this one."
+  echo "slots by expert on the device; with a capacity it has static shapes, fixed buffers from the capacity:"
+  echo "graph/padded gives each expert its capacity of rows (zeros after its kept slots) and multiplies them with"
+  echo "batched GEMMs that add each weight gradient to the one held inside the GEMM; graph/packed packs the kept rows"
+  echo "expert after expert, so the grouped products multiply T x k rows as dropless ones do, and autograd adds the"
+  echo "weight gradients in a pass of their own. Gradients accumulate between steps in every run, Bulkhead's and"
+  echo "PyTorch's. None reads anything back to the host. vs PyTorch: the PyTorch step over this one."
   echo
-  echo "| tokens/rank | dispatch | capacity | execution | step ms | grouped products ms | step / products | step TFLOP/s | products TFLOP/s | vs PyTorch |"
+  echo "| tokens/rank | dispatch | capacity | execution | step ms | expert products ms | step / products | step TFLOP/s | products TFLOP/s | vs PyTorch |"
   echo "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"
   printf '%s\n' "${floors[@]}"
   echo
