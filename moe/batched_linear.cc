@@ -28,15 +28,14 @@ struct Shape {
 };
 
 Shape checkedShape(const at::Tensor& rows, const at::Tensor& weight) {
-  const bool fits = weight.dim() >= 3 && weight.is_contiguous() && rows.dim() == 2 &&
-                    rows.size(1) == weight.size(-1) && weight.size(0) > 0 && rows.size(0) % weight.size(0) == 0 &&
+  const bool fits = weight.dim() >= 3 && weight.is_contiguous() && rows.dim() == 2 && rows.size(1) == weight.size(-1) &&
+                    weight.size(0) > 0 && rows.size(0) % weight.size(0) == 0 &&
                     rows.scalar_type() == weight.scalar_type() && rows.device() == weight.device();
   if (!fits) {
     throw ConfigError(fmt::format("batched linear: rows [{}] {} on {}, weight [{}] {} on {}{}",
-                                  fmt::join(rows.sizes(), ", "), c10::toString(rows.scalar_type()),
-                                  rows.device().str(), fmt::join(weight.sizes(), ", "),
-                                  c10::toString(weight.scalar_type()), weight.device().str(),
-                                  weight.is_contiguous() ? "" : " (not contiguous)"),
+                                  fmt::join(rows.sizes(), ", "), c10::toString(rows.scalar_type()), rows.device().str(),
+                                  fmt::join(weight.sizes(), ", "), c10::toString(weight.scalar_type()),
+                                  weight.device().str(), weight.is_contiguous() ? "" : " (not contiguous)"),
                       {.expected = "rows [G * C, K] and a contiguous weight [G, ..., K] of one dtype and device"});
   }
   Shape shape{.groups = weight.size(0), .in = weight.size(-1)};
@@ -51,7 +50,7 @@ Shape checkedShape(const at::Tensor& rows, const at::Tensor& weight) {
 // grad() only captures it, nor where the weight is no leaf.
 torch::autograd::AccumulateGrad* accumulatorToRun(const torch::autograd::Edge& edge) {
   auto* accumulator = dynamic_cast<torch::autograd::AccumulateGrad*>(edge.function.get());
-  if (accumulator == nullptr) return nullptr;
+  if (accumulator == nullptr || !accumulator->variable.requires_grad()) return nullptr;
   const auto* execInfo = torch::autograd::get_current_graph_task_exec_info();
   if (execInfo == nullptr || execInfo->empty()) return accumulator;
   auto it = execInfo->find(accumulator);
@@ -80,6 +79,7 @@ bool accumulateInPlace(const at::Tensor& leaf, const Shape& shape, const at::Ten
 struct BatchedLinearBackward : Node {
   SavedVariable savedRows, savedWeight;  // [G, C, K] and [G, N, K], detached aliases
   Shape shape;
+  at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> weightSizes;  // as the forward took it: [G, ..., K]
   std::string name() const override { return "bulkhead::BatchedLinearBackward"; }
   void release_variables() override {
@@ -90,10 +90,11 @@ struct BatchedLinearBackward : Node {
     parallel::refuseDoubleBackward("bulkhead::BatchedLinearBackward");
     variable_list out(2);
     if (!grads[0].defined()) return out;
-    const at::Tensor rows = savedRows.unpack(), weight = savedWeight.unpack();
-    const at::Tensor grad = grads[0].to(rows.scalar_type()).reshape({shape.groups, shape.rows, shape.out});
-    if (should_compute_output(0)) out[0] = at::bmm(grad, weight).view({shape.groups * shape.rows, shape.in});
-    if (should_compute_output(1)) {
+    const at::Tensor grad = grads[0].to(dtype).reshape({shape.groups, shape.rows, shape.out});
+    if (task_should_compute_output(0))
+      out[0] = at::bmm(grad, savedWeight.unpack()).view({shape.groups * shape.rows, shape.in});
+    if (task_should_compute_output(1)) {
+      const at::Tensor rows = savedRows.unpack();
       const at::Tensor gradT = grad.transpose(1, 2);
       torch::autograd::AccumulateGrad* accumulator = accumulatorToRun(next_edge(1));
       if (accumulator == nullptr || !accumulateInPlace(accumulator->variable, shape, gradT, rows))
@@ -109,12 +110,15 @@ at::Tensor batchedLinear(const at::Tensor& rows, const at::Tensor& weight) {
   const Shape shape = checkedShape(rows, weight);
   const at::Tensor rows3 = rows.detach().contiguous().view({shape.groups, shape.rows, shape.in});
   const at::Tensor weight3 = weight.detach().view({shape.groups, shape.out, shape.in});
-  at::Tensor out = at::bmm(rows3, weight3.transpose(1, 2)).view({shape.groups * shape.rows, shape.out});
+  // A tensor of its own, not a view: the caller may change it in place.
+  at::Tensor out = at::_unsafe_view(at::bmm(rows3, weight3.transpose(1, 2)), {shape.groups * shape.rows, shape.out});
   if (torch::autograd::GradMode::is_enabled() && (rows.requires_grad() || weight.requires_grad())) {
     auto node = std::shared_ptr<BatchedLinearBackward>(new BatchedLinearBackward(), torch::autograd::deleteNode);
-    node->savedRows = SavedVariable(rows3, /*is_output=*/false);
-    node->savedWeight = SavedVariable(weight3, /*is_output=*/false);
+    // Each side's gradient needs the other side's values.
+    if (weight.requires_grad()) node->savedRows = SavedVariable(rows3, /*is_output=*/false);
+    if (rows.requires_grad()) node->savedWeight = SavedVariable(weight3, /*is_output=*/false);
     node->shape = shape;
+    node->dtype = rows.scalar_type();
     node->weightSizes = weight.sizes().vec();
     node->set_next_edges(torch::autograd::collect_next_edges(rows, weight));
     torch::autograd::set_history(out, node);

@@ -21,6 +21,11 @@
 //   product as usual.
 // - A gradient that is not contiguous, or has another dtype, is added to the
 //   usual way; the values are the same.
+// - Written in place, the weight's gradient does not pass through its
+//   AccumulateGrad: hooks registered on the weight do not see it, and the
+//   write takes no lock, so two threads running backwards over graphs that
+//   share the weight at once (on the CPU) must not meet here. On a GPU the
+//   engine runs every node of a device on one thread.
 // Rounding: with a gradient held, the sum is rounded once (the GEMM adds in
 // float32) instead of twice; in float64 the two agree to the last bits.
 

@@ -35,9 +35,11 @@ StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int 
   // p < C at expert e reads into row e * C + p, so no two slots share a row.
   plan.slotTable = at::where(routing.keep, routing.indices * capacity + routing.position,
                              at::full({}, -1, routing.indices.options()));
-  // Expert e's kept slots fill its first min(selected, C) rows: only the rows after them are zeroed.
+  // Expert e's kept slots fill its first rows: only the rows after them are zeroed.
   if (tokens.is_cuda() && numExperts > 0)
-    plan.keptRows = routing.tokensPerExpert.clamp_max(capacity).to(at::kInt).contiguous();
+    plan.keptRows = at::zeros({numExperts}, routing.indices.options())
+                        .scatter_add_(0, routing.indices.reshape(-1), routing.keep.reshape(-1).to(at::kLong))
+                        .to(at::kInt);
   plan.expertInput = gatherRowsOrZero(tokens, plan.slotTable, numExperts * capacity, plan.keptRows);
   plan.rowsPerExpert.assign(static_cast<size_t>(numExperts), capacity);
   plan.rowEnds = at::arange(1, numExperts + 1, tokens.options().dtype(at::kInt)) * static_cast<int>(capacity);

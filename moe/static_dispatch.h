@@ -53,7 +53,7 @@ struct StaticPlan {
   at::Tensor slotTable;                // [T, k] int64: each slot's expert row, -1 where dropped
   std::vector<int64_t> rowsPerExpert;  // padded: C each, on the host; packed: empty
   at::Tensor rowEnds;                  // int32 group ends on the device (packed: the last is T * k)
-  at::Tensor keptRows;  // on a GPU, int32 on the device: packed, the kept rows [1]; padded, each expert's [E]
+  at::Tensor keptRows;  // int32 on the device: packed, the kept rows [1]; padded on a GPU, each expert's [E]
 };
 
 int64_t staticCapacity(const RouterOptions& router, int64_t tokens);

@@ -116,7 +116,7 @@ template <typename Chunk>
 __global__ void zeroTailKernel(ZeroTailArgs z) {
   const int64_t groupRows = z.count / z.groups;
   const int64_t chunks = z.rowBytes / static_cast<int64_t>(sizeof(Chunk));
-  const int64_t start = z.groups == 1 ? *z.first : 0;
+  const int64_t start = z.groups == 1 && *z.first > 0 ? *z.first : 0;
   for (int64_t row = start + blockIdx.x; row < z.count; row += gridDim.x) {
     if (row % groupRows < z.first[row / groupRows]) continue;
     auto* out = reinterpret_cast<Chunk*>(static_cast<char*>(z.rows) + row * z.rowBytes);
@@ -194,7 +194,9 @@ void expandRows(const ExpandArgs& args) {
 }
 
 void zeroTail(const ZeroTailArgs& args) {
-  if (args.count == 0 || args.rowBytes == 0 || args.groups <= 0) return;
+  if (args.groups <= 0 || args.count % args.groups != 0)
+    throw std::runtime_error("zeroTail: the rows must be a whole number of groups, at least one");
+  if (args.count == 0 || args.rowBytes == 0) return;
   const int chunk = chunkBytes({args.rowBytes}, {args.rows});
   const auto blocks = static_cast<unsigned>(args.count < 1024 ? args.count : 1024);
   auto stream = static_cast<cudaStream_t>(args.stream);

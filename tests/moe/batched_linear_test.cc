@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <vector>
 
@@ -36,9 +37,7 @@ struct Pair {
   at::Tensor rows, weight;
 };
 
-Pair freshPair(int salt) {
-  return {gaussian(salt, {kGroups * kRows, kIn}).requires_grad_(true), leafWeight(salt + 1)};
-}
+Pair freshPair(int salt) { return {gaussian(salt, {kGroups * kRows, kIn}).requires_grad_(true), leafWeight(salt + 1)}; }
 
 TEST_CASE("the batched product and its gradients equal per-group products, and weight gradients add up in place",
           "[moe][experts]") {
@@ -62,13 +61,52 @@ TEST_CASE("the batched product and its gradients equal per-group products, and w
   CHECK(ours.weight.grad().data_ptr() == held);
 }
 
+TEST_CASE("the batched product's backward writes the weight gradient itself and hands autograd none",
+          "[moe][experts]") {
+  Pair ours = freshPair(9);
+  at::Tensor upstream = gaussian(90, {kGroups * kRows, 6});
+  at::Tensor expected = torch::autograd::grad({reference(ours.rows, ours.weight)}, {ours.weight}, {upstream})[0];
+  // Called directly (no graph task): the weight's AccumulateGrad would run, so the node writes .grad itself.
+  at::Tensor out = batchedLinear(ours.rows, ours.weight);
+  torch::autograd::variable_list grads;
+  {
+    c10::NoGradGuard asInBackward;  // the engine runs a first-order backward without grad mode
+    grads = (*out.grad_fn())(torch::autograd::variable_list{upstream});
+  }
+  REQUIRE(grads.size() == 2);
+  CHECK(grads[0].defined());
+  CHECK_FALSE(grads[1].defined());
+  REQUIRE(ours.weight.grad().defined());
+  CHECK(at::allclose(ours.weight.grad(), expected, 1e-13, 1e-13));
+  const void* held = ours.weight.grad().data_ptr();
+  at::Tensor again = batchedLinear(ours.rows, ours.weight);
+  {
+    c10::NoGradGuard asInBackward;
+    (*again.grad_fn())(torch::autograd::variable_list{upstream});  // added in place
+  }
+  CHECK(ours.weight.grad().data_ptr() == held);
+  CHECK(at::allclose(ours.weight.grad(), 2 * expected, 1e-13, 1e-13));
+  // backward(inputs = weight) and a retained graph's second backward add as autograd does.
+  ours.weight.mutable_grad().reset();
+  at::Tensor kept = batchedLinear(ours.rows, ours.weight);
+  torch::autograd::backward({kept}, {upstream}, /*retain_graph=*/true, false, {ours.weight});
+  CHECK(at::allclose(ours.weight.grad(), expected, 1e-13, 1e-13));
+  CHECK_FALSE(ours.rows.grad().defined());
+  torch::autograd::backward({kept}, {upstream});
+  CHECK(at::allclose(ours.weight.grad(), 2 * expected, 1e-13, 1e-13));
+  // The result is a tensor of its own: changing it in place is allowed.
+  at::Tensor changed = batchedLinear(ours.rows, ours.weight);
+  changed.mul_(2);
+  torch::autograd::backward({changed}, {upstream});
+  CHECK(at::allclose(ours.weight.grad(), 4 * expected, 1e-13, 1e-13));
+}
+
 TEST_CASE("grad() of the batched product leaves .grad alone and returns what autograd returns", "[moe][experts]") {
   Pair ours = freshPair(3);
   at::Tensor upstream = gaussian(30, {kGroups * kRows, 6});
   at::Tensor rowsGrad = torch::autograd::grad({batchedLinear(ours.rows, ours.weight)}, {ours.rows}, {upstream})[0];
   CHECK_FALSE(ours.weight.grad().defined());
-  at::Tensor weightGrad =
-      torch::autograd::grad({batchedLinear(ours.rows, ours.weight)}, {ours.weight}, {upstream})[0];
+  at::Tensor weightGrad = torch::autograd::grad({batchedLinear(ours.rows, ours.weight)}, {ours.weight}, {upstream})[0];
   CHECK_FALSE(ours.weight.grad().defined());
   CHECK_FALSE(ours.rows.grad().defined());
   auto expected = torch::autograd::grad({reference(ours.rows, ours.weight)}, {ours.rows, ours.weight}, {upstream});
@@ -94,8 +132,7 @@ TEST_CASE("a held gradient of another layout, or frozen rows, still get the righ
   CHECK(at::allclose(ours.weight.grad(), start + check.grad(), 1e-13, 1e-13));
 }
 
-TEST_CASE("the batched product refuses what it cannot multiply, and what changed since its forward",
-          "[moe][experts]") {
+TEST_CASE("the batched product refuses what it cannot multiply, and what changed since its forward", "[moe][experts]") {
   Pair ours = freshPair(7);
   CHECK_THROWS_AS(batchedLinear(ours.rows.narrow(0, 0, 7), ours.weight), ConfigError);  // 7 rows in 3 groups
   CHECK_THROWS_AS(batchedLinear(ours.rows.narrow(1, 0, 3), ours.weight), ConfigError);  // K 3, not 4

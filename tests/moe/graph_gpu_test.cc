@@ -118,6 +118,7 @@ TEST_CASE(
     at::manual_seed(77 + gpuWorld().rank());
     Step staticStep{fixed, at::empty({kTokens, kHidden}, options).requires_grad_(true),
                     at::randn({kTokens, kHidden}, options)};
+    if (packedRows) REQUIRE(fixed.experts().groupedFor(staticStep.input));  // else packed would run padded
     Step dynamicStep{dynamic, at::empty({kTokens, kHidden}, options).requires_grad_(true), staticStep.projection};
     int64_t dropped = 0;
     for (int round = 0; round < 5; ++round) {
@@ -139,6 +140,25 @@ TEST_CASE(
       dropped += fixed.stats().droppedSlots;
     }
     CHECK(dropped > 0);
+  }
+}
+
+TEST_CASE("static shapes on a GPU take an empty batch, padded and packed") {
+  auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), parallel::LayoutOptions{}, {.warmup = false});
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  for (bool packedRows : {false, true}) {
+    moe::MoEOptions fixedOptions = staticOptions();
+    fixedOptions.packedStaticRows = packedRows;
+    moe::MoELayer layer(fixedOptions, groups, options);
+    at::Tensor empty = at::empty({0, kHidden}, options).requires_grad_(true);
+    moe::MoEOutput out = layer.forward(empty);
+    CHECK(out.output.sizes() == empty.sizes());
+    torch::autograd::backward({out.output.sum() + out.auxLoss + out.zLoss});
+    CHECK(empty.grad().sizes() == empty.sizes());
+    for (auto& parameter : layer.parameters()) {
+      INFO(parameter.name);
+      CHECK((!parameter.tensor.grad().defined() || parameter.tensor.grad().abs().sum().item<double>() == 0));
+    }
   }
 }
 
