@@ -151,9 +151,15 @@ TEST_CASE("a node's ranks publish through its leader in one request per turn, an
     CHECK(fresh[r] < 0.5);
   }
   CHECK(stores[0]->multiSets >= 5);
+  // A member publishes directly only while its leader is late: its turns
+  // before the leader's first forward, and any turn after the leader's
+  // thread went unscheduled for over 1.25 heartbeats (two shared cores under
+  // a parallel test run). Without the relay every member would publish every
+  // turn: about 30 sets in this second.
   int direct = 0;
   for (int r = 1; r < kRanks; ++r) direct += stores[r]->sets;
-  CHECK(direct <= 3);  // at most the turns before the leader's first forward
+  INFO(direct << " direct sets by " << kRanks - 1 << " members in 1 s of 0.1 s turns");
+  CHECK(direct <= 3 * (kRanks - 1));
 
   // The leader stops: its members notice and publish their own records.
   monitors[0]->stop();
