@@ -28,13 +28,10 @@
 namespace bulkhead::moe {
 namespace {
 
-// namedRows int32 [G] on the rows' device, the rows G equal groups.
-bool namedRowsFit(const at::Tensor& namedRows, const at::Tensor& rows, int64_t rowCount) {
+// namedRows int32 [G] on the source's device, the `rows` rows G equal groups.
+bool namedRowsFit(const at::Tensor& namedRows, const at::Tensor& source, int64_t rows) {
   return namedRows.defined() && namedRows.scalar_type() == at::kInt && namedRows.dim() == 1 && namedRows.numel() > 0 &&
-         namedRows.device() == rows.device() && namedRows.is_contiguous() && rowCount % namedRows.numel() == 0;
-}
-bool namedRowsFit(const at::Tensor& namedRows, const at::Tensor& source) {
-  return namedRowsFit(namedRows, source, source.size(0));
+         namedRows.device() == source.device() && namedRows.is_contiguous() && rows % namedRows.numel() == 0;
 }
 
 }  // namespace
@@ -125,7 +122,7 @@ struct GatherSumBackward : Node {
 
 at::Tensor gatherSum(const at::Tensor& source, const at::Tensor& table, const at::Tensor& weights, SourceRows named,
                      const at::Tensor& namedRows) {
-  if (named == SourceRows::Prefix && !namedRowsFit(namedRows, source))
+  if (named == SourceRows::Prefix && !namedRowsFit(namedRows, source, source.size(0)))
     throw ConfigError(
         "gatherSum: SourceRows::Prefix needs namedRows, int32 [G] on the source's device, G dividing "
         "the source rows",

@@ -14,6 +14,16 @@ int64_t staticCapacity(const RouterOptions& router, int64_t tokens) {
       std::ceil(router.capacityFactor * static_cast<double>(tokens * router.topK) / router.numExperts));
 }
 
+namespace {
+
+// Each expert's kept slots, int64 [E] on the device (no host read).
+at::Tensor keptPerExpert(const Routing& routing, int numExperts) {
+  return at::zeros({numExperts}, routing.indices.options())
+      .scatter_add_(0, routing.indices.reshape(-1), routing.keep.reshape(-1).to(at::kLong));
+}
+
+}  // namespace
+
 StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int numExperts, int64_t capacity,
                           bool packed) {
   StaticPlan plan{.capacity = capacity, .packed = packed};
@@ -21,8 +31,7 @@ StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int 
     // Kept slots per expert (no host read), their running sums, and each kept
     // slot's row: its expert's first row plus its rank there.
     const int64_t slots = routing.indices.numel();
-    at::Tensor kept = at::zeros({numExperts}, routing.indices.options())
-                          .scatter_add_(0, routing.indices.reshape(-1), routing.keep.reshape(-1).to(at::kLong));
+    at::Tensor kept = keptPerExpert(routing, numExperts);
     at::Tensor ends = kept.cumsum(0);
     at::Tensor starts = (ends - kept).index_select(0, routing.indices.reshape(-1)).view_as(routing.indices);
     plan.slotTable = at::where(routing.keep, starts + routing.position, at::full({}, -1, routing.indices.options()));
@@ -36,13 +45,9 @@ StaticPlan staticDispatch(const at::Tensor& tokens, const Routing& routing, int 
   plan.slotTable = at::where(routing.keep, routing.indices * capacity + routing.position,
                              at::full({}, -1, routing.indices.options()));
   // Expert e's kept slots fill its first rows: only the rows after them are zeroed.
-  if (tokens.is_cuda() && numExperts > 0)
-    plan.keptRows = at::zeros({numExperts}, routing.indices.options())
-                        .scatter_add_(0, routing.indices.reshape(-1), routing.keep.reshape(-1).to(at::kLong))
-                        .to(at::kInt);
+  if (tokens.is_cuda() && numExperts > 0) plan.keptRows = keptPerExpert(routing, numExperts).to(at::kInt);
   plan.expertInput = gatherRowsOrZero(tokens, plan.slotTable, numExperts * capacity, plan.keptRows);
   plan.rowsPerExpert.assign(static_cast<size_t>(numExperts), capacity);
-  plan.rowEnds = at::arange(1, numExperts + 1, tokens.options().dtype(at::kInt)) * static_cast<int>(capacity);
   return plan;
 }
 

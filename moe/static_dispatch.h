@@ -52,7 +52,7 @@ struct StaticPlan {
   at::Tensor expertInput;              // [E * C, H] padded, [T * k, H] packed
   at::Tensor slotTable;                // [T, k] int64: each slot's expert row, -1 where dropped
   std::vector<int64_t> rowsPerExpert;  // padded: C each, on the host; packed: empty
-  at::Tensor rowEnds;                  // int32 group ends on the device (packed: the last is T * k)
+  at::Tensor rowEnds;                  // packed: int32 group ends on the device, the last T * k
   at::Tensor keptRows;  // int32 on the device: packed, the kept rows [1]; padded on a GPU, each expert's [E]
 };
 
