@@ -143,6 +143,7 @@ at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, in
 }
 
 at::Tensor capacityPosition(const at::Tensor& indices, const at::Tensor& weights, int numExperts) {
+  if (auto kernels = capacityPositionKernels(indices, weights, numExperts)) return *kernels;
   const int64_t slots = indices.numel();
   at::Tensor flatExperts = indices.reshape(-1);
   // Rank slots by weight (descending, ties by slot order), then group by

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "moe/cuda/capacity_kernels.h"
 #include "moe/cuda/score_kernels.h"
 #include "moe/kernel_support.h"
 #include "parallel/tensor_parallel.h"
@@ -91,8 +92,34 @@ struct LogitsBackward : torch::autograd::Node {
     if (!grads[0].defined()) return {gradTokens, gradGate};
     const c10::cuda::CUDAGuard onDevice(grads[0].device());
     const at::Tensor grad = grads[0].to(at::kFloat);
-    if (task_should_compute_output(0)) gradTokens = at::mm(grad, savedGate.unpack().to(at::kFloat)).to(type);
-    if (task_should_compute_output(1)) gradGate = at::mm(grad.t(), savedTokens.unpack().to(at::kFloat)).to(type);
+    const bool needTokens = task_should_compute_output(0), needGate = task_should_compute_output(1);
+    if (type == at::kBFloat16) return splitProducts(grad, needTokens, needGate);
+    if (needTokens) gradTokens = at::mm(grad, savedGate.unpack().to(at::kFloat)).to(type);
+    if (needGate) gradGate = at::mm(grad.t(), savedTokens.unpack().to(at::kFloat)).to(type);
+    return {gradTokens, gradGate};
+  }
+
+  // bf16: the float32 gradient as two bf16 halves, grad = high + low to 16 of
+  // its 24 significant bits (bf16 has float32's exponent range, so nothing
+  // underflows that float32 keeps), side by side as [T, 2E]; then bf16 tensor
+  // core products that accumulate in float32 and round once, with the tokens
+  // and gate as they are (exact in bf16) instead of float32 copies of them.
+  torch::autograd::variable_list splitProducts(const at::Tensor& grad, bool needTokens, bool needGate) {
+    const int64_t experts = grad.size(1);
+    at::Tensor halves = at::empty({grad.size(0), 2 * experts}, grad.options().dtype(at::kBFloat16));
+    at::Tensor high = halves.narrow(1, 0, experts), low = halves.narrow(1, experts, experts);
+    high.copy_(grad);
+    at::sub_out(low, grad, high);  // in float32, rounded once to bf16
+    at::Tensor gradTokens, gradGate;
+    if (needTokens) {
+      const at::Tensor gate = savedGate.unpack();
+      gradTokens = at::mm(halves, at::cat({gate, gate}));  // [T, 2E] x [2E, H]: high @ gate + low @ gate
+    }
+    if (needGate) {
+      at::Tensor both = at::mm(halves.t(), savedTokens.unpack(), at::kFloat);  // [2E, H], float32
+      gradGate = at::empty({experts, both.size(1)}, both.options().dtype(at::kBFloat16));
+      at::add_out(gradGate, both.narrow(0, 0, experts), both.narrow(0, experts, experts));
+    }
     return {gradTokens, gradGate};
   }
 };
@@ -121,6 +148,34 @@ std::optional<at::Tensor> mixedPrecisionLogits(const at::Tensor& tokens, const a
   return logits;
 #else
   (void)tokens, (void)gate;
+  return std::nullopt;
+#endif
+}
+
+std::optional<at::Tensor> capacityPositionKernels(const at::Tensor& indices, const at::Tensor& weights,
+                                                  int numExperts) {
+#if BULKHEAD_MOE_KERNELS
+  const bool applies = indices.is_cuda() && weights.device() == indices.device() &&
+                       indices.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat &&
+                       indices.numel() == weights.numel() && indices.numel() < cuda::kMaxCapacitySlots &&
+                       numExperts > 0;
+  if (!applies) return std::nullopt;
+  const c10::cuda::CUDAGuard onDevice(indices.device());
+  const at::Tensor flatIndices = indices.reshape(-1).contiguous(), flatWeights = weights.reshape(-1).contiguous();
+  const int64_t slots = flatIndices.numel();
+  at::Tensor position = at::empty({slots}, flatIndices.options());
+  at::Tensor scratch = at::empty({static_cast<int64_t>(cuda::capacityScratchBytes(slots, numExperts))},
+                                 flatIndices.options().dtype(at::kByte));
+  cuda::capacityPositions({.slots = slots,
+                           .experts = numExperts,
+                           .indices = flatIndices.data_ptr<int64_t>(),
+                           .weights = flatWeights.data_ptr<float>(),
+                           .position = position.data_ptr<int64_t>(),
+                           .scratch = scratch.data_ptr(),
+                           .stream = c10::cuda::getCurrentCUDAStream(indices.device().index()).stream()});
+  return position.view(indices.sizes());
+#else
+  (void)indices, (void)weights, (void)numExperts;
   return std::nullopt;
 #endif
 }

@@ -31,9 +31,11 @@ struct FusedScores {
 // one GEMM that accumulates and writes float32 (at::mm with out_dtype, libtorch
 // 2.8 and later, CUDA). The same products as converting both to float32 first,
 // without the two copies, the float32 GEMM, and the float32 copy of the tokens
-// that autograd kept for the gate's gradient. Its backward computes in float32
-// as that form's does: grad @ gate and grad^T @ tokens, each rounded once to its
-// input's dtype. tokens [T, H], gate [E, H]; nullopt where it does not apply
+// that autograd kept for the gate's gradient. Its backward sums in float32 as
+// that form's does, grad @ gate and grad^T @ tokens, each rounded once to its
+// input's dtype: fp16 multiplies float32 copies; bf16 splits the float32 grad
+// into two bf16 halves (16 of its 24 significant bits) and multiplies them
+// with the bf16 tokens and gate on tensor cores. tokens [T, H], gate [E, H]; nullopt where it does not apply
 // (the kernels not built, libtorch without it, CPU tensors or two devices, no
 // tokens, shapes that do not multiply, other or mixed dtypes). A double
 // backward raises (ConfigError).
@@ -48,5 +50,11 @@ std::optional<at::Tensor> mixedPrecisionLogits(const at::Tensor& tokens, const a
 // ATen form then.
 std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOptions& options, const at::Tensor& bias,
                                        const at::Tensor& noiseKeys = {});
+
+// moe::capacityPosition's ranks by the kernels of moe/cuda/capacity_kernels.h:
+// float32 weights, int64 indices in [0, numExperts) on one GPU, fewer than 2^31
+// slots; the same positions as the ATen form, with no sync. nullopt elsewhere
+// (not built, CPU tensors, other dtypes): the caller takes the ATen form then.
+std::optional<at::Tensor> capacityPositionKernels(const at::Tensor& indices, const at::Tensor& weights, int numExperts);
 
 }  // namespace bulkhead::moe

@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/version.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -305,6 +306,75 @@ TEST_CASE("the router on the GPU equals the router on the CPU, losses and gate g
       CHECK(at::allclose(gradGate, refGradGate, 1e-10, 1e-10));
     }
   }
+}
+
+TEST_CASE("bf16 logits' gradients keep the float32 gradient's low bits where paired rows nearly cancel",
+          "[moe][gpu][router]") {
+  // Rows t and t + T/2 hold the same token, with gradients g and -g + d, d about 2^-12 of g: the exact
+  // gradients are the small sums of d. Rounding g to bf16 before multiplying would leave errors near
+  // 2^-9 of g in each pair; the two bf16 halves leave near 2^-17.
+  const at::Device gpu(at::kCUDA, 0);
+  const int64_t half = 200, hidden = 64, experts = 24;
+  at::Tensor tokenHalf = at::randn({half, hidden}, testing::sharedGenerator(71), at::kFloat).to(at::kBFloat16);
+  at::Tensor tokens = at::cat({tokenHalf, tokenHalf}).to(gpu);
+  at::Tensor gate =
+      (at::randn({experts, hidden}, testing::sharedGenerator(72), at::kFloat) * 0.3).to(gpu, at::kBFloat16);
+  at::Tensor g = at::randn({half, experts}, testing::sharedGenerator(73), at::kFloat);
+  at::Tensor d = at::randn({half, experts}, testing::sharedGenerator(74), at::kFloat) * g.abs() * (1.0 / 4096);
+  at::Tensor grad = at::cat({g, -g + d}).to(gpu);
+  at::Tensor x = tokens.clone().requires_grad_(true), w = gate.clone().requires_grad_(true);
+  std::optional<at::Tensor> logits = mixedPrecisionLogits(x, w);
+  if (!logits) return;  // libtorch without the float32-output GEMM: the router converts instead
+  logits->backward(grad);
+  const at::Tensor grad64 = grad.to(at::kDouble), tokens64 = tokens.to(at::kDouble), gate64 = gate.to(at::kDouble);
+  // Within half a bf16 unit of the exact products (2^-8 of them bounds it) plus 2^-16 of the
+  // products' magnitudes for the halves' truncation and float32 sums.
+  auto close = [](const at::Tensor& ours, const at::Tensor& exact, const at::Tensor& magnitude) {
+    return ((ours.to(at::kDouble) - exact).abs() <= exact.abs() * (1.0 / 256) + magnitude * (1.0 / 65536))
+        .all()
+        .item<bool>();
+  };
+  CHECK(close(x.grad(), at::mm(grad64, gate64), at::mm(grad64.abs(), gate64.abs())));
+  CHECK(close(w.grad(), at::mm(grad64.t(), tokens64), at::mm(grad64.abs().t(), tokens64.abs())));
+  // Rounded to bf16 first, the gate's gradient misses by far more: the check above can fail.
+  at::Tensor roundedFirst = at::mm(grad.to(at::kBFloat16).to(at::kDouble).t(), tokens64);
+  CHECK_FALSE(close(roundedFirst, at::mm(grad64.t(), tokens64), at::mm(grad64.abs().t(), tokens64.abs())));
+}
+
+TEST_CASE("capacity ranks on the GPU: the kernels' positions are the ATen form's", "[moe][gpu][router]") {
+  // Ranked per expert (up to 32,768 slots and 1,024 experts: one slot, one expert, 1,000
+  // experts, 3,000 slots an expert, and 17,000 at one expert: more than shared memory holds)
+  // and sorted (1,500 experts; 40,000 slots).
+  const at::Device gpu(at::kCUDA, 0);
+  for (auto [tokens, topK, experts] : {std::tuple<int64_t, int64_t, int>{0, 4, 7},
+                                       {1, 1, 1},
+                                       {300, 4, 7},
+                                       {4096, 8, 64},
+                                       {2000, 2, 1000},
+                                       {9000, 1, 3},
+                                       {17000, 1, 1},
+                                       {2000, 2, 1500},
+                                       {20000, 2, 64}}) {
+    INFO(tokens << " tokens, top-" << topK << ", " << experts << " experts");
+    at::Tensor indices = at::randint(0, experts, {tokens, topK}, testing::sharedGenerator(81), at::kLong);
+    // Quarter steps with ties, negative values, and both zeros.
+    at::Tensor weights =
+        (at::randint(-20, 21, {tokens, topK}, testing::sharedGenerator(82), at::kLong) * 0.25).to(at::kFloat);
+    if (tokens > 2) {
+      weights.view(-1)[0] = -0.0f;
+      weights.view(-1)[1] = 0.0f;
+    }
+    REQUIRE(capacityPositionKernels(indices.to(gpu), weights.to(gpu), experts).has_value());
+    at::Tensor ours = capacityPosition(indices.to(gpu), weights.to(gpu), experts);
+    at::Tensor theirs = capacityPosition(indices, weights, experts);  // the CPU's ATen form
+    CHECK(ours.sizes() == indices.sizes());
+    CHECK(at::equal(ours.cpu(), theirs));
+    CHECK(at::equal(capacityKeep(indices.to(gpu), weights.to(gpu), experts, 3).cpu(),
+                    capacityKeep(indices, weights, experts, 3)));
+  }
+  at::Tensor indices = at::randint(0, 5, {64, 2}, testing::sharedGenerator(83), at::kLong).to(gpu);
+  CHECK_FALSE(capacityPositionKernels(indices, at::rand({64, 2}, at::kDouble).to(gpu), 5).has_value());
+  CHECK_FALSE(capacityPositionKernels(indices.cpu(), at::rand({64, 2}, at::kFloat), 5).has_value());
 }
 
 }  // namespace
