@@ -109,18 +109,19 @@ __global__ void expandKernel(ExpandArgs e) {
   }
 }
 
-// Blocks stride over the rows; a row before its group's first to clear is
-// skipped whole (one group: the walk starts at the first), so short tails cost
-// little more than the launch.
+// One warp per row, a block's warps on consecutive rows, striding over them: a
+// row before its group's first to clear is skipped whole (one group: the walk
+// starts at the first), so short tails cost little more than the launch.
 template <typename Chunk>
 __global__ void zeroTailKernel(ZeroTailArgs z) {
   const int64_t groupRows = z.count / z.groups;
   const int64_t chunks = z.rowBytes / static_cast<int64_t>(sizeof(Chunk));
   const int64_t start = z.groups == 1 && *z.first > 0 ? *z.first : 0;
-  for (int64_t row = start + blockIdx.x; row < z.count; row += gridDim.x) {
+  const int64_t warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  for (int64_t row = start + blockIdx.x * warps + threadIdx.x / 32; row < z.count; row += gridDim.x * warps) {
     if (row % groupRows < z.first[row / groupRows]) continue;
     auto* out = reinterpret_cast<Chunk*>(static_cast<char*>(z.rows) + row * z.rowBytes);
-    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) out[i] = Chunk{};
+    for (int64_t i = lane; i < chunks; i += 32) out[i] = Chunk{};
   }
 }
 
@@ -198,7 +199,8 @@ void zeroTail(const ZeroTailArgs& args) {
     throw std::runtime_error("zeroTail: the rows must be a whole number of groups, at least one");
   if (args.count == 0 || args.rowBytes == 0) return;
   const int chunk = chunkBytes({args.rowBytes}, {args.rows});
-  const auto blocks = static_cast<unsigned>(args.count < 1024 ? args.count : 1024);
+  const int64_t warpsPerBlock = kThreads / 32, rowBlocks = (args.count + warpsPerBlock - 1) / warpsPerBlock;
+  const auto blocks = static_cast<unsigned>(rowBlocks < 8192 ? rowBlocks : 8192);
   auto stream = static_cast<cudaStream_t>(args.stream);
   if (chunk == 16)
     zeroTailKernel<uint4><<<blocks, kThreads, 0, stream>>>(args);
