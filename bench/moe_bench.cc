@@ -370,8 +370,13 @@ int main(int argc, char** argv) {
                : plan.expertRowEnds;
     at::Tensor floorRows = at::randn({productRows, options.hidden}, tensorOptions).requires_grad_(true);
     at::Tensor floorGrad = at::randn({productRows, options.hidden}, tensorOptions);
+    // Padded, the activation skips each expert's rows after its kept ones, as in the step.
+    const at::Tensor floorKept =
+        padded && tensorOptions.device().is_cuda()
+            ? at::tensor(plan.tokensPerLocalExpert, at::kLong).clamp_max(capacity).to(tensorOptions.device(), at::kInt)
+            : at::Tensor();
     auto products = [&] {
-      at::Tensor out = padded ? layer.experts().forwardPadded(floorRows)
+      at::Tensor out = padded ? layer.experts().forwardPadded(floorRows, floorKept)
                               : layer.experts().forward(floorRows, productCounts, productEnds);
       torch::autograd::backward({out}, {floorGrad});
     };

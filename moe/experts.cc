@@ -101,8 +101,9 @@ at::Tensor GroupedExperts::forward(const at::Tensor& tokens, const std::vector<i
   });
 }
 
-at::Tensor GroupedExperts::forwardPadded(const at::Tensor& tokens) const {
-  return overExpertTp(tokens, [&](const at::Tensor& x) { return batchedLinear(swiglu(batchedLinear(x, w13_)), w2_); });
+at::Tensor GroupedExperts::forwardPadded(const at::Tensor& tokens, const at::Tensor& keptRows) const {
+  return overExpertTp(
+      tokens, [&](const at::Tensor& x) { return batchedLinear(swiglu(batchedLinear(x, w13_), keptRows), w2_); });
 }
 
 std::vector<parallel::Parameter> GroupedExperts::parameters(const std::string& prefix, int replicaId) const {

@@ -58,8 +58,10 @@ class GroupedExperts {
   at::Tensor forward(const at::Tensor& tokens, const std::vector<int64_t>& counts, const at::Tensor& groupEnds) const;
   // tokens [E_local * C, H], C rows per local expert (padded groups): one
   // strided batched GEMM per projection, each weight gradient added to the
-  // weight's .grad inside its GEMM (moe/batched_linear.h).
-  at::Tensor forwardPadded(const at::Tensor& tokens) const;
+  // weight's .grad inside its GEMM (moe/batched_linear.h). keptRows (optional,
+  // int32 [E_local] on the tokens' device): each expert's rows after its first
+  // keptRows[e] are zero, and the activation between the products skips them.
+  at::Tensor forwardPadded(const at::Tensor& tokens, const at::Tensor& keptRows = {}) const;
   // Whether rows like `tokens` go through at::_grouped_mm (which takes the
   // group ends on the device and needs no counts on the host).
   bool groupedFor(const at::Tensor& tokens) const;

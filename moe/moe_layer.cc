@@ -182,7 +182,7 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
     fixed = staticDispatch(tokens, routing, options_.router.numExperts, staticCapacity(options_.router, tokens.size(0)),
                            packed);
     expertOutput = packed ? experts_.forward(fixed->expertInput, fixed->rowsPerExpert, fixed->rowEnds)
-                          : experts_.forwardPadded(fixed->expertInput);
+                          : experts_.forwardPadded(fixed->expertInput, fixed->keptRows);
   } else if (droplessOnDevice(tokens) &&
              (fixed = droplessDispatch(tokens, routing, options_.router.numExperts, /*groupedExperts=*/true))) {
     expertOutput = experts_.forward(fixed->expertInput, {}, fixed->rowEnds);

@@ -13,7 +13,11 @@
 
 namespace bulkhead::moe {
 
-at::Tensor swiglu(const at::Tensor& gateUp);
+// liveRows (optional): int32 [G] on gateUp's device, G dividing N: the rows are
+// G equal groups and only the first liveRows[g] of group g are computed; the
+// rest of each group is zero in the result and gets a zero gradient, and the
+// kernels do not read it (the zero tails of padded experts' rows).
+at::Tensor swiglu(const at::Tensor& gateUp, const at::Tensor& liveRows = {});
 
 // The same, always as ATen ops (the reference the kernels are tested against).
 at::Tensor swigluReference(const at::Tensor& gateUp);

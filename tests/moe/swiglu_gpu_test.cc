@@ -8,8 +8,10 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <cmath>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "moe/swiglu.h"
 #include "runtime/errors.h"
@@ -88,6 +90,48 @@ TEST_CASE(
   const c10::NoGradGuard noGrad;
   CHECK_FALSE(swiglu(leaf).requires_grad());
   CHECK_THROWS_AS(swiglu(leaf.narrow(1, 0, 95)), ConfigError);
+}
+
+TEST_CASE("SwiGLU with live rows computes each group's first rows and zeroes the rest without reading it",
+          "[moe][gpu]") {
+  const at::Device gpu(at::kCUDA, 0);
+  // 5 groups of 40 rows: none live, a few, most, all, one; vector and element-wise widths.
+  for (int64_t width : {768L, 37L}) {
+    INFO("width " << width);
+    const int64_t groupRows = 40;
+    at::Tensor live = at::tensor(std::vector<int32_t>{0, 7, 33, 40, 1}, at::kInt);
+    at::Tensor liveMask =
+        at::arange(groupRows, at::kLong).repeat({5}).lt(live.to(at::kLong).repeat_interleave(groupRows)).unsqueeze(1);
+    at::Tensor values = 4 * at::randn({5 * groupRows, 2 * width}, testing::sharedGenerator(31), at::kDouble);
+    // The tails hold NaN: a kernel that read them would spread it.
+    at::Tensor leaf =
+        at::where(liveMask, values, at::full({}, NAN, at::kDouble)).to(gpu, at::kBFloat16).requires_grad_(true);
+    at::Tensor gradOut = at::randn({5 * groupRows, width}, testing::sharedGenerator(32), at::kDouble);
+    gradOut = at::where(liveMask, gradOut, at::full({}, NAN, at::kDouble)).to(gpu, at::kBFloat16);
+    at::Tensor out = swiglu(leaf, live.to(gpu));
+    out.backward(gradOut);
+    const at::Tensor onDevice = liveMask.to(gpu);
+    CHECK_FALSE(out.isnan().any().item<bool>());
+    CHECK_FALSE(leaf.grad().isnan().any().item<bool>());
+    CHECK(out.masked_select(onDevice.logical_not()).eq(0).all().item<bool>());
+    CHECK(leaf.grad().masked_select(onDevice.logical_not()).eq(0).all().item<bool>());
+    // The live rows are the plain activation's, forward and backward.
+    at::Tensor plainIn = leaf.detach().clone().requires_grad_(true);
+    at::Tensor plain = swiglu(plainIn);
+    plain.backward(gradOut);
+    CHECK(at::equal(out.masked_select(onDevice), plain.masked_select(onDevice)));
+    CHECK(at::equal(leaf.grad().masked_select(onDevice), plainIn.grad().masked_select(onDevice)));
+    // The ATen form on the CPU (where the kernels do not run) agrees.
+    at::Tensor cpuIn = leaf.detach().cpu().to(at::kDouble).requires_grad_(true);
+    at::Tensor cpuOut = swiglu(cpuIn, live);
+    cpuOut.backward(gradOut.cpu().to(at::kDouble));
+    CHECK(at::allclose(cpuOut, out.cpu().to(at::kDouble), 1.0 / 64, 1.0 / 64));
+    CHECK(at::allclose(cpuIn.grad(), leaf.grad().cpu().to(at::kDouble), 1.0 / 64, 1.0 / 64));
+  }
+  at::Tensor rows = at::randn({12, 16}, testing::sharedGenerator(33), at::kFloat).to(gpu);
+  CHECK_THROWS_AS(swiglu(rows, at::tensor(std::vector<int32_t>{1, 2, 3, 4, 5}, at::kInt).to(gpu)), ConfigError);
+  CHECK_THROWS_AS(swiglu(rows, at::tensor(std::vector<int32_t>{1, 2}, at::kInt)), ConfigError);  // another device
+  CHECK_THROWS_AS(swiglu(rows, at::tensor(std::vector<int64_t>{1, 2}, at::kLong).to(gpu)), ConfigError);
 }
 
 }  // namespace
