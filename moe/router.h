@@ -118,7 +118,9 @@ at::Tensor countValues(const at::Tensor& values, int64_t bins);
 
 // The capacity policy on its own (exposed for tests): each slot's place among
 // its expert's slots of `indices` ranked by `weights` (descending, ties by slot
-// order), and keep flags: at most `capacity` per expert.
+// order), and keep flags: at most `capacity` per expert. Every index in
+// [0, numExperts); on a GPU with float32 weights the positions come from
+// moe/router_scores.h's capacityPositionKernels.
 at::Tensor capacityPosition(const at::Tensor& indices, const at::Tensor& weights, int numExperts);
 at::Tensor capacityKeep(const at::Tensor& indices, const at::Tensor& weights, int numExperts, int64_t capacity);
 

@@ -75,9 +75,10 @@ struct ScoresBackward : torch::autograd::Node {
 
 #if BULKHEAD_MM_OUT_DTYPE
 // Gradients of float32 logits = tokens @ gate^T to the bf16 or fp16 tokens and
-// gate, in float32 as the converting form's are, each rounded once. Like
-// ATen's mm, it keeps the tokens only for the gate's gradient and the gate
-// only for the tokens'.
+// gate, summed in float32 as the converting form's are and each rounded once:
+// fp16 multiplies float32 copies, bf16 the gradient's two bf16 halves (below).
+// Like ATen's mm, it keeps the tokens only for the gate's gradient and the
+// gate only for the tokens'.
 struct LogitsBackward : torch::autograd::Node {
   torch::autograd::SavedVariable savedTokens, savedGate;
   at::ScalarType type = at::kBFloat16;
@@ -101,10 +102,15 @@ struct LogitsBackward : torch::autograd::Node {
 
   // bf16: the float32 gradient as two bf16 halves, grad = high + low to 16 of
   // its 24 significant bits (bf16 has float32's exponent range, so nothing
-  // underflows that float32 keeps), side by side as [T, 2E]; then bf16 tensor
-  // core products that accumulate in float32 and round once, with the tokens
-  // and gate as they are (exact in bf16) instead of float32 copies of them.
+  // underflows that float32 keeps; an infinite gradient, or one past bf16's
+  // largest finite value, becomes NaN), side by side as [T, 2E]; then bf16
+  // tensor core products that accumulate in float32, with the tokens and gate
+  // as they are (exact in bf16) instead of float32 copies of them. The gate's
+  // gradient is written in float32 and rounded once; the tokens' is rounded
+  // once from cuBLAS's float32 sums (over K = 2E, too short for cuBLAS to
+  // split and round partial sums where torch allows bf16 reductions).
   torch::autograd::variable_list splitProducts(const at::Tensor& grad, bool needTokens, bool needGate) {
+    if (!needTokens && !needGate) return {at::Tensor(), at::Tensor()};
     const int64_t experts = grad.size(1);
     at::Tensor halves = at::empty({grad.size(0), 2 * experts}, grad.options().dtype(at::kBFloat16));
     at::Tensor high = halves.narrow(1, 0, experts), low = halves.narrow(1, experts, experts);
@@ -157,22 +163,25 @@ std::optional<at::Tensor> capacityPositionKernels(const at::Tensor& indices, con
 #if BULKHEAD_MOE_KERNELS
   const bool applies = indices.is_cuda() && weights.device() == indices.device() &&
                        indices.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat &&
-                       indices.numel() == weights.numel() && indices.numel() < cuda::kMaxCapacitySlots &&
+                       indices.numel() == weights.numel() && indices.numel() <= cuda::kMaxCapacitySlots &&
                        numExperts > 0;
   if (!applies) return std::nullopt;
   const c10::cuda::CUDAGuard onDevice(indices.device());
   const at::Tensor flatIndices = indices.reshape(-1).contiguous(), flatWeights = weights.reshape(-1).contiguous();
   const int64_t slots = flatIndices.numel();
   at::Tensor position = at::empty({slots}, flatIndices.options());
-  at::Tensor scratch = at::empty({static_cast<int64_t>(cuda::capacityScratchBytes(slots, numExperts))},
-                                 flatIndices.options().dtype(at::kByte));
-  cuda::capacityPositions({.slots = slots,
-                           .experts = numExperts,
-                           .indices = flatIndices.data_ptr<int64_t>(),
-                           .weights = flatWeights.data_ptr<float>(),
-                           .position = position.data_ptr<int64_t>(),
-                           .scratch = scratch.data_ptr(),
-                           .stream = c10::cuda::getCurrentCUDAStream(indices.device().index()).stream()});
+  // Top-k names k different experts a token: no expert has more slots than there are tokens.
+  cuda::CapacityArgs args{.slots = slots,
+                          .experts = numExperts,
+                          .indices = flatIndices.data_ptr<int64_t>(),
+                          .weights = flatWeights.data_ptr<float>(),
+                          .position = position.data_ptr<int64_t>(),
+                          .expertBound = indices.dim() == 2 ? indices.size(0) : 0,
+                          .stream = c10::cuda::getCurrentCUDAStream(indices.device().index()).stream()};
+  at::Tensor scratch =
+      at::empty({static_cast<int64_t>(cuda::capacityScratchBytes(args))}, flatIndices.options().dtype(at::kByte));
+  args.scratch = scratch.data_ptr();
+  cuda::capacityPositions(args);
   return position.view(indices.sizes());
 #else
   (void)indices, (void)weights, (void)numExperts;

@@ -52,11 +52,14 @@ __global__ void positionKernel(CapacityArgs a, const uint64_t* sortedKeys, const
   a.position[sortedSlots[i]] = i - low;
 }
 
+constexpr int kRankThreads = 1024;
+
 // One block per expert: its slots (weight keys and slot numbers) gathered into
 // shared memory in any order, then each counts those ranked before it (a
 // smaller key, or the same key at an earlier slot). More slots than `entries`
-// at one expert are counted from global memory instead: the same ranks, slower.
-__global__ void expertRankKernel(CapacityArgs a, int64_t entries) {
+// at one expert (a bound the caller's routing broke) are counted from global
+// memory instead: the same ranks, slower.
+__global__ void __launch_bounds__(kRankThreads) expertRankKernel(CapacityArgs a, int64_t entries) {
   extern __shared__ uint32_t gathered[];  // keys [entries], then slots [entries]
   __shared__ unsigned int count;
   uint32_t *keys = gathered, *slots = gathered + entries;
@@ -95,11 +98,26 @@ __global__ void expertRankKernel(CapacityArgs a, int64_t entries) {
   }
 }
 
-// Small batches rank at each expert; larger ones (or many experts) sort.
-bool ranksPerExpert(int64_t slots, int64_t experts) { return slots <= kRankSlots && experts <= kRankExperts; }
+// The slots one block can hold in shared memory on the current device (8 bytes
+// each), past the 48 KiB every launch gets only by opting in.
+int64_t sharedEntries() {
+  int device = 0, optIn = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optIn, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a fault: rank only what the default holds
+    optIn = 48 * 1024;
+  }
+  return (optIn - 1024) / static_cast<int64_t>(2 * sizeof(uint32_t));
+}
 
-constexpr int kRankThreads = 1024;
-constexpr int64_t kRankEntries = 16384;  // an expert's slots in shared memory (128 KiB)
+// Small batches, at most kRankMeanSlots slots an expert on average and an
+// expert's bound in shared memory, rank at each expert (each block's work
+// grows with the square of its expert's slots); the rest sort.
+bool ranksPerExpert(const CapacityArgs& a) {
+  const int64_t bound = a.expertBound > 0 ? a.expertBound : a.slots;
+  return a.slots <= kRankSlots && a.experts <= kRankExperts && a.slots <= kRankMeanSlots * a.experts &&
+         bound <= sharedEntries();
+}
 
 size_t aligned(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -108,9 +126,10 @@ struct Layout {
   size_t keys = 0, slots = 0, sortBytes = 0, total = 0;
 };
 
-Layout layout(int64_t slots, int64_t experts) {
+Layout layout(const CapacityArgs& a) {
   Layout l;
-  if (ranksPerExpert(slots, experts)) return l;
+  const int64_t slots = a.slots, experts = a.experts;
+  if (slots == 0 || ranksPerExpert(a)) return l;
   l.keys = aligned(sizeof(uint64_t) * static_cast<size_t>(slots));
   l.slots = aligned(sizeof(int32_t) * static_cast<size_t>(slots));
   cub::DoubleBuffer<uint64_t> keys(nullptr, nullptr);
@@ -123,13 +142,20 @@ Layout layout(int64_t slots, int64_t experts) {
 }
 
 void rankPerExpert(const CapacityArgs& args) {
-  const int64_t entries = std::min(args.slots, kRankEntries);
+  const int64_t entries = std::min(args.slots, args.expertBound > 0 ? args.expertBound : args.slots);
   const size_t bytes = 2 * sizeof(uint32_t) * static_cast<size_t>(entries);
-  if (cudaFuncSetAttribute(expertRankKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) !=
-      cudaSuccess)
-    checkLaunch("capacity rank kernel's shared memory");
-  expertRankKernel<<<static_cast<unsigned>(args.experts), kRankThreads, bytes, static_cast<cudaStream_t>(args.stream)>>>(
-      args, entries);
+  if (bytes > 48 * 1024) {
+    const cudaError_t status =
+        cudaFuncSetAttribute(expertRankKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw ConfigError(std::string("capacity ranks: ") + std::to_string(bytes) +
+                            " bytes of shared memory refused: " + cudaGetErrorString(status),
+                        {.expected = "a GPU whose blocks may opt in to that much shared memory"});
+    }
+  }
+  expertRankKernel<<<static_cast<unsigned>(args.experts), kRankThreads, bytes,
+                     static_cast<cudaStream_t>(args.stream)>>>(args, entries);
   checkLaunch("capacity rank kernel launch");
 }
 
@@ -147,9 +173,8 @@ void sortAll(const CapacityArgs& args, const Layout& l) {
   cub::DoubleBuffer<uint64_t> keys(keysIn, keysOut);
   cub::DoubleBuffer<int32_t> values(slotsIn, slotsOut);
   size_t sortBytes = l.sortBytes;
-  const cudaError_t sorted = cub::DeviceRadixSort::SortPairs(sortScratch, sortBytes, keys, values,
-                                                             static_cast<int>(args.slots), 0,
-                                                             32 + expertBits(args.experts), stream);
+  const cudaError_t sorted = cub::DeviceRadixSort::SortPairs(
+      sortScratch, sortBytes, keys, values, static_cast<int>(args.slots), 0, 32 + expertBits(args.experts), stream);
   if (sorted != cudaSuccess)
     throw Error(std::string("capacity sort failed: ") + cudaGetErrorString(sorted),
                 {.expected = "no fault on the device; restart the job from its last checkpoint"});
@@ -160,16 +185,16 @@ void sortAll(const CapacityArgs& args, const Layout& l) {
 
 }  // namespace
 
-size_t capacityScratchBytes(int64_t slots, int64_t experts) { return layout(slots, experts).total; }
+size_t capacityScratchBytes(const CapacityArgs& args) { return layout(args).total; }
 
 void capacityPositions(const CapacityArgs& args) {
-  if (args.slots < 0 || args.slots >= kMaxCapacitySlots || args.experts <= 0 || args.experts > (int64_t{1} << 31))
+  if (args.slots < 0 || args.slots > kMaxCapacitySlots || args.experts <= 0 || args.experts > (int64_t{1} << 31))
     throw std::runtime_error("capacityPositions: slots in [0, 2^31) and experts in [1, 2^31]");
   if (args.slots == 0) return;
-  if (ranksPerExpert(args.slots, args.experts))
+  if (ranksPerExpert(args))
     rankPerExpert(args);
   else
-    sortAll(args, layout(args.slots, args.experts));
+    sortAll(args, layout(args));
 }
 
 }  // namespace bulkhead::moe::cuda

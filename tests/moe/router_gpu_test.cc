@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/version.h>
 
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -323,8 +324,10 @@ TEST_CASE("bf16 logits' gradients keep the float32 gradient's low bits where pai
   at::Tensor d = at::randn({half, experts}, testing::sharedGenerator(74), at::kFloat) * g.abs() * (1.0 / 4096);
   at::Tensor grad = at::cat({g, -g + d}).to(gpu);
   at::Tensor x = tokens.clone().requires_grad_(true), w = gate.clone().requires_grad_(true);
+  // Where libtorch has no float32-output GEMM, the router converts: nothing to compare.
+  if (TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 8)) return;
   std::optional<at::Tensor> logits = mixedPrecisionLogits(x, w);
-  if (!logits) return;  // libtorch without the float32-output GEMM: the router converts instead
+  REQUIRE(logits.has_value());
   logits->backward(grad);
   const at::Tensor grad64 = grad.to(at::kDouble), tokens64 = tokens.to(at::kDouble), gate64 = gate.to(at::kDouble);
   // Within half a bf16 unit of the exact products (2^-8 of them bounds it) plus 2^-16 of the
@@ -342,27 +345,35 @@ TEST_CASE("bf16 logits' gradients keep the float32 gradient's low bits where pai
 }
 
 TEST_CASE("capacity ranks on the GPU: the kernels' positions are the ATen form's", "[moe][gpu][router]") {
-  // Ranked per expert (up to 32,768 slots and 1,024 experts: one slot, one expert, 1,000
-  // experts, 3,000 slots an expert, and 17,000 at one expert: more than shared memory holds)
-  // and sorted (1,500 experts; 40,000 slots).
+  // Ranked per expert (moe/cuda/capacity_kernels.h): one slot, one expert, 1,000 experts, the most
+  // slots (32,768, 1,024 an expert on average, 128 KiB of shared memory a block), and 800 slots
+  // at one expert where 100 tokens promised at most 100 (random indices repeat an expert within
+  // a token; the kernel counts from global memory then). Sorted: 1,500 experts, 32,770 and 40,000
+  // slots, and 3,000 slots an expert on average.
   const at::Device gpu(at::kCUDA, 0);
   for (auto [tokens, topK, experts] : {std::tuple<int64_t, int64_t, int>{0, 4, 7},
                                        {1, 1, 1},
                                        {300, 4, 7},
                                        {4096, 8, 64},
                                        {2000, 2, 1000},
+                                       {16384, 2, 32},
+                                       {100, 8, 1},
                                        {9000, 1, 3},
                                        {17000, 1, 1},
                                        {2000, 2, 1500},
+                                       {16385, 2, 32},
                                        {20000, 2, 64}}) {
     INFO(tokens << " tokens, top-" << topK << ", " << experts << " experts");
     at::Tensor indices = at::randint(0, experts, {tokens, topK}, testing::sharedGenerator(81), at::kLong);
     // Quarter steps with ties, negative values, and both zeros.
     at::Tensor weights =
         (at::randint(-20, 21, {tokens, topK}, testing::sharedGenerator(82), at::kLong) * 0.25).to(at::kFloat);
-    if (tokens > 2) {
+    if (tokens > 4) {  // both zeros, both infinities, and NaN: ranked by their bits on both sides
       weights.view(-1)[0] = -0.0f;
       weights.view(-1)[1] = 0.0f;
+      weights.view(-1)[2] = std::numeric_limits<float>::infinity();
+      weights.view(-1)[3] = -std::numeric_limits<float>::infinity();
+      weights.view(-1)[4] = std::numeric_limits<float>::quiet_NaN();
     }
     REQUIRE(capacityPositionKernels(indices.to(gpu), weights.to(gpu), experts).has_value());
     at::Tensor ours = capacityPosition(indices.to(gpu), weights.to(gpu), experts);

@@ -95,19 +95,18 @@ TEST_CASE(
 TEST_CASE("SwiGLU with live rows computes each group's first rows and zeroes the rest without reading it",
           "[moe][gpu]") {
   const at::Device gpu(at::kCUDA, 0);
-  // 5 groups of 40 rows: none live, a few, most, all, one; vector and element-wise widths.
-  for (int64_t width : {768L, 37L}) {
-    INFO("width " << width);
+  // 5 groups of 40 rows: none live, a few, most, all (45 of 40), one; vector and element-wise widths.
+  for (auto [dtype, width] : {std::tuple{at::kBFloat16, 768L}, {at::kBFloat16, 37L}, {at::kFloat, 768L}}) {
+    INFO(c10::toString(dtype) << ", width " << width);
     const int64_t groupRows = 40;
-    at::Tensor live = at::tensor(std::vector<int32_t>{0, 7, 33, 40, 1}, at::kInt);
+    at::Tensor live = at::tensor(std::vector<int32_t>{0, 7, 33, 45, 1}, at::kInt);
     at::Tensor liveMask =
         at::arange(groupRows, at::kLong).repeat({5}).lt(live.to(at::kLong).repeat_interleave(groupRows)).unsqueeze(1);
     at::Tensor values = 4 * at::randn({5 * groupRows, 2 * width}, testing::sharedGenerator(31), at::kDouble);
     // The tails hold NaN: a kernel that read them would spread it.
-    at::Tensor leaf =
-        at::where(liveMask, values, at::full({}, NAN, at::kDouble)).to(gpu, at::kBFloat16).requires_grad_(true);
+    at::Tensor leaf = at::where(liveMask, values, at::full({}, NAN, at::kDouble)).to(gpu, dtype).requires_grad_(true);
     at::Tensor gradOut = at::randn({5 * groupRows, width}, testing::sharedGenerator(32), at::kDouble);
-    gradOut = at::where(liveMask, gradOut, at::full({}, NAN, at::kDouble)).to(gpu, at::kBFloat16);
+    gradOut = at::where(liveMask, gradOut, at::full({}, NAN, at::kDouble)).to(gpu, dtype);
     at::Tensor out = swiglu(leaf, live.to(gpu));
     out.backward(gradOut);
     const at::Tensor onDevice = liveMask.to(gpu);
