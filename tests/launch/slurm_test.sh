@@ -50,7 +50,7 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
 fi
 
 host=$(hostname -s)
-ctl_port=$((30000 + RANDOM % 10000))
+ctl_port=$((20000 + RANDOM % 12000)) # and the next two: below the ephemeral range (32768 up)
 mkdir -p "$dir/state" "$dir/spool"
 cat >"$conf" <<EOF
 ClusterName=bulkhead-test

@@ -19,7 +19,16 @@ out=$(mktemp -d)
 trap '[ -n "${KEEP:-}" ] || rm -rf "$out"' EXIT
 fail() { echo "FAIL: $*"; for f in "$out"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -20 "$f"; }; done; exit 1; }
 
-port() { echo $((20000 + RANDOM % 20000)); }
+# A port below Linux's ephemeral range (32768 up, where the kernel picks the ports
+# of outgoing connections and of listeners on port 0), with nothing listening on it.
+port() {
+  local p
+  for _ in $(seq 50); do
+    p=$((20000 + RANDOM % 12000))
+    (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null || break
+  done
+  echo "$p"
+}
 
 # loop <name> <world size> <ranks to start, e.g. "0 1 2 3"> -- program args...
 # Per-rank overrides: RANK_<i>_ENV="VAR=value ..." (i: position in the list).
