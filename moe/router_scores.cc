@@ -170,18 +170,15 @@ std::optional<at::Tensor> capacityPositionKernels(const at::Tensor& indices, con
   const at::Tensor flatIndices = indices.reshape(-1).contiguous(), flatWeights = weights.reshape(-1).contiguous();
   const int64_t slots = flatIndices.numel();
   at::Tensor position = at::empty({slots}, flatIndices.options());
-  // Top-k names k different experts a token: no expert has more slots than there are tokens.
-  cuda::CapacityArgs args{.slots = slots,
-                          .experts = numExperts,
-                          .indices = flatIndices.data_ptr<int64_t>(),
-                          .weights = flatWeights.data_ptr<float>(),
-                          .position = position.data_ptr<int64_t>(),
-                          .expertBound = indices.dim() == 2 ? indices.size(0) : 0,
-                          .stream = c10::cuda::getCurrentCUDAStream(indices.device().index()).stream()};
-  at::Tensor scratch =
-      at::empty({static_cast<int64_t>(cuda::capacityScratchBytes(args))}, flatIndices.options().dtype(at::kByte));
-  args.scratch = scratch.data_ptr();
-  cuda::capacityPositions(args);
+  at::Tensor scratch = at::empty({static_cast<int64_t>(cuda::capacityScratchBytes(slots, numExperts))},
+                                 flatIndices.options().dtype(at::kByte));
+  cuda::capacityPositions({.slots = slots,
+                           .experts = numExperts,
+                           .indices = flatIndices.data_ptr<int64_t>(),
+                           .weights = flatWeights.data_ptr<float>(),
+                           .position = position.data_ptr<int64_t>(),
+                           .scratch = scratch.data_ptr(),
+                           .stream = c10::cuda::getCurrentCUDAStream(indices.device().index()).stream()});
   return position.view(indices.sizes());
 #else
   (void)indices, (void)weights, (void)numExperts;

@@ -54,11 +54,9 @@ std::optional<FusedScores> fusedScores(const at::Tensor& logits, const RouterOpt
 // moe::capacityPosition's ranks by the kernels of moe/cuda/capacity_kernels.h:
 // float32 weights, int64 indices in [0, numExperts) on one GPU, fewer than 2^31
 // slots; the same positions as the ATen form, with no sync (an index outside
-// that range leaves positions unspecified where the ATen form raises). Indices
-// [T, k] are taken for top-k's, k different experts a token: the per-expert
-// ranking plans for at most T slots an expert, and only runs slower where that
-// does not hold. nullopt elsewhere (not built, CPU tensors, other dtypes): the
-// caller takes the ATen form then.
+// that range leaves positions unspecified where the ATen form raises). nullopt
+// elsewhere (not built, CPU tensors, other dtypes): the caller takes the ATen
+// form then.
 std::optional<at::Tensor> capacityPositionKernels(const at::Tensor& indices, const at::Tensor& weights, int numExperts);
 
 }  // namespace bulkhead::moe

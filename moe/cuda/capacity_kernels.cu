@@ -2,7 +2,6 @@
 
 #include <cub/device/device_radix_sort.cuh>
 
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -52,73 +51,6 @@ __global__ void positionKernel(CapacityArgs a, const uint64_t* sortedKeys, const
   a.position[sortedSlots[i]] = i - low;
 }
 
-constexpr int kRankThreads = 1024;
-
-// One block per expert: its slots (weight keys and slot numbers) gathered into
-// shared memory in any order, then each counts those ranked before it (a
-// smaller key, or the same key at an earlier slot). More slots than `entries`
-// at one expert (a bound the caller's routing broke) are counted from global
-// memory instead: the same ranks, slower.
-__global__ void __launch_bounds__(kRankThreads) expertRankKernel(CapacityArgs a, int64_t entries) {
-  extern __shared__ uint32_t gathered[];  // keys [entries], then slots [entries]
-  __shared__ unsigned int count;
-  uint32_t *keys = gathered, *slots = gathered + entries;
-  const int64_t expert = blockIdx.x;
-  if (threadIdx.x == 0) count = 0;
-  __syncthreads();
-  for (int64_t s = threadIdx.x; s < a.slots; s += blockDim.x) {
-    if (a.indices[s] != expert) continue;
-    const unsigned int i = atomicAdd(&count, 1u);
-    if (i < entries) {
-      keys[i] = descendingBits(a.weights[s]);
-      slots[i] = static_cast<uint32_t>(s);
-    }
-  }
-  __syncthreads();
-  const int64_t n = count;
-  if (n <= entries) {
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const uint32_t key = keys[i], slot = slots[i];
-      int64_t before = 0;
-      for (int64_t j = 0; j < n; ++j) before += keys[j] < key || (keys[j] == key && slots[j] < slot);
-      a.position[slot] = before;
-    }
-    return;
-  }
-  for (int64_t s = threadIdx.x; s < a.slots; s += blockDim.x) {
-    if (a.indices[s] != expert) continue;
-    const uint32_t key = descendingBits(a.weights[s]);
-    int64_t before = 0;
-    for (int64_t t = 0; t < a.slots; ++t) {
-      if (a.indices[t] != expert) continue;
-      const uint32_t other = descendingBits(a.weights[t]);
-      before += other < key || (other == key && t < s);
-    }
-    a.position[s] = before;
-  }
-}
-
-// The slots one block can hold in shared memory on the current device (8 bytes
-// each), past the 48 KiB every launch gets only by opting in.
-int64_t sharedEntries() {
-  int device = 0, optIn = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optIn, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    (void)cudaGetLastError();  // not a fault: rank only what the default holds
-    optIn = 48 * 1024;
-  }
-  return (optIn - 1024) / static_cast<int64_t>(2 * sizeof(uint32_t));
-}
-
-// Small batches, at most kRankMeanSlots slots an expert on average and an
-// expert's bound in shared memory, rank at each expert (each block's work
-// grows with the square of its expert's slots); the rest sort.
-bool ranksPerExpert(const CapacityArgs& a) {
-  const int64_t bound = a.expertBound > 0 ? a.expertBound : a.slots;
-  return a.slots <= kRankSlots && a.experts <= kRankExperts && a.slots <= kRankMeanSlots * a.experts &&
-         bound <= sharedEntries();
-}
-
 size_t aligned(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // The sort's scratch: keys and slots in, keys and slots sorted, cub's own.
@@ -126,10 +58,9 @@ struct Layout {
   size_t keys = 0, slots = 0, sortBytes = 0, total = 0;
 };
 
-Layout layout(const CapacityArgs& a) {
+Layout layout(int64_t slots, int64_t experts) {
   Layout l;
-  const int64_t slots = a.slots, experts = a.experts;
-  if (slots == 0 || ranksPerExpert(a)) return l;
+  if (slots == 0) return l;
   l.keys = aligned(sizeof(uint64_t) * static_cast<size_t>(slots));
   l.slots = aligned(sizeof(int32_t) * static_cast<size_t>(slots));
   cub::DoubleBuffer<uint64_t> keys(nullptr, nullptr);
@@ -139,24 +70,6 @@ Layout layout(const CapacityArgs& a) {
     throw std::runtime_error("capacityPositions: cub could not size its sort");
   l.total = 2 * l.keys + 2 * l.slots + aligned(l.sortBytes);
   return l;
-}
-
-void rankPerExpert(const CapacityArgs& args) {
-  const int64_t entries = std::min(args.slots, args.expertBound > 0 ? args.expertBound : args.slots);
-  const size_t bytes = 2 * sizeof(uint32_t) * static_cast<size_t>(entries);
-  if (bytes > 48 * 1024) {
-    const cudaError_t status =
-        cudaFuncSetAttribute(expertRankKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-    if (status != cudaSuccess) {
-      (void)cudaGetLastError();
-      throw ConfigError(std::string("capacity ranks: ") + std::to_string(bytes) +
-                            " bytes of shared memory refused: " + cudaGetErrorString(status),
-                        {.expected = "a GPU whose blocks may opt in to that much shared memory"});
-    }
-  }
-  expertRankKernel<<<static_cast<unsigned>(args.experts), kRankThreads, bytes,
-                     static_cast<cudaStream_t>(args.stream)>>>(args, entries);
-  checkLaunch("capacity rank kernel launch");
 }
 
 void sortAll(const CapacityArgs& args, const Layout& l) {
@@ -185,16 +98,13 @@ void sortAll(const CapacityArgs& args, const Layout& l) {
 
 }  // namespace
 
-size_t capacityScratchBytes(const CapacityArgs& args) { return layout(args).total; }
+size_t capacityScratchBytes(int64_t slots, int64_t experts) { return layout(slots, experts).total; }
 
 void capacityPositions(const CapacityArgs& args) {
   if (args.slots < 0 || args.slots > kMaxCapacitySlots || args.experts <= 0 || args.experts > (int64_t{1} << 31))
     throw std::runtime_error("capacityPositions: slots in [0, 2^31) and experts in [1, 2^31]");
   if (args.slots == 0) return;
-  if (ranksPerExpert(args))
-    rankPerExpert(args);
-  else
-    sortAll(args, layout(args));
+  sortAll(args, layout(args.slots, args.experts));
 }
 
 }  // namespace bulkhead::moe::cuda
