@@ -14,7 +14,7 @@ namespace {
 
 using bulkhead::fault::FaultSpec;
 
-constexpr const char* kForm = "rank=R[,step=S],action=exit|stall:SECONDS|write-error|commit-exit";
+constexpr const char* kForm = "rank=R[,step=S],action=exit|stop|kill|stall:SECONDS|write-error|commit-exit";
 
 }  // namespace
 
@@ -30,8 +30,11 @@ Fault parse(const std::string& text) {
     fault.stallSeconds = *action.argument;
     return fault;
   }
-  const std::pair<const char*, Action> plain[] = {
-      {"exit", Action::Exit}, {"write-error", Action::WriteError}, {"commit-exit", Action::CommitExit}};
+  const std::pair<const char*, Action> plain[] = {{"exit", Action::Exit},
+                                                  {"stop", Action::Stop},
+                                                  {"kill", Action::Kill},
+                                                  {"write-error", Action::WriteError},
+                                                  {"commit-exit", Action::CommitExit}};
   for (const auto& [name, value] : plain) {
     if (action.name == name && !action.argument) {
       fault.action = value;

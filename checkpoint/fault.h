@@ -3,6 +3,8 @@
 //   BULKHEAD_CHECKPOINT_FAULT=rank=R[,step=S],action=A
 // World rank R misbehaves while saving step S (any step when omitted):
 //   exit          the process ends abruptly (_exit(17)) halfway through writing its file
+//   stop          the process stops itself (SIGSTOP) there, as a frozen rank; it goes on once continued
+//   kill          the process kills itself (SIGKILL) there
 //   stall:SEC     its writer sleeps SEC seconds before writing (the others must give up)
 //   write-error   writing its file fails as on a full disk (IoError, ENOSPC)
 //   commit-exit   the coordinator ends abruptly after writing the manifest, before the rename
@@ -14,7 +16,7 @@
 
 namespace bulkhead::checkpoint::fault {
 
-enum class Action { Exit, Stall, WriteError, CommitExit };
+enum class Action { Exit, Stop, Kill, Stall, WriteError, CommitExit };
 
 struct Fault {
   int rank = -1;

@@ -1,6 +1,7 @@
 #include "checkpoint/rank_file.h"
 
 #include <fmt/format.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,6 +19,23 @@
 #include "runtime/log.h"
 
 namespace bulkhead::checkpoint {
+
+namespace {
+
+// BULKHEAD_CHECKPOINT_FAULT's actions halfway through writing a rank's file.
+void haltHalfway(const fault::Fault& fault, const std::string& path) {
+  if (fault.action == fault::Action::Exit) {
+    log::error("checkpoint", "BULKHEAD_CHECKPOINT_FAULT: exiting halfway through writing {}", path);
+    ::_exit(17);
+  }
+  if (fault.action == fault::Action::Stop || fault.action == fault::Action::Kill) {
+    log::warn("checkpoint", "BULKHEAD_CHECKPOINT_FAULT: {} this process halfway through writing {}",
+              fault.action == fault::Action::Stop ? "stopping" : "killing", path);
+    ::raise(fault.action == fault::Action::Stop ? SIGSTOP : SIGKILL);  // a stopped one goes on once continued
+  }
+}
+
+}  // namespace
 
 std::string rankFileName(int rank) { return fmt::format("rank_{:05d}.h5", rank); }
 
@@ -73,10 +91,7 @@ int64_t writeRankFile(const std::string& path, const RankFileHeader& header, std
   constexpr int64_t kWritebackBytes = int64_t{256} << 20;
   int64_t sinceWriteback = 0;
   for (size_t s = 0; s < slices.size(); ++s) {
-    if (fault && fault->action == fault::Action::Exit && s == half) {
-      log::error("checkpoint", "BULKHEAD_CHECKPOINT_FAULT: exiting halfway through writing {}", path);
-      ::_exit(17);
-    }
+    if (fault && s == half) haltHalfway(*fault, path);
     StagedSlice& slice = slices[s];
     h5::Dataset dataset = file.createDataset(slice.dataset, slice.key, slice.plan, slice.dtype);
     dataset.setAttribute("key", slice.key);
@@ -100,7 +115,7 @@ int64_t writeRankFile(const std::string& path, const RankFileHeader& header, std
     }
     slice.digest = digest.value();
   }
-  if (fault && fault->action == fault::Action::Exit && slices.empty()) ::_exit(17);
+  if (fault && slices.empty()) haltHalfway(*fault, path);
   if (ahead.valid()) ahead.get();
   file.close();
   double writing = secondsSince(started);

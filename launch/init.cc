@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <thread>
+
 #include "runtime/env.h"
 #include "runtime/errors.h"
+#include "runtime/fatal_exit.h"
 #include "runtime/gloo/gloo_backend.h"
 #include "runtime/host_staged.h"
 #include "runtime/log.h"
@@ -84,7 +87,8 @@ Runtime::~Runtime() {
 void Runtime::shutdown(std::optional<Deadline> deadline) {
   if (down_) return;
   down_ = true;
-  Deadline until = deadline.value_or(Deadline::afterSeconds(env::kShutdownTimeout.seconds()));
+  if (fatal::ending()) return endAfterFatalError();
+  Deadline until = deadline.value_or(fatal::shutdownDeadline());
   monitor_->stop();  // heartbeats end (and dumps are written) while the store still serves
   // Without MPI the final barrier is the CPU world's: every rank is done with
   // the store after it, so rank 0 may stop serving.
@@ -99,6 +103,24 @@ void Runtime::shutdown(std::optional<Deadline> deadline) {
   cpuWorld_.reset();
   mpi::finalize(until);  // with MPI, a final barrier: every rank is done with the store after it
   if (rendezvous_.server) rendezvous_.server->stop(Deadline::afterSeconds(2));
+}
+
+void Runtime::endAfterFatalError() {
+  // No final barrier: a peer may be the rank that stopped. The store's host
+  // serves a little longer (the abort grace), so that the other ranks, whose
+  // deadlines run out at about the same time, can still read the heartbeats
+  // their diagnosis names the culprit from.
+  fatal::Waiting waiting("the runtime's shutdown after a fatal error");
+  const Deadline until = fatal::shutdownDeadline();
+  monitor_->stop();
+  world_->abort("the process is ending after a fatal error");
+  if (cpuWorld_ != world_) cpuWorld_->abort("the process is ending after a fatal error");
+  world_.reset();
+  cpuWorld_.reset();
+  if (rendezvous_.server) {
+    std::this_thread::sleep_until(fatal::lingerDeadline().earliest(until).when());
+    rendezvous_.server->stop(Deadline::afterSeconds(1).earliest(until));
+  }
 }
 
 namespace {
@@ -179,16 +201,35 @@ std::unique_ptr<Runtime> init(InitOptions options) {
                                    std::move(rendezvous), std::move(monitor));
 }
 
+namespace {
+
+// After a fatal error the process ends here, once every rank had its abort
+// grace to raise and log its own diagnosis (under mpirun the first rank to
+// exit ends the others).
+[[noreturn]] void endProcess(int code) {
+  std::this_thread::sleep_until(fatal::lingerDeadline().earliest(fatal::shutdownDeadline()).when());
+  log::error("launch", "ending the process with code {} after a fatal error", code);
+  fatal::exitNow(code);
+}
+
+}  // namespace
+
 int guardedMain(const std::function<int()>& body) {
+  fatal::endProcessOnFatalError();
+  int code = 0;
   try {
-    return body();
+    code = body();
   } catch (const Error& e) {
     log::error("launch", "{}", e.what());
-    return e.exitCode();
+    code = e.exitCode();
   } catch (const std::exception& e) {
     log::error("launch", "unexpected error: {}", e.what());
-    return 1;
+    code = 1;
   }
+  // The first fatal error is the job's cause, whatever it led to later here
+  // (an aborted communicator's CommError, a failed save).
+  if (fatal::raised()) endProcess(fatal::exitCode());
+  return code;
 }
 
 }  // namespace bulkhead

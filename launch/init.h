@@ -65,9 +65,14 @@ class Runtime {
   // the store), then the backend's finalize.
   // With MPI, a process whose collective timed out exits here with code 3
   // (see runtime/mpi/mpi_backend.h).
+  // After a fatal error (runtime/fatal_exit.h) it waits on no peer: the
+  // communicators are aborted, and rank 0's store serves one abort grace
+  // longer so that the others can still diagnose.
   void shutdown(std::optional<Deadline> deadline = std::nullopt);
 
  private:
+  void endAfterFatalError();
+
   launch::WorldInfo info_;
   Backend backend_;
   CommunicatorPtr world_;
@@ -82,6 +87,11 @@ std::unique_ptr<Runtime> init(InitOptions options = {});
 // Runs a program's body and turns a Bulkhead error into a logged message and
 // the error's exit code (2 config, 3 timeout, 4 desync, 5 comm, 6 io,
 // 7 checkpoint); any other exception exits with 1.
+// It turns on the bounded exit (runtime/fatal_exit.h): after a fatal
+// communication error it does not return but ends the process with that
+// error's code, an abort grace after the error (so that every rank logs its
+// own diagnosis first) and within BULKHEAD_SHUTDOWN_TIMEOUT +
+// BULKHEAD_ABORT_GRACE + 2 s of it whatever is blocked.
 int guardedMain(const std::function<int()>& body);
 
 }  // namespace bulkhead

@@ -16,7 +16,7 @@ Communicator::Injected Communicator::injectFault(Fingerprint& fingerprint) {
   // Point-to-point operations are numbered on their own (Ledger::issue).
   const LedgerHeads heads = ledger_->heads();
   const bool pointToPoint = isPointToPoint(fingerprint.op);
-  auto action = fault::inject(*this, (pointToPoint ? heads.lastIssuedP2P : heads.lastIssued) + 1, pointToPoint);
+  auto action = fault::inject(*this, (pointToPoint ? heads.lastIssuedP2P : heads.lastIssued) + 1, fingerprint.op);
   if (!action) return Injected::None;
   if (*action == fault::Action::Skip) return Injected::Skip;
   fingerprint = fault::mismatch(fingerprint, *action);

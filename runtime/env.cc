@@ -33,8 +33,9 @@ const Knob kCheckpointThreads{"BULKHEAD_CHECKPOINT_THREADS", "4",
 const Knob kCheckpointNice{"BULKHEAD_CHECKPOINT_NICE", "10",
                            "niceness (0-19) added to the training loop's for a save's background threads, so "
                            "they leave the host's cores to the training loop; 0: the same priority"};
-const Knob kCheckpointFault{"BULKHEAD_CHECKPOINT_FAULT", "",
-                            "tests only: rank=R[,step=S],action=exit|stall:S|write-error|commit-exit while saving"};
+const Knob kCheckpointFault{
+    "BULKHEAD_CHECKPOINT_FAULT", "",
+    "tests only: rank=R[,step=S],action=exit|stop|kill|stall:S|write-error|commit-exit while saving"};
 const Knob kShutdownTimeout{"BULKHEAD_SHUTDOWN_TIMEOUT", "30", "seconds for the final barrier and finalize"};
 const Knob kAbortGrace{"BULKHEAD_ABORT_GRACE", "1",
                        "seconds an abort may take (ncclCommAbort runs on a helper thread and is abandoned after it), "
@@ -58,7 +59,8 @@ const Knob kStrict{"BULKHEAD_STRICT", "0",
 const Knob kLedgerDump{"BULKHEAD_LEDGER_DUMP", "",
                        "directory for per-rank ledger JSON and Chrome traces, written on a timeout and at shutdown"};
 const Knob kFault{"BULKHEAD_FAULT", "",
-                  "tests only: rank=R,group=G,seq=N,action=skip|mismatch-op|mismatch-size|delay:S|exit"};
+                  "tests only: rank=R,group=G[,op=OP],seq=N,action=skip|mismatch-op|mismatch-size|delay:S|exit|stop|"
+                  "kill"};
 
 const std::vector<const Knob*>& all() {
   static const std::vector<const Knob*> knobs = {&kLogLevel,

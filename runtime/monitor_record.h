@@ -37,7 +37,7 @@ struct State {
 
 std::string stateKey(int rank);
 
-// The wall clock the records (and the node relay's stamps) are written in, ms
+// The wall clock the records are written in, ms
 // since the epoch: every process of a job reads the same time base.
 int64_t wallClockMs();
 

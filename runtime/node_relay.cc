@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -17,7 +18,6 @@
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
-#include "runtime/monitor_record.h"
 
 namespace bulkhead {
 
@@ -26,25 +26,61 @@ struct NodeRelay::Header {
   uint64_t magic;
   uint32_t slots;
   uint32_t stride;
-  std::atomic<int64_t> forwardedMs;  // wall clock of the leader's last forwarding turn
+  std::atomic<int64_t> forwardedMs;  // monotonic clock (monotonicMs) of the leader's last forwarding turn
 };
 
 // One rank's record under a sequence lock: `version` is odd while the owner
 // writes, and a reader keeps a copy only if it saw the same even version
-// before and after copying.
+// before and after copying. Every field a reader copies, the record's bytes
+// included, is an atomic that writers store and readers load relaxed, so a
+// reader racing a writer reads stale or torn values (then discarded), never
+// undefined behaviour; the fences in write() and changed() order them.
 struct NodeRelay::Slot {
   std::atomic<uint64_t> version;
   std::atomic<uint64_t> forwarded;
   std::atomic<int32_t> worldRank;
   std::atomic<uint32_t> length;
-  char data[1];  // the record's bytes run on to the end of the slot
+  std::atomic<uint64_t> data[1];  // the record's bytes, 8 a word, run on to the end of the slot
 };
 
 namespace {
 
-constexpr uint64_t kMagic = 0x42'4b'52'45'4c'41'59'31;  // "BKRELAY1"
+constexpr uint64_t kMagic = 0x42'4b'52'45'4c'41'59'32;  // "BKRELAY2": monotonic stamps, atomic words
 constexpr size_t kHeaderBytes = 64;
 static_assert(sizeof(NodeRelay::Header) <= kHeaderBytes);
+// The segment is shared between processes: only lock-free atomics of fixed
+// size work there. A slot's data starts 8-aligned and its stride is a
+// multiple of 64, so a record's bytes fit in whole words of its slot.
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<int64_t>::is_always_lock_free &&
+              std::atomic<uint32_t>::is_always_lock_free && std::atomic<int32_t>::is_always_lock_free);
+static_assert(sizeof(std::atomic<uint64_t>) == 8 && offsetof(NodeRelay::Slot, data) % 8 == 0);
+
+// Milliseconds of the monotonic clock (CLOCK_MONOTONIC on Linux: one per host
+// and boot, unmoved by steps of the wall clock).
+int64_t monotonicMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Stores `text` into `words` with relaxed atomic stores, the last word padded
+// with zeros. The caller orders them (the sequence lock's fences).
+void storeBytes(std::atomic<uint64_t>* words, std::string_view text) {
+  for (size_t offset = 0; offset < text.size(); offset += 8) {
+    uint64_t word = 0;
+    std::memcpy(&word, text.data() + offset, std::min<size_t>(8, text.size() - offset));
+    words[offset / 8].store(word, std::memory_order_relaxed);
+  }
+}
+
+// The first `length` bytes of `words`, loaded with relaxed atomic loads into
+// `out`: a racing writer makes them torn, never undefined behaviour.
+void loadBytes(const std::atomic<uint64_t>* words, size_t length, std::string& out) {
+  out.resize(length);
+  for (size_t offset = 0; offset < length; offset += 8) {
+    const uint64_t word = words[offset / 8].load(std::memory_order_relaxed);
+    std::memcpy(out.data() + offset, &word, std::min<size_t>(8, length - offset));
+  }
+}
 
 size_t strideFor(size_t slotBytes) { return (offsetof(NodeRelay::Slot, data) + slotBytes + 63) / 64 * 64; }
 
@@ -104,7 +140,7 @@ std::unique_ptr<NodeRelay> NodeRelay::create(int slots, size_t slotBytes) {
   auto* header = new (base) Header{};
   header->slots = static_cast<uint32_t>(slots);
   header->stride = static_cast<uint32_t>(stride);
-  header->forwardedMs.store(monitor_record::wallClockMs());
+  header->forwardedMs.store(monotonicMs());
   std::atomic_thread_fence(std::memory_order_release);
   header->magic = kMagic;
   return std::unique_ptr<NodeRelay>(new NodeRelay(std::move(name), base, bytes, true));
@@ -128,7 +164,7 @@ std::unique_ptr<NodeRelay> NodeRelay::open(const std::string& name) {
   }
   close(fd);
   const auto* header = static_cast<const Header*>(base);
-  if (header->magic != kMagic || header->stride < strideFor(64) ||
+  if (header->magic != kMagic || header->stride < strideFor(64) || header->stride % 64 != 0 ||
       kHeaderBytes + uint64_t(header->stride) * header->slots > bytes) {
     munmap(base, bytes);
     throw IoError(fmt::format("{} is not a node relay segment of this Bulkhead build", name), {});
@@ -152,6 +188,9 @@ NodeRelay::Slot* NodeRelay::slot(int index) const {
   return reinterpret_cast<Slot*>(static_cast<char*>(base_) + kHeaderBytes + size_t(header->stride) * index);
 }
 
+// The sequence lock's writer: the odd version is ordered before every store
+// of the record (the release fence), the record before the even version (its
+// release store).
 bool NodeRelay::write(int index, int worldRank, std::string_view text) {
   Slot* s = slot(index);
   const size_t capacity = static_cast<const Header*>(base_)->stride - offsetof(Slot, data);
@@ -159,13 +198,18 @@ bool NodeRelay::write(int index, int worldRank, std::string_view text) {
   const uint64_t version = s->version.load(std::memory_order_relaxed);
   s->version.store(version + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  std::memcpy(s->data, text.data(), text.size());
+  storeBytes(s->data, text);
   s->length.store(static_cast<uint32_t>(text.size()), std::memory_order_relaxed);
   s->worldRank.store(worldRank, std::memory_order_relaxed);
   s->version.store(version + 2, std::memory_order_release);
   return true;
 }
 
+// The sequence lock's reader: the acquire load of an even version makes the
+// record written before it visible. Where a relaxed load saw a store of a
+// later write, the acquire fence pairs with that write's release fence, so
+// the second load of the version sees its odd version or a newer one, and the
+// torn copy is dropped.
 std::vector<NodeRelay::Record> NodeRelay::changed(std::vector<uint64_t>& seen) const {
   seen.resize(slots(), 0);
   const size_t capacity = static_cast<const Header*>(base_)->stride - offsetof(Slot, data);
@@ -177,7 +221,7 @@ std::vector<NodeRelay::Record> NodeRelay::changed(std::vector<uint64_t>& seen) c
     Record record{.slot = i, .worldRank = s->worldRank.load(std::memory_order_relaxed), .version = before};
     const uint32_t length = s->length.load(std::memory_order_relaxed);
     if (length > capacity) continue;
-    record.text.assign(s->data, length);
+    loadBytes(s->data, length, record.text);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (s->version.load(std::memory_order_relaxed) != before) continue;  // rewritten meanwhile: next turn
     seen[i] = before;
@@ -186,10 +230,10 @@ std::vector<NodeRelay::Record> NodeRelay::changed(std::vector<uint64_t>& seen) c
   return records;
 }
 
-void NodeRelay::stampForwarded() { static_cast<Header*>(base_)->forwardedMs.store(monitor_record::wallClockMs()); }
+void NodeRelay::stampForwarded() { static_cast<Header*>(base_)->forwardedMs.store(monotonicMs()); }
 
 double NodeRelay::secondsSinceForwarded() const {
-  return (monitor_record::wallClockMs() - static_cast<const Header*>(base_)->forwardedMs.load()) / 1000.0;
+  return (monotonicMs() - static_cast<const Header*>(base_)->forwardedMs.load()) / 1000.0;
 }
 
 void NodeRelay::markForwarded(int index, uint64_t version) { slot(index)->forwarded.store(version); }

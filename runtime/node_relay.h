@@ -67,13 +67,19 @@ class NodeRelay {
   void unlink();
 
   // Writes `text` as slot `slot`'s record; false (nothing written) when it is
-  // larger than a slot.
+  // larger than a slot. One writer per slot: only its rank's thread writes it.
   bool write(int slot, int worldRank, std::string_view text);
   // The records whose version differs from `seen` (indexed by slot; grown to
-  // slots()), updating `seen`. A slot being written is skipped this time.
+  // slots()), updating `seen`. A slot being written is skipped this time; a
+  // record returned is always one write's whole record, never a mix of two.
+  // Safe against concurrent writes from any thread or process of the node.
   std::vector<Record> changed(std::vector<uint64_t>& seen) const;
   // The leader stamps each forwarding turn; members read how long ago the
-  // last one was (wall clock, so every process of the node agrees).
+  // last one was. The stamps are in the monotonic clock (steady_clock,
+  // CLOCK_MONOTONIC on Linux): one clock for the whole host since its boot,
+  // so every process of the node agrees on it (processes in time namespaces
+  // of their own aside), and a step of the wall clock (NTP, an operator)
+  // makes no leader look late or early.
   void stampForwarded();
   double secondsSinceForwarded() const;
   // The version of slot `slot` the leader forwarded last.

@@ -199,11 +199,9 @@ int main(int argc, char** argv) {
     const int64_t lastStep = options.stopAfter > 0 ? std::min(options.steps, options.stopAfter) : options.steps;
     std::signal(SIGTERM, onStopSignal);
     std::signal(SIGINT, onStopSignal);
-    // mpirun hands ranks a pseudo-terminal even under CI: a bar only for a person at a terminal.
-    const char* term = std::getenv("TERM");
-    const bool terminal =
-        isatty(STDOUT_FILENO) != 0 && term != nullptr && std::string(term) != "dumb" && std::getenv("CI") == nullptr;
-    Reporter reporter{.leader = rank == 0, .bar = ProgressBar({.stream = stdout, .enabled = rank == 0 && terminal})};
+    // A bar only for a person at a terminal; elsewhere the step lines at the log interval are the plain lines.
+    Reporter reporter{.leader = rank == 0,
+                      .bar = ProgressBar({.stream = stdout, .plainInterval = {}, .enabled = rank == 0})};
     if (rank == 0 && !options.lossLog.empty()) reporter.lossLog.open(options.lossLog, std::ios::app);
     reporter.line(
         fmt::format("train_moe: {} ranks (tp {} pp {} ep {} dp {} expert-dp {}), {} on {}, steps {}..{} of {}",

@@ -18,9 +18,11 @@
 
 #include "runtime/diagnosis.h"
 #include "runtime/env.h"
+#include "runtime/fatal_exit.h"
 #include "runtime/fault.h"
 #include "runtime/gloo/gloo_backend.h"
 #include "runtime/gloo/gloo_check.h"
+#include "runtime/gloo/gloo_communicator.h"
 #include "runtime/gloo/gloo_context.h"
 #include "runtime/gloo/gloo_state.h"
 #include "runtime/log.h"
@@ -297,7 +299,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     log::error("comm", "{}", message);
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
-      state_->abortLocked(fmt::format("{} seq {} timed out", toString(op.fingerprint.op), op.seq));
+      state_->abortLocked(fmt::format("{} seq {} timed out", toString(op.fingerprint.op), op.seq),
+                          diagnosis.desync ? 4 : 3);
     }
     if (diagnosis.desync) throw DesyncError(message, checks::context(*this));
     throw TimeoutError(message, checks::context(*this), op.seq, diagnosis.message);
@@ -323,11 +326,16 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     return op;
   }
 
-  // Numbers the operation, applies an injected fault and the strict check.
-  // Returns false when the operation was skipped (not issued, not numbered).
-  bool number(const OpPtr& op, std::optional<Deadline> deadline) {
+  // Starts the operation's clock: its deadline (the caller's, or the default
+  // timeout counted from the call) also covers waiting for issueMutex_.
+  void start(const OpPtr& op, std::optional<Deadline> deadline) {
     op->issuedAt = Deadline::Clock::now();
     op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
+  }
+
+  // Numbers the operation, applies an injected fault and the strict check.
+  // Returns false when the operation was skipped (not issued, not numbered).
+  bool number(const OpPtr& op) {
     Injected injected = injectFault(op->fingerprint);
     if (injected == Injected::Skip) return false;
     op->stalled = injected == Injected::Altered;
@@ -336,11 +344,32 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     return true;
   }
 
-  WorkPtr launch(const OpPtr& op, std::optional<Deadline> deadline, std::function<void(Millis)> run) {
-    if (!number(op, deadline)) return fault::skippedWork();
+  // What issue() did with an operation.
+  enum class Issued {
+    Skipped,  // an injected skip: not numbered, not recorded
+    Settled,  // the communicator was aborted: failed at once with the abort's error
+    Pending,  // numbered and pending: waiters and abort see it from now on
+  };
+
+  // Numbers the operation and records it as pending. The caller holds
+  // issueMutex_, not state_->mutex.
+  Issued issue(const OpPtr& op) {
+    if (!number(op)) return Issued::Skipped;
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->pending.push_back(op);
-    if (!op->stalled) {
+    if (!state_->aborted) return Issued::Pending;
+    state_->abortLocked(state_->abortReason);
+    return Issued::Settled;
+  }
+
+  WorkPtr launch(const OpPtr& op, std::optional<Deadline> deadline, std::function<void(Millis)> run) {
+    start(op, deadline);
+    // The worker runs the collectives in queue order: numbered and queued as one step.
+    std::lock_guard<std::mutex> ordered(issueMutex_);
+    Issued issued = issue(op);
+    if (issued == Issued::Skipped) return fault::skippedWork();
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (!op->stalled && !op->done) {
       op->run = std::move(run);
       state_->collectives.push_back(op);
       state_->changed.notify_all();
@@ -356,24 +385,49 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     op->fingerprint.root = peer;
     op->fingerprint.label = options.label;
     op->isSend = isSend;
-    if (!number(op, options.deadline)) return fault::skippedWork();
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->pending.push_back(op);
-    if (!op->stalled) {
-      op->unbound = context()->createUnboundBuffer(dataOrDummy(tensor), bytesOf(tensor));
-      const uint64_t slot = ::gloo::Slot::build(kPointToPointPrefix, 0);
-      guarded(isSend ? "send" : "recv", state_->errorContext, [&] {
-        if (isSend)
-          op->unbound->send(peer, slot);
-        else
-          op->unbound->recv(peer, slot);
-      });
-      auto key = std::make_pair(peer, isSend);
-      state_->pointToPoint[key].push_back(op);
-      if (!pointToPointThreads_.count(key)) pointToPointThreads_[key] = std::thread(pointToPointWorker, state_, key);
-      state_->changed.notify_all();
-    }
+    start(op, options.deadline);
+    // Gloo matches the messages of a pair and slot in the order posted: numbered and posted as one step.
+    std::lock_guard<std::mutex> ordered(issueMutex_);
+    Issued issued = issue(op);
+    if (issued == Issued::Skipped) return fault::skippedWork();
+    if (issued == Issued::Pending && !op->stalled) post(op, tensor, peer);
     return std::make_shared<GlooWork>(shared_from_this(), op);
+  }
+
+  // Hands a pending send or receive to Gloo, then to its peer's thread. The
+  // caller holds issueMutex_ and not state_->mutex: posting may block on the
+  // pair's connection (up to the context's timeout), and Work::wait, abort and
+  // the timeouts take state_->mutex only, so they keep their deadlines
+  // meanwhile. A failed post fails the operation and aborts the communicator.
+  void post(const OpPtr& op, const at::Tensor& tensor, int peer) {
+    std::unique_ptr<::gloo::transport::UnboundBuffer> unbound;
+    std::exception_ptr error;
+    try {
+      guarded(op->isSend ? "send" : "recv", state_->errorContext, [&] {
+        unbound = context()->createUnboundBuffer(dataOrDummy(tensor), bytesOf(tensor));
+        const uint64_t slot = ::gloo::Slot::build(kPointToPointPrefix, 0);
+        if (op->isSend)
+          unbound->send(peer, slot);
+        else
+          unbound->recv(peer, slot);
+      });
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    // Kept even when the operation was abandoned meanwhile: Gloo may still use it.
+    op->unbound = std::move(unbound);
+    if (error) {
+      state_->abandoned.push_back(op);
+      state_->settle(op, error);
+      if (!state_->aborted) state_->abortLocked(fmt::format("{} seq {} failed", toString(op->fingerprint.op), op->seq));
+      return;
+    }
+    if (op->done) return;  // aborted while posting
+    auto key = std::make_pair(peer, op->isSend);
+    state_->pointToPoint[key].push_back(op);
+    if (!pointToPointThreads_.count(key)) pointToPointThreads_[key] = std::thread(pointToPointWorker, state_, key);
+    state_->changed.notify_all();
   }
 
   // Operations nobody waited for get the shutdown timeout to finish; what is
@@ -381,14 +435,15 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   void drainOnDestroy() {
     std::unique_lock<std::mutex> lock(state_->mutex);
     if (state_->aborted) return;
-    auto until = Deadline::afterSeconds(env::kShutdownTimeout.seconds()).when();
+    // A process that is ending after a fatal error waits on no peer.
+    auto until = fatal::ending() ? Deadline::Clock::now() : fatal::shutdownDeadline().when();
     bool drained = state_->changed.wait_until(lock, until, [&] {
       return std::all_of(state_->pending.begin(), state_->pending.end(), [](const OpPtr& op) { return op->stalled; });
     });
-    if (!drained)
+    if (!drained && !fatal::ending())
       log::error("comm", "{} destroyed with operations in flight that did not finish in {} s", name_,
                  env::kShutdownTimeout.seconds());
-    state_->abortLocked("destroyed");
+    state_->abortLocked(drained ? "destroyed" : "destroyed with operations in flight", drained ? 0 : 5);
   }
 
   ContextFactory factory_;
@@ -396,6 +451,10 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   std::vector<int> members_;
   double defaultTimeout_;
   std::shared_ptr<State> state_;
+  // Held while an operation is numbered and handed to Gloo or to the worker, so
+  // that they see the operations in ledger order. Never taken by a waiter, and
+  // never under state_->mutex.
+  std::mutex issueMutex_;
   std::thread worker_;
   std::map<std::pair<int, bool>, std::thread> pointToPointThreads_;  // guarded by state_->mutex
   int splits_ = 0;
@@ -480,6 +539,12 @@ CommunicatorPtr GlooCommunicator::split(int color, int key, const std::string& n
 
 bool available() { return true; }
 
+CommunicatorPtr makeCommunicator(std::shared_ptr<::gloo::Context> context, ContextFactory factory, std::string name,
+                                 std::vector<int> members) {
+  return std::make_shared<GlooCommunicator>(std::move(context), std::move(factory), std::move(name),
+                                            std::move(members));
+}
+
 CommunicatorPtr initWorld(std::shared_ptr<Store> store, int rank, int size, WorldOptions options) {
   Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
   if (rank < 0 || rank >= size)
@@ -489,7 +554,7 @@ CommunicatorPtr initWorld(std::shared_ptr<Store> store, int rank, int size, Worl
   auto context = factory.connect(rank, size, deadline, {.rank = rank, .group = "world"});
   std::vector<int> members(size);
   for (int r = 0; r < size; ++r) members[r] = r;
-  return std::make_shared<GlooCommunicator>(std::move(context), std::move(factory), "world", std::move(members));
+  return makeCommunicator(std::move(context), std::move(factory), "world", std::move(members));
 }
 
 }  // namespace bulkhead::gloo

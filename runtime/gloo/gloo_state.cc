@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "runtime/fatal_exit.h"
 #include "runtime/gloo/gloo_check.h"
 
 namespace bulkhead::gloo {
@@ -25,7 +26,8 @@ void State::settle(const OpPtr& op, std::exception_ptr error) {
   changed.notify_all();
 }
 
-void State::abortLocked(const std::string& reason) {
+void State::abortLocked(const std::string& reason, int exitCode) {
+  if (!aborted && exitCode != 0) fatal::raise(exitCode, fmt::format("{} was aborted ({})", errorContext.group, reason));
   if (!aborted) abortReason = reason;
   aborted = true;
   auto error = std::make_exception_ptr(

@@ -38,7 +38,7 @@ struct Op {
   Deadline::Clock::time_point issuedAt;
   std::vector<at::Tensor> buffers;
   std::function<void(Millis)> run;                            // collectives: runs on the worker
-  std::unique_ptr<::gloo::transport::UnboundBuffer> unbound;  // sends and receives: posted at issue
+  std::unique_ptr<::gloo::transport::UnboundBuffer> unbound;  // sends and receives: set once posted
   bool isSend = false;
   bool stalled = false;  // an injected mismatch: never runs, never completes
   bool done = false;     // settled (under State::mutex)
@@ -55,6 +55,8 @@ struct State {
   std::shared_ptr<::gloo::Context> context;
   std::shared_ptr<Ledger> ledger;
   ErrorContext errorContext;
+  // Every waiter takes it (Work::wait, isCompleted, abort, the timeouts), so it
+  // is never held across a Gloo call that may block (a post, a wait, a connect).
   std::mutex mutex;
   std::condition_variable changed;
   std::deque<OpPtr> collectives;                                   // waiting for the worker, in issue order
@@ -67,8 +69,10 @@ struct State {
 
   // Under `mutex`: records the outcome in the ledger and wakes the waiters.
   void settle(const OpPtr& op, std::exception_ptr error);
-  // Under `mutex`: fails everything not settled and wakes every waiter.
-  void abortLocked(const std::string& reason);
+  // Under `mutex`: fails everything not settled and wakes every waiter. A
+  // first abort with a non-zero `exitCode` raises the process's fatal error
+  // (runtime/fatal_exit.h); 0 for a communicator that is only being destroyed.
+  void abortLocked(const std::string& reason, int exitCode = 5);
 };
 
 // The worker: runs the collectives one at a time in issue order.

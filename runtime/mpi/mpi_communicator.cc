@@ -18,6 +18,7 @@
 #include "runtime/backoff.h"
 #include "runtime/diagnosis.h"
 #include "runtime/env.h"
+#include "runtime/fatal_exit.h"
 #include "runtime/fault.h"
 #include "runtime/log.h"
 #include "runtime/monitor.h"
@@ -268,7 +269,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
       std::unique_lock<std::mutex> lock(job->mutex);
       if (!job->done.wait_until(lock, deadline.when(), [&] { return job->finished; })) {
         poisonedFlag = true;
-        markAborted("MPI_Comm_split did not finish");
+        markAborted("MPI_Comm_split did not finish", 3);
         throw TimeoutError(fmt::format("MPI_Comm_split of {} into '{}' did not finish within the init deadline: a "
                                        "rank left after agreeing to split; this process exits with code 3 at shutdown",
                                        checks::describeGroup(*this), name),
@@ -338,7 +339,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
                           " MPI cannot cancel it: the communicator is aborted and this process exits with code 3 at "
                           "shutdown.";
     log::error("comm", "{}", message);
-    markAborted(fmt::format("{} seq {} timed out", toString(op.fingerprint.op), op.seq));
+    markAborted(fmt::format("{} seq {} timed out", toString(op.fingerprint.op), op.seq), diagnosis.desync ? 4 : 3);
     if (diagnosis.desync) throw DesyncError(message, checks::context(*this));
     throw TimeoutError(message, checks::context(*this), op.seq, diagnosis.message);
   }
@@ -390,7 +391,10 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     return std::make_shared<MpiWork>(shared_from_this(), op);
   }
 
-  void markAborted(const std::string& reason) {
+  // Marks the communicator aborted (raising the process's fatal error with
+  // `exitCode`, runtime/fatal_exit.h) and abandons what is in flight.
+  void markAborted(const std::string& reason, int exitCode = 5) {
+    fatal::raise(exitCode, fmt::format("{} was aborted: {}", name_, reason));
     std::lock_guard<std::mutex> lock(mutex_);
     if (!aborted_) abortReason_ = reason;
     aborted_ = true;
@@ -411,8 +415,8 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
     if (aborted_ || finalized) return;
     // A process whose MPI operation timed out exits at shutdown: what is in
     // flight elsewhere (perhaps with the same stalled peer) is abandoned now.
-    if (poisonedFlag) return markAborted("this process is poisoned by an earlier timeout");
-    Deadline deadline = Deadline::afterSeconds(env::kShutdownTimeout.seconds());
+    if (poisonedFlag || fatal::ending()) return markAborted("this process is ending after an earlier fatal error");
+    Deadline deadline = fatal::shutdownDeadline();
     Backoff backoff;
     for (;;) {
       progress();
@@ -522,7 +526,8 @@ int worldSize() {
 bool poisoned() { return poisonedFlag; }
 
 void finalize(Deadline deadline) {
-  if (!poisonedFlag) {  // a poisoned process may have a thread stuck in MPI holding the lock
+  if (fatal::ending()) return;  // no barrier with a stopped peer; guardedMain ends the process
+  if (!poisonedFlag) {          // a poisoned process may have a thread stuck in MPI holding the lock
     int initialized = 0, done = 0;
     std::lock_guard<std::mutex> lock(callLock());
     MPI_Initialized(&initialized);

@@ -55,9 +55,10 @@ using cuda::DeviceGuard;  // runtime/cuda_device.h
 // finished. False on expiry; CommError if NCCL reports an error.
 bool waitReady(ncclComm_t comm, Deadline deadline, const ErrorContext& context);
 
-// ncclCommAbort on a helper thread, abandoned after BULKHEAD_ABORT_GRACE.
+// ncclCommAbort on a helper thread, abandoned after graceSeconds (negative:
+// BULKHEAD_ABORT_GRACE; 0: not waited for at all).
 // True if it returned in time (the communicator's resources are then freed).
-bool abortBounded(ncclComm_t comm);
+bool abortBounded(ncclComm_t comm, double graceSeconds = -1);
 
 // Runs a blocking NCCL call on a helper thread and waits for it until the
 // deadline. Nullopt if it has not returned by then: it is abandoned to the
@@ -130,9 +131,16 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   cudaStream_t streamFor(StreamHandle handle) const;
   void ensureUsable() const;
   // Marks the communicator aborted and fails every pending operation (and the
-  // one being enqueued) with `error`; runs ncclCommAbort unless `ncclAborted`
-  // says the NCCL communicator is already aborted (a timed-out split).
-  void abortWith(std::exception_ptr error, const std::string& reason, bool ncclAborted = false);
+  // one being enqueued) with `error`, which is raised as the process's fatal
+  // error (runtime/fatal_exit.h); runs ncclCommAbort unless `ncclAborted`
+  // says the NCCL communicator is already aborted (a timed-out split). Without
+  // `wait` (a process that is ending) ncclCommAbort is started, not waited
+  // for, and the operations' buffers are kept for it.
+  void abortWith(std::exception_ptr error, const std::string& reason, bool ncclAborted = false, bool wait = true);
+  // A drained communicator's end under `deadline`: ncclCommFinalize, then
+  // ncclCommDestroy, each on a helper thread; an abort when finalize does not
+  // finish, a fatal error when destroy does not return.
+  void finalizeAndDestroy(Deadline deadline);
   void watch();
   void shutdown();
 

@@ -8,6 +8,7 @@
 #include "runtime/backoff.h"
 #include "runtime/diagnosis.h"
 #include "runtime/env.h"
+#include "runtime/fatal_exit.h"
 #include "runtime/log.h"
 #include "runtime/monitor.h"
 #include "runtime/nccl/nccl_communicator.h"
@@ -159,7 +160,7 @@ bool waitReady(ncclComm_t comm, Deadline deadline, const ErrorContext& context) 
   }
 }
 
-bool abortBounded(ncclComm_t comm) {
+bool abortBounded(ncclComm_t comm, double graceSeconds) {
   struct State {
     std::mutex mutex;
     std::condition_variable done;
@@ -167,13 +168,14 @@ bool abortBounded(ncclComm_t comm) {
   };
   auto state = std::make_shared<State>();
   std::thread([comm, state] {
+    pthread_setname_np(pthread_self(), "bulkhead-abort");  // named in the last resort's report
     ncclCommAbort(comm);
     std::lock_guard<std::mutex> lock(state->mutex);
     state->returned = true;
     state->done.notify_all();
   }).detach();
   std::unique_lock<std::mutex> lock(state->mutex);
-  auto grace = std::chrono::duration<double>(env::kAbortGrace.seconds());
+  auto grace = std::chrono::duration<double>(graceSeconds < 0 ? env::kAbortGrace.seconds() : graceSeconds);
   return state->done.wait_for(lock, grace, [&] { return state->returned; });
 }
 
@@ -249,7 +251,15 @@ void NcclCommunicator::shutdown() {
   wake_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
   DeviceGuard guard(device_);
-  Deadline deadline = Deadline::afterSeconds(env::kShutdownTimeout.seconds());
+  // A process that is ending after a fatal error waits on no peer: a peer it
+  // shares this communicator with may be the one that stopped.
+  if (fatal::ending() && !aborted_) {
+    const std::string reason = "the process is ending after a fatal error";
+    abortWith(
+        std::make_exception_ptr(CommError(fmt::format("{} was aborted: {}", name_, reason), checks::context(*this))),
+        reason, /*ncclAborted=*/false, /*wait=*/false);
+  }
+  Deadline deadline = fatal::shutdownDeadline();
   Backoff backoff;
   for (;;) {  // operations nobody waited for get the shutdown timeout to finish
     progress();
@@ -264,14 +274,7 @@ void NcclCommunicator::shutdown() {
       drained = pending_.empty();
     }
     if (drained) {
-      ncclComm_t comm = comm_;
-      auto rc = runBounded([comm] { return ncclCommFinalize(comm); }, deadline);
-      if (rc && (*rc == ncclSuccess || *rc == ncclInProgress) && waitReady(comm_, deadline, checks::context(*this))) {
-        ncclCommDestroy(comm_);
-      } else {
-        abortWith(std::make_exception_ptr(CommError("finalize timed out", checks::context(*this))),
-                  "ncclCommFinalize did not finish within the shutdown timeout");
-      }
+      finalizeAndDestroy(deadline);
     } else {
       log::error("comm", "{} is being destroyed with operations that did not finish in {} s; aborting it",
                  checks::describeGroup(*this), env::kShutdownTimeout.seconds());
@@ -279,7 +282,31 @@ void NcclCommunicator::shutdown() {
                 "destroyed with operations in flight");
     }
   }
-  if (!aborted_) cudaFree(scratch_);  // after an abort, a kernel may still hold it
+  // After an abort a kernel may still hold it; and cudaFree waits for the
+  // whole device, which a process that is ending may not get back.
+  if (!aborted_ && !fatal::ending()) cudaFree(scratch_);
+}
+
+void NcclCommunicator::finalizeAndDestroy(Deadline deadline) {
+  ncclComm_t comm = comm_;
+  auto rc = runBounded([comm] { return ncclCommFinalize(comm); }, deadline);
+  if (!rc || (*rc != ncclSuccess && *rc != ncclInProgress) || !waitReady(comm_, deadline, checks::context(*this))) {
+    abortWith(std::make_exception_ptr(CommError("finalize timed out", checks::context(*this))),
+              "ncclCommFinalize did not finish within the shutdown timeout");
+    return;
+  }
+  // Finalized, but a destroy joins NCCL's proxy thread, which waits until
+  // every local peer has closed its connection into it: a stopped peer never
+  // does. Past the deadline it is left running, and that is fatal.
+  fatal::Waiting waiting(fmt::format("ncclCommDestroy of {}", name_));
+  if (!runBounded([comm] { return ncclCommDestroy(comm); }, deadline)) {
+    std::string message = fmt::format(
+        "ncclCommDestroy of {} did not return within the shutdown timeout ({} s): a peer that shares it stopped "
+        "without closing its connections; leaving it",
+        checks::describeGroup(*this), env::kShutdownTimeout.seconds());
+    log::error("comm", "{}", message);
+    fatal::raise(std::make_exception_ptr(CommError(message, checks::context(*this))), message);
+  }
 }
 
 void NcclCommunicator::progress() {
@@ -358,7 +385,7 @@ void NcclCommunicator::abort(const std::string& reason) {
       reason);
 }
 
-void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& reason, bool ncclAborted) {
+void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& reason, bool ncclAborted, bool wait) {
   std::vector<std::shared_ptr<NcclOp>> failed;  // the enqueuing one first
   bool wasEnqueuing = false;
   {
@@ -382,9 +409,11 @@ void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& re
     }
     pending_.clear();
   }
-  if (!ncclAborted && !abortBounded(comm_)) {
-    log::error("comm", "ncclCommAbort of {} did not return within {} s; abandoning it", name_,
-               env::kAbortGrace.seconds());
+  fatal::raise(error, reason);
+  if (!ncclAborted && !abortBounded(comm_, wait ? -1 : 0)) {
+    if (wait)
+      log::error("comm", "ncclCommAbort of {} did not return within {} s; abandoning it", name_,
+                 env::kAbortGrace.seconds());
     std::lock_guard<std::mutex> lock(abandonedLock);
     abandoned.insert(abandoned.end(), failed.begin(), failed.end());
   } else if (std::this_thread::get_id() == watchdog_.get_id()) {

@@ -68,7 +68,16 @@ TEST_CASE("BULKHEAD_FAULT specs parse through the one parser") {
   CHECK(parsed.action == fault::Action::Delay);
   CHECK(parsed.delaySeconds == 1.5);
   CHECK(fault::parse("rank=0,group=world,seq=1,action=mismatch-size").action == fault::Action::MismatchSize);
+  CHECK(!parsed.op);
+  const fault::Fault stop = fault::parse("rank=3,group=dp-cp[0],op=reduce_scatter,seq=40,action=stop");
+  CHECK(stop.op == OpType::ReduceScatter);
+  CHECK(stop.seq == 40);
+  CHECK(stop.action == fault::Action::Stop);
+  CHECK(fault::parse("rank=1,group=ep[0],op=all_to_all,seq=9,action=kill").action == fault::Action::Kill);
+  CHECK(errorOf([&] { fault::parse("rank=0,group=world,op=allreduce,seq=1,action=stop"); }).find("unknown op") !=
+        std::string::npos);
   for (const char* bad : {"rank=0,group=world,seq=0,action=skip", "rank=0,seq=1,action=skip",
+                          "rank=0,group=world,seq=1,action=stop:2", "rank=0,group=world,op=,seq=1,action=kill",
                           "rank=0,group=world,seq=1,action=explode", "rank=0,group=world,seq=1,action=skip:2",
                           "rank=0,group=world,seq=1,action=delay", "rank=0,group=world,seq=1,action=skip,extra=1"}) {
     INFO(bad);
