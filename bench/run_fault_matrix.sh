@@ -35,7 +35,7 @@ done
   echo
   echo "Command: \`bench/run_fault_matrix.sh $build $results \"$counts\"\`"
   echo "Machine: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $gpus, $(nproc) cores"
-  echo "Date: $(date -u +%Y-%m-%d), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "Date: $(date -u +%Y-%m-%d), commit ${BULKHEAD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
   echo
   echo "train_moe in bf16 (ep 2, 2 layers, hidden 256, 8 experts), checkpoints every 5 steps;"
   echo "BULKHEAD_COLLECTIVE_TIMEOUT=3, BULKHEAD_SHUTDOWN_TIMEOUT=3, BULKHEAD_ABORT_GRACE=1: a survivor must"

@@ -216,10 +216,10 @@ Checkpointer::~Checkpointer() {
   double grace = commitGraceSeconds(timeoutSeconds());
   Deadline until = Deadline::at(state.deadline.when() + std::chrono::duration_cast<Deadline::Clock::duration>(
                                                             std::chrono::duration<double>(3 * grace + 1)));
-  // A process that is ending after a fatal error waits no longer than its
-  // shutdown: the save's commit cannot finish without the rank that stopped,
+  // A process that is ending after a fatal error gives the save no more than
+  // the abort grace: its commit cannot finish without the rank that stopped,
   // and `latest` keeps naming the last committed step.
-  if (fatal::ending()) until = until.earliest(fatal::shutdownDeadline());
+  if (fatal::ending()) until = until.earliest(fatal::lingerDeadline());
   try {
     current_.wait(until);
   } catch (const std::exception& e) {
