@@ -51,7 +51,7 @@ within() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a <= b) }'; }
 
 case $moment in
 a2a) export BULKHEAD_FAULT="rank=$v,group=ep,op=all_to_all,seq=200,action=$fault" ;;
-rs) export BULKHEAD_FAULT="rank=$v,group=dp-cp,op=reduce_scatter,seq=40,action=$fault" ;;
+rs) export BULKHEAD_FAULT="rank=$v,group=dp-cp,op=reduce_scatter,seq=150,action=$fault" ;;
 ckpt) export BULKHEAD_CHECKPOINT_FAULT="rank=$v,step=20,action=$fault" ;;
 *) fail "unknown moment $moment" ;;
 esac
@@ -64,6 +64,7 @@ model=(--dtype $dtype --ep 2 --layers 2 --hidden 256 --heads 4 --ffn 256 --exper
 cat >"$out/rank.sh" <<'EOF'
 #!/usr/bin/env bash
 r=${OMPI_COMM_WORLD_RANK:-$RANK}
+trap '' TERM  # mpirun's SIGTERM to the job's ranks: the rank's own exit is what is measured
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$EPOCHREALTIME" "$line"; done; }
 "$@" > >(stamp >"$OUT_DIR/rank$r.log") 2>&1
 code=$?
@@ -72,7 +73,11 @@ EOF
 export OUT_DIR=$out
 port=$((20000 + RANDOM % 12000))
 if [ "$launch" = mpirun ]; then
-  timeout 300 "$mpirun" --oversubscribe --mca orte_abort_on_non_zero_status 0 -np "$ranks" \
+  # mpirun ends the other ranks once one exits without MPI_Finalize (as an ending rank does): with
+  # SIGTERM, which train_moe takes as a request to stop, and SIGKILL only after a long grace here, so
+  # that each rank's own exit is measured.
+  timeout 300 "$mpirun" --oversubscribe --mca orte_abort_on_non_zero_status 0 --mca odls_base_sigkill_timeout 30 \
+    -np "$ranks" \
     bash "$out/rank.sh" "$bin/train_moe" "${model[@]}" --steps 100000 >"$out/mpirun.log" 2>&1 </dev/null &
 else
   for ((r = 0; r < ranks; r++)); do
