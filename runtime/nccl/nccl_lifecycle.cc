@@ -559,7 +559,11 @@ ncclComm_t initBounded(const ncclUniqueId& id, int rank, int size, Deadline dead
   ncclComm_t comm = splitBounded(boot, 0, rank, deadline, context, what + " communicator");
   auto finalized = runBounded([boot] { return ncclCommFinalize(boot); }, deadline);
   if (finalized && waitReady(boot, deadline, context)) {
-    ncclCommDestroy(boot);
+    // A destroy waits for every local peer to close its connections: one
+    // that stops here is left running past the deadline (the new
+    // communicator's first operation then names that peer).
+    if (!runBounded([boot] { return ncclCommDestroy(boot); }, deadline))
+      log::warn("comm", "destroying the bootstrap communicator of {} did not finish within the init deadline", what);
   } else {
     abortBounded(boot);
   }
