@@ -14,13 +14,13 @@ install(TARGETS bulkhead bulkhead_runtime bulkhead_parallel bulkhead_moe bulkhea
 # its own (tests/package checks both). Every other header is internal to its
 # library (a backend's error conversion, a kernel's launcher, a save's steps)
 # and is not installed: runtime/nccl/nccl_communicator.h, nccl_check.h,
-# runtime/mpi/mpi_check.h, runtime/gloo/gloo_check.h, gloo_context.h,
+# runtime/mpi/mpi_check.h, runtime/gloo/gloo_check.h, gloo_context.h, gloo_communicator.h,
 # runtime/cuda_device.h, parallel/layout_grid.h, tensor_parallel_detail.h,
 # moe/kernel_support.h, moe/router_noise.h, moe/cuda/*, optim/parameter_checks.h,
 # checkpoint/save_job.h, box.h.
 set(BULKHEAD_PUBLIC_HEADERS
   runtime/backoff.h runtime/checked_region.h runtime/communicator.h runtime/cpu_share.h runtime/cuda_graph.h
-  runtime/deadline.h runtime/diagnosis.h runtime/dtype.h runtime/env.h runtime/errors.h runtime/fault.h
+  runtime/deadline.h runtime/diagnosis.h runtime/dtype.h runtime/env.h runtime/errors.h runtime/fatal_exit.h runtime/fault.h
   runtime/fault_spec.h runtime/fd.h runtime/file_store.h runtime/gloo/gloo_backend.h runtime/host_staged.h
   runtime/ledger.h runtime/log.h runtime/monitor.h runtime/monitor_record.h runtime/mpi/mpi_backend.h
   runtime/nccl/nccl_backend.h runtime/node_relay.h runtime/op_checks.h runtime/prefix_store.h
