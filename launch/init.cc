@@ -106,15 +106,14 @@ void Runtime::shutdown(std::optional<Deadline> deadline) {
 }
 
 void Runtime::endAfterFatalError() {
-  // No final barrier: a peer may be the rank that stopped. The store's host
-  // serves a little longer (the abort grace), so that the other ranks, whose
-  // deadlines run out at about the same time, can still read the heartbeats
-  // their diagnosis names the culprit from.
+  // No final barrier: a peer may be the rank that stopped; the worlds abort
+  // as they are let go of (a communicator of an ending process waits on no
+  // peer). The store's host serves a little longer (the abort grace), so that
+  // the other ranks, whose deadlines run out at about the same time, can
+  // still read the heartbeats their diagnosis names the culprit from.
   fatal::Waiting waiting("the runtime's shutdown after a fatal error");
   const Deadline until = fatal::shutdownDeadline();
   monitor_->stop();
-  world_->abort("the process is ending after a fatal error");
-  if (cpuWorld_ != world_) cpuWorld_->abort("the process is ending after a fatal error");
   world_.reset();
   cpuWorld_.reset();
   if (rendezvous_.server) {
