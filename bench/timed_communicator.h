@@ -88,6 +88,9 @@ class TimedCommunicator final : public Communicator {
   WorkPtr recv(at::Tensor tensor, int peer, CallOptions options) override {
     return inner_->recv(tensor, peer, options);
   }
+  WorkPtr sendRecv(std::vector<PeerOp> ops, CallOptions options) override {
+    return inner_->sendRecv(std::move(ops), options);
+  }
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name, SplitOptions options) override {
     return inner_->split(color, key, name, options);
   }

@@ -20,23 +20,37 @@
 //   autograd; parameter gradients accumulate over the micro-batches, each
 //   micro-batch's loss and auxiliary losses scaled by lossScale (default 1 / M,
 //   so the gradients are those of the mean loss).
-// - Every activation and gradient goes with a header (direction, stage,
-//   micro-batch, the run's number, dtype, shape) ahead of it, so any shape
-//   can travel and the receiver allocates exactly what comes. Messages
-//   between two ranks are read in the order they were sent and kept until
-//   their step needs them; one from another stage or another run, or one
-//   left over at the end of a run, is a DesyncError. A sent tensor is let go
-//   of as soon as its send completes.
-//   With activationShape or activationDtype set, a forward activation of
-//   another shape or dtype is a DesyncError naming both stages and the
-//   micro-batch.
-// - Every send and receive is a communicator operation under the deadline
-//   (the ledger records it with its peer). A receive that times out raises
-//   TimeoutError naming this stage, the micro-batch, the direction and the
-//   stage that never sent it; its neighbours then time out in turn, so every
-//   stage ends within about the deadline per hop.
+// - Messages: the schedule fixes every message's place, so each stage
+//   receives its neighbours' messages in the order they send them, in
+//   grouped exchanges (Communicator::sendRecv): before each unit of the
+//   schedule (pipelineUnits) a rank sends what the previous unit produced
+//   and receives what this one needs, together, so neighbours never wait on
+//   each other's sends (the interleaved schedule exchanges each direction on
+//   its own, so a forward computes while the backward's messages move).
+//   A sent tensor is let go of as soon as its send completes.
+// - Shapes (parallel/pipeline_channel.h): on a CPU backend every tensor goes
+//   with a header read on the host. On a GPU backend the first forward
+//   activation a chunk receives in a run brings one (none when
+//   activationShape and activationDtype give both) and the run's later
+//   activations must match it; gradients have their activations' shape. No
+//   other message costs a host sync: sends and receives run on a stream of
+//   their own, the current stream waits for them where it reads them, and
+//   the host waits for them at the end of the run.
+// - A message from another stage, micro-batch or run, or an activation of
+//   another shape or dtype than activationShape / activationDtype (or, on a
+//   GPU, than the run's first), is a DesyncError naming both stages and the
+//   micro-batch: raised where the header is read, or on a GPU by the sender,
+//   which then ends the job (runtime/fatal_exit.h).
+// - Every exchange is a communicator operation under the deadline (the
+//   ledger records each send and receive with its peer and label). One that
+//   times out raises TimeoutError naming this stage's messages in it (stage,
+//   micro-batch, direction) and the last message each peer sent; its
+//   neighbours then time out in turn, so every stage ends within about the
+//   deadline per hop.
 
 #include <ATen/core/Tensor.h>
+
+#include <c10/core/Stream.h>
 
 #include <functional>
 #include <optional>
@@ -70,6 +84,9 @@ struct PipelineOptions {
   // Seconds each send and receive may take, from its call; unset: the
   // communicator's default timeout.
   std::optional<double> timeoutSeconds;
+  // Called on the host as each step's compute is issued (begin) and once it
+  // is (end): a trace's hook (bench/pipeline_bench.cc records events there).
+  std::function<void(const PipelineStep& step, bool begin)> onStep;
 };
 
 struct PipelineResult {
@@ -89,7 +106,8 @@ class Pipeline {
  private:
   CommunicatorPtr pp_;
   PipelineOptions options_;
-  int64_t runs_ = 0;  // run() calls so far: a message of another run is a DesyncError
+  std::optional<c10::Stream> stream_;  // GPU: where the pipeline's sends and receives run
+  int64_t runs_ = 0;                   // run() calls so far: a message of another run is a DesyncError
 };
 
 }  // namespace bulkhead::parallel

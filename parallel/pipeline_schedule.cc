@@ -32,11 +32,14 @@ void validate(PipelineSchedule schedule, const PipelineShape& s) {
     throw ConfigError(
         fmt::format("pipeline: 1f1b runs one chunk per rank, not {}; use the interleaved schedule", s.virtualStages),
         {.expected = "virtual stages = 1"});
-  if (schedule == PipelineSchedule::Interleaved && s.microBatches % s.stages != 0)
-    throw ConfigError(fmt::format("pipeline: the interleaved schedule needs micro-batches ({}) to be a multiple of "
-                                  "the pipeline size ({})",
-                                  s.microBatches, s.stages),
-                      {.expected = fmt::format("micro-batches a multiple of {}", s.stages)});
+  const bool chunked = schedule == PipelineSchedule::Interleaved ||
+                       (schedule == PipelineSchedule::AllForwardAllBackward && s.virtualStages > 1);
+  if (chunked && s.microBatches % s.stages != 0)
+    throw ConfigError(
+        fmt::format("pipeline: the {} schedule{} needs micro-batches ({}) to be a multiple of the "
+                    "pipeline size ({})",
+                    toString(schedule), s.virtualStages > 1 ? " over several chunks" : "", s.microBatches, s.stages),
+        {.expected = fmt::format("micro-batches a multiple of {}", s.stages)});
 }
 
 // Virtual micro-batch k of the interleaved schedule: micro-batches go through
@@ -49,27 +52,27 @@ PipelineStep virtualStep(const PipelineShape& s, int k, bool forward) {
   return {.forward = forward, .chunk = chunk, .microBatch = microBatch};
 }
 
+// Forwards before the first backward.
+int warmupOf(PipelineSchedule schedule, const PipelineShape& s) {
+  const int total = s.microBatches * s.virtualStages;
+  if (schedule == PipelineSchedule::AllForwardAllBackward) return total;
+  if (schedule == PipelineSchedule::OneFOneB) return std::min(s.stages - s.rank - 1, s.microBatches);
+  if (s.microBatches == s.stages) return total;  // Megatron-LM: with M == P every forward comes first
+  return std::min((s.stages - s.rank - 1) * 2 + (s.virtualStages - 1) * s.stages, total);
+}
+
 }  // namespace
 
 std::vector<PipelineStep> pipelineSteps(PipelineSchedule schedule, const PipelineShape& s) {
   validate(schedule, s);
   std::vector<PipelineStep> steps;
   const int total = s.microBatches * s.virtualStages;
-  if (schedule == PipelineSchedule::AllForwardAllBackward) {
-    for (int chunk = 0; chunk < s.virtualStages; ++chunk)
-      for (int m = 0; m < s.microBatches; ++m) steps.push_back({true, chunk, m});
-    for (int chunk = s.virtualStages - 1; chunk >= 0; --chunk)
-      for (int m = 0; m < s.microBatches; ++m) steps.push_back({false, chunk, m});
+  if (schedule == PipelineSchedule::AllForwardAllBackward && s.virtualStages == 1) {
+    for (int m = 0; m < s.microBatches; ++m) steps.push_back({true, 0, m});
+    for (int m = 0; m < s.microBatches; ++m) steps.push_back({false, 0, m});
     return steps;
   }
-  int warmup;
-  if (schedule == PipelineSchedule::OneFOneB) {
-    warmup = std::min(s.stages - s.rank - 1, s.microBatches);
-  } else if (s.microBatches == s.stages) {
-    warmup = total;  // Megatron-LM: with M == P every forward comes first
-  } else {
-    warmup = std::min((s.stages - s.rank - 1) * 2 + (s.virtualStages - 1) * s.stages, total);
-  }
+  const int warmup = warmupOf(schedule, s);
   int forwards = 0, backwards = 0;
   for (; forwards < warmup; ++forwards) steps.push_back(virtualStep(s, forwards, true));
   while (forwards < total) {
@@ -78,6 +81,17 @@ std::vector<PipelineStep> pipelineSteps(PipelineSchedule schedule, const Pipelin
   }
   while (backwards < total) steps.push_back(virtualStep(s, backwards++, false));
   return steps;
+}
+
+std::vector<std::vector<PipelineStep>> pipelineUnits(PipelineSchedule schedule, const PipelineShape& s) {
+  const std::vector<PipelineStep> steps = pipelineSteps(schedule, s);
+  const int total = s.microBatches * s.virtualStages, warmup = warmupOf(schedule, s);
+  std::vector<std::vector<PipelineStep>> units;
+  size_t i = 0;
+  for (; i < static_cast<size_t>(warmup); ++i) units.push_back({steps[i]});
+  for (int pair = 0; pair < total - warmup; ++pair, i += 2) units.push_back({steps[i], steps[i + 1]});
+  for (; i < steps.size(); ++i) units.push_back({steps[i]});
+  return units;
 }
 
 }  // namespace bulkhead::parallel

@@ -5,9 +5,10 @@
 // the V chunks r, P + r, 2P + r, ... (Megatron-LM's interleaved layout), so
 // stage g = chunk * P + r. Activations of micro-batch m flow from stage g to
 // g + 1 and their gradients back. Schedules, each a list per rank:
-//   AllForwardAllBackward  every forward (chunk by chunk), then every backward:
-//                          the simple reference; keeps all M micro-batches'
-//                          activations. Any V.
+//   AllForwardAllBackward  every forward, then every backward: the simple
+//                          reference; keeps all M micro-batches' activations.
+//                          V > 1 goes through the chunks as the interleaved
+//                          schedule does (M a multiple of P).
 //   OneFOneB               (V = 1) P - r - 1 warm-up forwards, then one forward
 //                          and one backward in turn, then the remaining
 //                          backwards: the first stage keeps at most P
@@ -43,7 +44,17 @@ struct PipelineShape {
 };
 
 // This rank's steps under `schedule`; ConfigError for shapes it cannot run
-// (OneFOneB with V > 1, M not a multiple of P when interleaving).
+// (OneFOneB with V > 1, M not a multiple of P when interleaving or running
+// all forwards over several chunks).
 std::vector<PipelineStep> pipelineSteps(PipelineSchedule schedule, const PipelineShape& shape);
+
+// The same steps in the units a rank communicates between (Megatron-LM's
+// pairing): a warm-up forward or a cool-down backward alone, a steady-state
+// forward with the backward after it. Before unit u a rank issues, in one
+// grouped exchange, the sends of unit u - 1 and the receives of unit u.
+// Under every schedule here each rank's sends to a peer then come in the
+// order that peer receives them, and no exchange waits on a later one
+// (pipeline_schedule_test checks both for P <= 8, V <= 4, M <= 16).
+std::vector<std::vector<PipelineStep>> pipelineUnits(PipelineSchedule schedule, const PipelineShape& shape);
 
 }  // namespace bulkhead::parallel

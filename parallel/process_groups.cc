@@ -64,16 +64,17 @@ void warm(Communicator& comm, GroupKind kind, int64_t bytes, Deadline deadline) 
     at::Tensor send = at::ones({n, row}, options), recv = at::empty({n, row}, options);
     comm.allToAll(send, recv, {}, {}, {.deadline = deadline})->wait(deadline);
   } else if (kind == GroupKind::Pp) {
-    // Linear pipeline: forward (to the next stage, from the previous one),
-    // then backward. Each phase posts its send and receive together, so
-    // neither side blocks on the other.
+    // Every link a pipeline uses, the interleaved schedule's wrap from the
+    // last stage to the first included: forward around the ring, then
+    // backward, each a grouped send and receive.
     at::Tensor out = at::ones({numel}, options), in = at::empty({numel}, options);
-    for (int direction : {+1, -1}) {
-      int to = me + direction, from = me - direction;
-      std::vector<WorkPtr> works;
-      if (to >= 0 && to < n) works.push_back(comm.send(out, to, {.deadline = deadline}));
-      if (from >= 0 && from < n) works.push_back(comm.recv(in, from, {.deadline = deadline}));
-      for (auto& work : works) work->wait(deadline);
+    if (n > 1) {
+      for (int direction : {+1, -1}) {
+        const int to = (me + direction + n) % n, from = (me - direction + n) % n;
+        comm.sendRecv({{PeerOp::Kind::Send, out, to, "warm-up"}, {PeerOp::Kind::Recv, in, from, "warm-up"}},
+                      {.deadline = deadline})
+            ->wait(deadline);
+      }
     }
   } else {
     at::Tensor tensor = at::ones({numel}, options);

@@ -57,6 +57,15 @@ struct ReduceOptions {
   StreamHandle stream = nullptr;
 };
 
+// One send or receive of a grouped exchange (Communicator::sendRecv).
+struct PeerOp {
+  enum class Kind { Send, Recv };
+  Kind kind = Kind::Send;
+  at::Tensor tensor;
+  int peer = 0;
+  std::string label;  // what the message is, kept in the ledger with it
+};
+
 struct SplitOptions {
   // Unset: BULKHEAD_INIT_TIMEOUT from the call. Splitting is bootstrap work.
   std::optional<Deadline> deadline;
@@ -123,6 +132,17 @@ class Communicator {
   // receive in one group call. allToAll moves a rank's own rows on both.
   virtual WorkPtr send(at::Tensor tensor, int peer, CallOptions options = {}) = 0;
   virtual WorkPtr recv(at::Tensor tensor, int peer, CallOptions options = {}) = 0;
+  // Sends and receives issued together as one operation: none waits for
+  // another to start, so two ranks may each send to and receive from the
+  // other in one call (nccl: one ncclGroupStart/End; mpi and gloo: their
+  // non-blocking sends and receives). Messages between two ranks match in the
+  // order they are issued, over calls and within one. Each is numbered in the
+  // ledger as a send or receive with its peer and label, and BULKHEAD_FAULT
+  // names each by that number (a skipped one is left out of the call). The
+  // Work completes when all have, under one deadline (the options'; their
+  // label is unused). Arguments are checked as send's and recv's, before
+  // anything is issued; no operation at all is a completed Work.
+  virtual WorkPtr sendRecv(std::vector<PeerOp> ops, CallOptions options = {});
 
   // Collective over this group: ranks with the same color form a new group,
   // ordered by (key, rank). A negative color joins no group and gets nullptr.
@@ -144,7 +164,9 @@ class Communicator {
   // Altered means `fingerprint` now describes another operation (a mismatch):
   // it is recorded as issued but sent to no backend, so it never completes.
   enum class Injected { None, Skip, Altered };
-  Injected injectFault(Fingerprint& fingerprint);
+  // `ahead`: operations of the same kind numbered before this one but not
+  // issued yet (the earlier members of a grouped call).
+  Injected injectFault(Fingerprint& fingerprint, uint64_t ahead = 0);
   // Strict mode: compares the fingerprint of collective `seq` across the
   // group; on a mismatch the ledger entry fails and DesyncError propagates.
   void checkStrict(uint64_t seq, const Fingerprint& fingerprint, Deadline deadline);
@@ -156,5 +178,9 @@ class Communicator {
 };
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+// The checks every backend's sendRecv makes before it issues anything: a
+// tensor on the communicator's device and a peer in the group (ConfigError).
+void checkPeerOps(const Communicator& comm, const std::vector<PeerOp>& ops);
 
 }  // namespace bulkhead

@@ -84,6 +84,15 @@ class HostStaged : public Communicator {
     at::Tensor staged = up(tensor);
     return done(device_->recv(staged, peer, options), {{tensor, staged}});
   }
+  WorkPtr sendRecv(std::vector<PeerOp> ops, CallOptions options) override {
+    std::vector<std::pair<at::Tensor, at::Tensor>> results;
+    for (PeerOp& op : ops) {
+      at::Tensor staged = up(op.tensor);
+      if (op.kind == PeerOp::Kind::Recv && staged.defined()) results.emplace_back(op.tensor, staged);
+      op.tensor = std::move(staged);
+    }
+    return done(device_->sendRecv(std::move(ops), options), std::move(results));
+  }
   CommunicatorPtr split(int color, int key, const std::string& name, SplitOptions options) override {
     CommunicatorPtr child = device_->split(color, key, name, options);
     return child ? stagedOnHost(std::move(child)) : nullptr;

@@ -171,13 +171,16 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
   op->issuedAt = Deadline::Clock::now();
   op->deadline = deadline.value_or(Deadline::afterSeconds(defaultTimeout_));
   cudaStream_t cudaStream = streamFor(stream);
-  Injected injected = injectFault(op->fingerprint);
-  if (injected == Injected::Skip) return fault::skippedWork();
-  op->stalled = injected == Injected::Altered;
+  if (!op->faultsInjected) {
+    Injected injected = injectFault(op->fingerprint);
+    if (injected == Injected::Skip) return fault::skippedWork();
+    op->stalled = injected == Injected::Altered;
+  }
   DeviceGuard guard(device_);
   std::unique_lock<std::mutex> lock(enqueueMutex_);
   ensureUsable();
   op->seq = ledger_->issue(op->fingerprint);
+  for (const Fingerprint& member : op->grouped) ledger_->issue(member);
   checkStrict(op->seq, op->fingerprint, op->deadline);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(cudaStream, &capture), "cudaStreamIsCapturing", checks::context(*this));
@@ -193,7 +196,7 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
       rc = issue(cudaStream);
     } catch (...) {
       leaveEnqueuing();
-      if (op->status == OpStatus::Pending) ledger_->fail(op->fingerprint.op, op->seq);
+      if (op->status == OpStatus::Pending) endInLedger(*ledger_, *op, false);
       throw;
     }
     if (op->status == OpStatus::Failed) {  // the watchdog gave up on the call
@@ -202,7 +205,7 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
     }
     if (rc != ncclSuccess && rc != ncclInProgress) {
       leaveEnqueuing();
-      ledger_->fail(op->fingerprint.op, op->seq);
+      endInLedger(*ledger_, *op, false);
       check(rc, call, checks::context(*this));
     }
     try {
@@ -233,7 +236,7 @@ WorkPtr NcclCommunicator::enqueue(const std::shared_ptr<NcclOp>& op, std::option
             CommError(fmt::format("{} seq {} cannot finish: {} was aborted ({})", toString(op->fingerprint.op), op->seq,
                                   checks::describeGroup(*this), abortReason_),
                       checks::context(*this)));
-        ledger_->fail(op->fingerprint.op, op->seq);
+        endInLedger(*ledger_, *op, false);
         op->status = OpStatus::Failed;
       }
       std::rethrow_exception(op->error);
@@ -254,7 +257,7 @@ void NcclCommunicator::enterEnqueuing(const std::shared_ptr<NcclOp>& op) {
     if (usable) enqueuing_ = op;
   }
   if (!usable) {  // aborted since ensureUsable(): comm_ may be freed already
-    ledger_->fail(op->fingerprint.op, op->seq);
+    endInLedger(*ledger_, *op, false);
     ensureUsable();
   }
 }
@@ -278,15 +281,15 @@ WorkPtr NcclCommunicator::enqueueCaptured(const std::shared_ptr<NcclOp>& op, cud
     if (rc == ncclInProgress && !waitReady(comm_, op->deadline, checks::context(*this))) timeout(*op);
   } catch (...) {
     leaveEnqueuingOf(op);
-    ledger_->fail(op->fingerprint.op, op->seq);
+    endInLedger(*ledger_, *op, false);
     throw;
   }
   leaveEnqueuingOf(op);
   if (rc != ncclSuccess && rc != ncclInProgress) {
-    ledger_->fail(op->fingerprint.op, op->seq);
+    endInLedger(*ledger_, *op, false);
     check(rc, call, checks::context(*this));
   }
-  ledger_->complete(op->fingerprint.op, op->seq);
+  endInLedger(*ledger_, *op, true);
   return fault::skippedWork();
 }
 
@@ -392,6 +395,50 @@ WorkPtr NcclCommunicator::recv(at::Tensor tensor, int peer, CallOptions options)
   op->fingerprint.label = options.label;
   return enqueue(op, options.deadline, options.stream, "ncclRecv", [&](cudaStream_t stream) {
     return ncclRecv(tensor.data_ptr(), tensor.numel(), datatype(tensor.scalar_type()), peer, comm_, stream);
+  });
+}
+
+WorkPtr NcclCommunicator::sendRecv(std::vector<PeerOp> ops, CallOptions options) {
+  checkPeerOps(*this, ops);
+  for (const PeerOp& peerOp : ops) {
+    const bool isSend = peerOp.kind == PeerOp::Kind::Send;
+    checks::tensor(*this, kRules, peerOp.tensor, isSend ? "send" : "recv");
+  }
+  // Faults member by member, as the ledger numbers them: a skipped one is left out.
+  std::vector<PeerOp> kept;
+  std::vector<Fingerprint> prints;
+  for (PeerOp& peerOp : ops) {
+    Fingerprint print =
+        checks::fingerprint(peerOp.kind == PeerOp::Kind::Send ? OpType::Send : OpType::Recv, peerOp.tensor);
+    print.root = peerOp.peer;
+    print.label = peerOp.label;
+    if (fault::armed() && injectFault(print, prints.size()) == Injected::Skip) continue;
+    prints.push_back(std::move(print));
+    kept.push_back(std::move(peerOp));
+  }
+  if (kept.empty()) return fault::skippedWork();
+  auto op = prepare(prints.front().op, kept.front().tensor);
+  op->fingerprint = prints.front();
+  op->grouped.assign(prints.begin() + 1, prints.end());
+  op->faultsInjected = true;
+  for (size_t i = 1; i < kept.size(); ++i) op->buffers.push_back(kept[i].tensor);
+  return enqueue(op, options.deadline, options.stream, "ncclGroupEnd (send/recv)", [&](cudaStream_t stream) {
+    check(ncclGroupStart(), "ncclGroupStart", checks::context(*this));
+    try {
+      for (const PeerOp& peerOp : kept) {
+        const at::Tensor& t = peerOp.tensor;
+        if (peerOp.kind == PeerOp::Kind::Send)
+          check(ncclSend(t.data_ptr(), t.numel(), datatype(t.scalar_type()), peerOp.peer, comm_, stream), "ncclSend",
+                checks::context(*this));
+        else
+          check(ncclRecv(t.data_ptr(), t.numel(), datatype(t.scalar_type()), peerOp.peer, comm_, stream), "ncclRecv",
+                checks::context(*this));
+      }
+    } catch (...) {
+      ncclGroupEnd();  // an open group would defer every later NCCL call of this thread
+      throw;
+    }
+    return ncclGroupEnd();
   });
 }
 

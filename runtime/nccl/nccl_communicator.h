@@ -46,8 +46,13 @@ struct NcclOp {
   std::atomic<OpStatus> status{OpStatus::Pending};
   std::exception_ptr error;            // set before status becomes Failed
   bool stalled = false;                // an injected mismatch: issued to no backend, never completes
+  bool faultsInjected = false;         // a grouped exchange's faults were applied member by member
+  std::vector<Fingerprint> grouped;    // a grouped exchange's later members, numbered seq + 1, seq + 2, ...
   std::atomic<bool> timingOut{false};  // claimed by the one thread that explains its timeout
 };
+
+// Ends an operation's ledger entries: one, or a grouped exchange's one a member.
+void endInLedger(Ledger& ledger, const NcclOp& op, bool completed);
 
 using cuda::DeviceGuard;  // runtime/cuda_device.h
 
@@ -104,6 +109,7 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   WorkPtr barrier(CallOptions options) override;
   WorkPtr send(at::Tensor tensor, int peer, CallOptions options) override;
   WorkPtr recv(at::Tensor tensor, int peer, CallOptions options) override;
+  WorkPtr sendRecv(std::vector<PeerOp> ops, CallOptions options) override;
   CommunicatorPtr split(int color, int key, const std::string& name, SplitOptions options) override;
   void abort(const std::string& reason) override;
 

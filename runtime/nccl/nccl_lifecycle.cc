@@ -13,6 +13,16 @@
 #include "runtime/op_checks.h"
 
 namespace bulkhead::nccl {
+
+void endInLedger(Ledger& ledger, const NcclOp& op, bool completed) {
+  for (uint64_t i = 0; i <= op.grouped.size(); ++i) {
+    const OpType type = i == 0 ? op.fingerprint.op : op.grouped[i - 1].op;
+    if (completed)
+      ledger.complete(type, op.seq + i);
+    else
+      ledger.fail(type, op.seq + i);
+  }
+}
 namespace {
 
 constexpr auto kWatchdogPoll = std::chrono::milliseconds(2);
@@ -246,14 +256,14 @@ void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
   auto it = std::find_if(pending_.begin(), pending_.end(), [&](const auto& p) { return p.get() == &op; });
   if (it == pending_.end()) return;  // settled already, or failed by an abort
   if (state == cudaSuccess) {
-    ledger_->complete(op.fingerprint.op, op.seq);
+    endInLedger(*ledger_, op, true);
     op.status = OpStatus::Completed;
   } else {
     cudaGetLastError();
     op.error = std::make_exception_ptr(CommError(
         fmt::format("{} seq {} failed on the GPU: {}", toString(op.fingerprint.op), op.seq, cudaGetErrorString(state)),
         checks::context(*this)));
-    ledger_->fail(op.fingerprint.op, op.seq);
+    endInLedger(*ledger_, op, false);
     op.status = OpStatus::Failed;
   }
   buffers.swap(op.buffers);
@@ -285,7 +295,7 @@ void NcclCommunicator::timeout(NcclOp& op) {
   // The operation fails before the abort starts: a caller blocked inside its
   // NCCL call returns when the abort lands and must find this error, not NCCL's.
   if (op.status == OpStatus::Pending) {
-    ledger_->fail(op.fingerprint.op, op.seq);
+    endInLedger(*ledger_, op, false);
     op.error = error;
     op.status = OpStatus::Failed;
   }
@@ -311,14 +321,14 @@ void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& re
     if (enqueuing_) {  // issued to NCCL, or being issued
       if (enqueuing_->status == OpStatus::Pending) {
         enqueuing_->error = error;
-        ledger_->fail(enqueuing_->fingerprint.op, enqueuing_->seq);
+        endInLedger(*ledger_, *enqueuing_, false);
         enqueuing_->status = OpStatus::Failed;
       }
       failed.push_back(enqueuing_);
     }
     for (auto& op : pending_) {
       op->error = error;
-      ledger_->fail(op->fingerprint.op, op->seq);
+      endInLedger(*ledger_, *op, false);
       op->status = OpStatus::Failed;
       failed.push_back(op);
     }

@@ -4,10 +4,12 @@
 // kind and message ("0 none" when none).
 //
 //   pipeline_fault probe <out-dir>   no fault; prints "SEND_SEQ <n>": the ledger
-//                                    sequence number of stage 1's third send
+//                                    sequence number of the faulty stage's fifth send
 //   pipeline_fault run <out-dir>     three runs; the fault comes from BULKHEAD_FAULT
 //                                    (a skipped send) or, with PIPELINE_WRONG_SHAPE=1,
-//                                    stage 1 sends micro-batch 3 with one row too many
+//                                    stage PIPELINE_FAULT_STAGE (default 1) sends
+//                                    micro-batch 3 with one row too many
+// The backend is BULKHEAD_BACKEND's (mpi unless set; nccl: one GPU a rank).
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -26,9 +28,9 @@ namespace {
 
 constexpr int kHidden = 16, kBatch = 5, kMicroBatches = 8;
 
-at::Tensor seeded(std::vector<int64_t> shape, uint64_t seed) {
+at::Tensor seeded(std::vector<int64_t> shape, uint64_t seed, c10::Device device) {
   auto generator = at::detail::createCPUGenerator(seed);
-  return at::randn(shape, generator, at::kDouble);
+  return at::randn(shape, generator, at::kDouble).to(device);
 }
 
 }  // namespace
@@ -39,15 +41,19 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string mode = argv[1], outDir = argv[2];
-  auto runtime = init({.backend = Backend::Mpi});
+  const char* backend = std::getenv("BULKHEAD_BACKEND");
+  auto runtime = init({.backend = backend && std::string(backend) == "nccl" ? Backend::Nccl : Backend::Mpi});
   const int me = runtime->world().rank();
   auto pp = runtime->world().split(0, me, "pp");
   const int stages = pp->size();
   const bool wrongShape = std::getenv("PIPELINE_WRONG_SHAPE") != nullptr;
-  at::Tensor weight = (seeded({kHidden, kHidden}, 10 + me) / 4).requires_grad_(true);
+  const char* faultyText = std::getenv("PIPELINE_FAULT_STAGE");
+  const int faulty = faultyText ? std::atoi(faultyText) : 1;
+  const c10::Device device = pp->device();
+  at::Tensor weight = (seeded({kHidden, kHidden}, 10 + me, device) / 4).requires_grad_(true);
   parallel::PipelineChunk chunk{.forward = [&](int m, const at::Tensor& input) {
-    at::Tensor x = at::tanh(at::matmul(me == 0 ? seeded({kBatch, kHidden}, 100 + m) : input, weight));
-    if (wrongShape && me == 1 && m == 3) x = at::cat({x, x.slice(0, 0, 1)});
+    at::Tensor x = at::tanh(at::matmul(me == 0 ? seeded({kBatch, kHidden}, 100 + m, device) : input, weight));
+    if (wrongShape && me == faulty && m == 3) x = at::cat({x, x.slice(0, 0, 1)});
     return me == stages - 1 ? x.pow(2).mean() : x;
   }};
   parallel::Pipeline pipeline(
@@ -59,7 +65,7 @@ int main(int argc, char** argv) {
     pipeline.run({chunk});
     int sends = 0;
     for (const LedgerEntry& entry : pp->ledger().entries())
-      if (entry.fingerprint.op == OpType::Send && ++sends == 5 && me == 1)
+      if (entry.fingerprint.op == OpType::Send && ++sends == 5 && me == faulty)
         std::printf("SEND_SEQ %llu\n", (unsigned long long)entry.seq);
     return 0;
   }

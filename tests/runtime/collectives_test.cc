@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "runtime/errors.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/mpi_helpers.h"
 
@@ -123,6 +124,36 @@ TEST_CASE("send and recv deliver between every pair of ranks, in order") {
     CHECK(at::equal(got1, draw(from, 4000 + shift, {333}, at::kFloat)));
     CHECK(at::equal(got2, draw(from, 5000 + shift, {17}, at::kDouble)));
   }
+}
+
+TEST_CASE("a grouped send and receive goes both ways at once, in order, one ledger entry a message") {
+  const int n = world().size(), me = world().rank();
+  for (int shift = 1; shift < std::max(n, 2); ++shift) {
+    const int to = (me + shift) % n, from = (me - shift % n + n) % n;
+    // Each rank sends two messages to `to` and receives two from `from` in
+    // one call; with large messages separate blocking sends would wait on
+    // each other.
+    std::vector<PeerOp> ops;
+    std::vector<at::Tensor> got;
+    for (int k = 0; k < 2; ++k) {
+      ops.push_back({PeerOp::Kind::Send, draw(me, 6000 + 10 * shift + k, {70000 + k}, at::kFloat), to, "out"});
+      got.push_back(at::full({70000 + k}, 77.0, at::kFloat));
+    }
+    for (int k = 0; k < 2; ++k) ops.push_back({PeerOp::Kind::Recv, got[k], from, fmt::format("in {}", k)});
+    const uint64_t before = world().ledger().heads().lastIssuedP2P;
+    world().sendRecv(ops)->wait();
+    for (int k = 0; k < 2; ++k) CHECK(at::equal(got[k], draw(from, 6000 + 10 * shift + k, {70000 + k}, at::kFloat)));
+    CHECK(world().ledger().heads().lastIssuedP2P == before + 4);
+    for (const LedgerEntry& entry : world().ledger().entries()) {
+      if (!isPointToPoint(entry.fingerprint.op) || entry.seq <= before) continue;
+      CHECK(entry.fingerprint.root == (entry.fingerprint.op == OpType::Send ? to : from));
+      CHECK(!entry.fingerprint.label.empty());
+    }
+  }
+  // A peer outside the group is refused before anything is issued.
+  const uint64_t before = world().ledger().heads().lastIssuedP2P;
+  CHECK_THROWS_AS(world().sendRecv({{PeerOp::Kind::Send, at::ones({4}), n, "out of range"}}), ConfigError);
+  CHECK(world().ledger().heads().lastIssuedP2P == before);
 }
 
 TEST_CASE("a barrier completes on every rank and takes a sequence number") {

@@ -12,10 +12,11 @@
 #   - `latest` verifies and training resumes from it.
 # Skipped (exit 77) with fewer than 2 GPUs. Prints one RESULT line for
 # bench/run_fault_matrix.sh.
-# usage: gpu_fault_matrix.sh <mpirun|store> <stop|kill> <victim rank> <a2a|rs|ckpt> <bin dir> <mpirun>
+# usage: gpu_fault_matrix.sh <mpirun|store> <stop|kill> <victim rank> <a2a|rs|ckpt|pp> <bin dir> <mpirun>
 #   a2a   an expert-parallel all-to-all (ep group), rs a data-parallel
 #         reduce-scatter (dp-cp group), ckpt halfway through writing the rank's
-#         file of an asynchronous save.
+#         file of an asynchronous save, pp a pipeline send (pp 2, ep 2 from 4
+#         ranks, 1F1B over 4 micro-batches).
 # A victim other than 0 stays other than 0 with fewer ranks (taken modulo the ranks, else the last rank).
 set -u
 launch=$1 fault=$2 victim=$3 moment=$4 bin=$5 mpirun=$6
@@ -53,11 +54,14 @@ case $moment in
 a2a) export BULKHEAD_FAULT="rank=$v,group=ep,op=all_to_all,seq=200,action=$fault" ;;
 rs) export BULKHEAD_FAULT="rank=$v,group=dp-cp,op=reduce_scatter,seq=150,action=$fault" ;;
 ckpt) export BULKHEAD_CHECKPOINT_FAULT="rank=$v,step=20,action=$fault" ;;
+pp) export BULKHEAD_FAULT="rank=$v,group=pp,op=send,seq=300,action=$fault" ;;
 *) fail "unknown moment $moment" ;;
 esac
 export NCCL_NVLS_ENABLE=0 CI=1 BULKHEAD_BACKEND=$backend BULKHEAD_COLLECTIVE_TIMEOUT=$deadline \
   BULKHEAD_SHUTDOWN_TIMEOUT=$shutdown BULKHEAD_ABORT_GRACE=$grace
-model=(--dtype $dtype --ep 2 --layers 2 --hidden 256 --heads 4 --ffn 256 --experts 8 --topk 2 --seq 128
+layout=(--ep 2)
+[ "$moment" = pp ] && layout=(--pp 2 --ep $((ranks >= 4 ? 2 : 1)) --microbatches 4)
+model=(--dtype $dtype "${layout[@]}" --layers 2 --hidden 256 --heads 4 --ffn 256 --experts 8 --topk 2 --seq 128
   --batch $((4 * ranks)) --log-interval 10 --ckpt-dir "$ckpt" --ckpt-interval 5)
 
 # Each rank's lines stamped with the wall clock; its exit code and time in exit.<rank>.

@@ -378,3 +378,46 @@ TEST_CASE("an operation runs on a stream of the caller's choice") {
   CHECK(at::equal(onGpu.cpu(), cpu));
   cudaStreamDestroy(stream);
 }
+
+TEST_CASE("a grouped send and receive around the ring, both ways at once, delivers every message in order") {
+  const int n = gpuWorld().size(), me = gpuWorld().rank();
+  if (n < 2) {
+    WARN("one rank: a grouped exchange needs a peer, so this case checks nothing here");
+    return;
+  }
+  const int next = (me + 1) % n, previous = (me + n - 1) % n;
+  // Two messages each way per call: matched in issue order between each pair.
+  auto message = [](int from, int k) { return draw(from, 3000 + k, {257 + 64 * k}, at::kFloat); };
+  std::vector<at::Tensor> fromPrevious, fromNext;
+  std::vector<PeerOp> ops;
+  for (int k = 0; k < 2; ++k) {
+    ops.push_back({PeerOp::Kind::Send, message(me, k).to(gpu()), next, fmt::format("to next {}", k)});
+    ops.push_back({PeerOp::Kind::Send, message(me, 2 + k).to(gpu()), previous, fmt::format("to previous {}", k)});
+  }
+  for (int k = 0; k < 2; ++k) {
+    fromPrevious.push_back(at::full({257 + 64 * k}, 77.0, at::TensorOptions(at::kFloat).device(gpu())));
+    fromNext.push_back(at::full({257 + 64 * (2 + k)}, 77.0, at::TensorOptions(at::kFloat).device(gpu())));
+    ops.push_back({PeerOp::Kind::Recv, fromPrevious.back(), previous, fmt::format("from previous {}", k)});
+    ops.push_back({PeerOp::Kind::Recv, fromNext.back(), next, fmt::format("from next {}", k)});
+  }
+  const uint64_t before = gpuWorld().ledger().heads().lastIssuedP2P;
+  WorkPtr work = gpuWorld().sendRecv(ops, {.deadline = Deadline::afterSeconds(60)});
+  work->wait();
+  for (int k = 0; k < 2; ++k) {
+    CHECK(at::equal(fromPrevious[k].cpu(), message(previous, k)));
+    CHECK(at::equal(fromNext[k].cpu(), message(next, 2 + k)));
+  }
+  // One ledger entry per member, each with its peer and label, all completed.
+  const LedgerHeads heads = gpuWorld().ledger().heads();
+  CHECK(heads.lastIssuedP2P == before + 8);
+  CHECK(heads.lastCompletedP2P == before + 8);
+  int labelled = 0;
+  for (const LedgerEntry& entry : gpuWorld().ledger().entries()) {
+    if (entry.seq <= before || !isPointToPoint(entry.fingerprint.op)) continue;
+    CHECK(entry.state == OpState::Completed);
+    const bool toNext = entry.fingerprint.label.find("next") != std::string::npos;
+    CHECK(entry.fingerprint.root == (toNext ? next : previous));
+    ++labelled;
+  }
+  CHECK(labelled == 8);
+}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the GPU test suite with one rank per GPU (at most 2). Skipped (exit 77)
+# Runs a GPU test suite with one rank per GPU (every GPU, up to 8). Skipped (exit 77)
 # with a clear message where no GPU is present.
 # usage: run_gpu_tests.sh <program> <mpirun>
 set -u
@@ -9,5 +9,5 @@ if [ "${gpus:-0}" -lt 1 ]; then
   echo "SKIPPED: no GPU on this machine (nvidia-smi lists none); the GPU tests run on the device machine"
   exit 77
 fi
-ranks=$((gpus < 2 ? gpus : 2))
+ranks=$((gpus < 8 ? gpus : 8))
 exec "$mpirun" --oversubscribe -np "$ranks" "$program"
