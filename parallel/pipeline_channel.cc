@@ -78,61 +78,86 @@ void Channel::exchange(bool split) {
 }
 
 void Channel::exchangeDirection(std::optional<Direction> only) {
-  // Per peer, messages match in the order they are issued: headers first,
-  // then the tensors in message order, on both ends.
-  std::vector<PeerOp> ops, data;
+  std::vector<std::pair<Message, at::Tensor>> sends;
+  std::vector<const Expected*> receiving;
   std::vector<std::string> parts;
   std::vector<int> peers;
   for (const auto& [message, tensor] : outgoing_) {
     if (!inDirection(message, only)) continue;
-    addSend(ops, data, message, tensor);
+    sends.emplace_back(message, tensor);
     parts.push_back(describe(message, true));
     peers.push_back(message.peer);
   }
-  ops.insert(ops.end(), std::make_move_iterator(data.begin()), std::make_move_iterator(data.end()));
-  std::vector<const Expected*> receiving;
-  bool headers = false;
   for (const Expected& expected : incoming_) {
     if (!inDirection(expected.message, only)) continue;
     receiving.push_back(&expected);
-    headers = headers || headed(expected.message, false);
     parts.push_back(describe(expected.message, false));
     peers.push_back(expected.message.peer);
   }
-  if (ops.empty() && receiving.empty()) return;
+  if (sends.empty() && receiving.empty()) return;
   const std::string what = fmt::format("{}", fmt::join(parts, "; "));
+  if (hostHeaders_)
+    exchangeOnHost(sends, receiving, what, peers);
+  else
+    exchangeOnDevice(sends, receiving, what, peers);
+}
+
+// CPU backends: the old reliable order of isend and blocking receive. Sends
+// (each header, then its tensor) go without waiting for their receivers;
+// each message's header is received and read before its tensor.
+void Channel::exchangeOnHost(const std::vector<std::pair<Message, at::Tensor>>& sends,
+                             const std::vector<const Expected*>& receiving, const std::string& what,
+                             const std::vector<int>& peers) {
+  std::vector<PeerOp> ops, data;
+  for (const auto& [message, tensor] : sends) {
+    addSend(ops, data, message, tensor);
+    ops.insert(ops.end(), std::make_move_iterator(data.begin()), std::make_move_iterator(data.end()));
+    data.clear();
+  }
+  if (!ops.empty()) issue(std::move(ops), what, peers);
+  for (const Expected* e : receiving) {
+    at::Tensor head = at::empty({kHeaderWords}, at::kLong);
+    issue({{PeerOp::Kind::Recv, head, e->message.peer, describe(e->message, false) + " (header)"}}, what, peers);
+    settle(pending_.back());
+    const Spec spec = readHeader(head, *e);
+    issue({receive(*e, at::empty(spec.shape, at::TensorOptions(spec.dtype).device(pp_.device())))}, what, peers);
+    settle(pending_.back());
+  }
+}
+
+// GPUs: one grouped exchange, after one of the headers where a chunk's first
+// activations of the run go (both ends group the same way: NCCL pairs a
+// pair's sends and receives by their place in the group).
+void Channel::exchangeOnDevice(const std::vector<std::pair<Message, at::Tensor>>& sends,
+                               const std::vector<const Expected*>& receiving, const std::string& what,
+                               const std::vector<int>& peers) {
+  std::vector<PeerOp> headers, ops;
+  for (const auto& [message, tensor] : sends) addSend(headers, ops, message, tensor);
   std::vector<at::Tensor> heads;
   for (const Expected* e : receiving) {
-    if (headed(e->message, false)) {
-      heads.push_back(at::empty({kHeaderWords}, at::TensorOptions(at::kLong).device(pp_.device())));
-      ops.push_back({PeerOp::Kind::Recv, heads.back(), e->message.peer, describe(e->message, false) + " (header)"});
-    } else {
-      heads.emplace_back();
-      if (!headers) ops.push_back(receive(*e, allocate(*e)));
+    heads.emplace_back();
+    if (!headed(e->message, false)) continue;
+    heads.back() = at::empty({kHeaderWords}, at::TensorOptions(at::kLong).device(pp_.device()));
+    headers.push_back({PeerOp::Kind::Recv, heads.back(), e->message.peer, describe(e->message, false) + " (header)"});
+  }
+  const bool readHeaders = std::any_of(heads.begin(), heads.end(), [](const at::Tensor& t) { return t.defined(); });
+  if (!headers.empty()) issue(std::move(headers), what, peers);
+  if (readHeaders) settle(pending_.back());
+  for (size_t i = 0; i < receiving.size(); ++i) {
+    const Expected& e = *receiving[i];
+    if (!heads[i].defined()) {
+      ops.push_back(receive(e, allocate(e)));
+      continue;
     }
+    const Spec spec = readHeader(heads[i], e);
+    ops.push_back(receive(e, at::empty(spec.shape, at::TensorOptions(spec.dtype).device(pp_.device()))));
   }
-  issue(std::move(ops), what, peers);
-  if (headers || hostHeaders_) settle(pending_.back());
-  if (headers) {  // the tensors once their headers are read
-    std::vector<PeerOp> tensors;
-    for (size_t i = 0; i < receiving.size(); ++i) {
-      if (!heads[i].defined()) {
-        tensors.push_back(receive(*receiving[i], allocate(*receiving[i])));
-        continue;
-      }
-      const Spec spec = readHeader(heads[i], *receiving[i]);
-      tensors.push_back(
-          receive(*receiving[i], at::empty(spec.shape, at::TensorOptions(spec.dtype).device(pp_.device()))));
-    }
-    issue(std::move(tensors), what, peers);
-    if (hostHeaders_) settle(pending_.back());
-  }
-  if (stream_) {  // the current stream reads what came only once it is there
-    const c10::impl::VirtualGuardImpl device(pp_.device().type());
-    c10::Event received(pp_.device().type());
-    received.record(*stream_);
-    received.block(device.getStream(pp_.device()));
-  }
+  if (!ops.empty()) issue(std::move(ops), what, peers);
+  // The current stream reads what came only once it is there.
+  const c10::impl::VirtualGuardImpl device(pp_.device().type());
+  c10::Event received(pp_.device().type());
+  received.record(*stream_);
+  received.block(device.getStream(pp_.device()));
 }
 
 PeerOp Channel::receive(const Expected& e, at::Tensor into) {
@@ -165,9 +190,9 @@ void Channel::addSend(std::vector<PeerOp>& heads, std::vector<PeerOp>& data, con
   } else if (m.direction == Forward) {
     // The receiver allocates what the run agreed on (or activationShape says): nothing else may go.
     const auto agreed = sentSpec_.find(m.toChunk);
-    Spec expected{options_.activationDtype.value_or(agreed != sentSpec_.end() ? agreed->second.dtype : at::kFloat),
-                  options_.activationShape ? options_.activationShape(static_cast<int>(m.microBatch))
-                                           : agreed->second.shape};
+    Spec expected{
+        options_.activationDtype.value_or(agreed != sentSpec_.end() ? agreed->second.dtype : at::kFloat),
+        options_.activationShape ? options_.activationShape(static_cast<int>(m.microBatch)) : agreed->second.shape};
     if (expected.dtype != tensor.scalar_type() || expected.shape != shape)
       senderDesync(m, expected, tensor,
                    options_.activationShape ? "activationShape" : "its first micro-batch of this run");
@@ -285,8 +310,7 @@ void Channel::rethrowFrom(const Issued& issued, std::exception_ptr error) {
     std::rethrow_exception(error);
   } catch (const TimeoutError& e) {
     throw TimeoutError(fmt::format("{}. A stage it waits on never took part: {}", head, e.message()),
-                       {.rank = pp_.rank(), .group = pp_.name(), .expected = issued.what}, e.sequence(),
-                       e.diagnosis());
+                       {.rank = pp_.rank(), .group = pp_.name(), .expected = issued.what}, e.sequence(), e.diagnosis());
   } catch (const DesyncError& e) {
     throw DesyncError(fmt::format("{}: {}", head, e.message()), {.rank = pp_.rank(), .group = pp_.name()});
   } catch (const CommError& e) {
@@ -330,11 +354,11 @@ void Channel::finish() {
   pending_.clear();
   if (!mailbox_.empty()) {
     auto [direction, chunk, microBatch] = mailbox_.begin()->first;
-    throw DesyncError(fmt::format("pipeline: {} message(s) arrived that no step of this run took, the first "
-                                  "micro-batch {}'s {} for chunk {}: the stages run different schedules",
-                                  mailbox_.size(), microBatch, detail::describe(static_cast<Direction>(direction)),
-                                  chunk),
-                      {.rank = pp_.rank(), .group = pp_.name(), .expected = "the same schedule on every stage"});
+    throw DesyncError(
+        fmt::format("pipeline: {} message(s) arrived that no step of this run took, the first "
+                    "micro-batch {}'s {} for chunk {}: the stages run different schedules",
+                    mailbox_.size(), microBatch, detail::describe(static_cast<Direction>(direction)), chunk),
+        {.rank = pp_.rank(), .group = pp_.name(), .expected = "the same schedule on every stage"});
   }
 }
 

@@ -79,10 +79,15 @@ class Channel {
   };
 
   void exchangeDirection(std::optional<Direction> only);
+  void exchangeOnHost(const std::vector<std::pair<Message, at::Tensor>>& sends,
+                      const std::vector<const Expected*>& receiving, const std::string& what,
+                      const std::vector<int>& peers);
+  void exchangeOnDevice(const std::vector<std::pair<Message, at::Tensor>>& sends,
+                        const std::vector<const Expected*>& receiving, const std::string& what,
+                        const std::vector<int>& peers);
   bool headed(const Message& message, bool sending) const;
   // A send's header (where one goes) into `heads`, its tensor into `data`.
-  void addSend(std::vector<PeerOp>& heads, std::vector<PeerOp>& data, const Message& message,
-               const at::Tensor& tensor);
+  void addSend(std::vector<PeerOp>& heads, std::vector<PeerOp>& data, const Message& message, const at::Tensor& tensor);
   // The receive of `expected` into `into`, which the mailbox keeps for its step.
   PeerOp receive(const Expected& expected, at::Tensor into);
   at::Tensor allocate(const Expected& expected);
@@ -99,7 +104,7 @@ class Channel {
   const PipelineOptions& options_;
   int64_t run_;
   std::optional<c10::Stream> stream_;  // GPU: where sends and receives run
-  bool hostHeaders_;                    // every message with a header read on the host (CPU backends)
+  bool hostHeaders_;                   // every message with a header read on the host (CPU backends)
   std::vector<std::pair<Message, at::Tensor>> outgoing_;
   std::vector<Expected> incoming_;
   std::map<Key, at::Tensor> mailbox_;

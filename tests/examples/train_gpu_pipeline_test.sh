@@ -19,7 +19,7 @@ if [ "${gpus:-0}" -lt 2 ]; then
   exit 77
 fi
 ranks=$((gpus >= 4 ? 4 : 2))
-export NCCL_NVLS_ENABLE=0
+export NCCL_NVLS_ENABLE=0 BULKHEAD_COLLECTIVE_TIMEOUT=${BULKHEAD_COLLECTIVE_TIMEOUT:-60}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 run() {  # run <ranks> <backend> <loss-log> [flags...]

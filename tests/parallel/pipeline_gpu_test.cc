@@ -63,7 +63,7 @@ Run runPipeline(PipelineSchedule schedule, int stages, int virtualStages) {
       return stage == total - 1 ? (x - targetOf(m, rows)).pow(2).mean() : x;
     }});
   }
-  parallel::Pipeline pipeline(pp, {.schedule = schedule, .microBatches = kMicroBatches, .timeoutSeconds = 60});
+  parallel::Pipeline pipeline(pp, {.schedule = schedule, .microBatches = kMicroBatches, .timeoutSeconds = 30});
   for (int each : {5, 3}) {
     rows = each;
     run.losses.push_back(pipeline.run(chunks).losses);

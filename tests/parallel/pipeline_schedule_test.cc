@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,11 +29,33 @@ struct Op {
   bool forward = true;  // F (activations) or B (gradients)
   int stage = 0;        // the sending stage
   int microBatch = 0;
+  bool header = false;  // the header ahead of a chunk's first activations of a run (GPUs)
 };
 using Group = std::vector<Op>;
 using RankGroups = std::vector<Group>;  // one rank's groups in issue order
 
-std::string idOf(const Op& op) { return fmt::format("{}({}, {})", op.forward ? 'F' : 'B', op.stage, op.microBatch); }
+std::string idOf(const Op& op) {
+  return fmt::format("{}{}({}, {})", op.header ? "header of " : "", op.forward ? 'F' : 'B', op.stage, op.microBatch);
+}
+
+// With headers: before a group that sends or receives a chunk's first
+// forward activations, a group of their headers alone, as on GPUs.
+RankGroups withHeaders(const RankGroups& groups, int P) {
+  RankGroups out;
+  std::set<std::pair<bool, int>> headed;  // (sending, receiving chunk)
+  for (const Group& group : groups) {
+    Group headers;
+    for (const Op& op : group) {
+      if (!op.forward || !headed.insert({op.send, (op.stage + 1) / P}).second) continue;
+      Op header = op;
+      header.header = true;
+      headers.push_back(header);
+    }
+    if (!headers.empty()) out.push_back(std::move(headers));
+    out.push_back(group);
+  }
+  return out;
+}
 
 // One rank's groups as the pipeline issues them: before unit u, the sends of
 // unit u - 1 and the receives of unit u; split: the forward-direction ops,
@@ -84,14 +107,18 @@ struct Place {
 std::string matchOps(const std::vector<RankGroups>& ranks, std::vector<std::vector<std::vector<Place>>>& waits) {
   // (sender, receiver) -> the sends / the receives of that pair, in issue order.
   std::map<std::pair<int, int>, std::vector<std::pair<Place, const Op*>>> sends, receives;
+  std::map<const Op*, int> within;  // an op's place among its group's ops of the same pair and kind
   for (int r = 0; r < static_cast<int>(ranks.size()); ++r)
-    for (size_t i = 0; i < ranks[r].size(); ++i)
+    for (size_t i = 0; i < ranks[r].size(); ++i) {
+      std::map<std::pair<bool, int>, int> counts;
       for (const Op& op : ranks[r][i]) {
         if (op.peer < 0 || op.peer >= static_cast<int>(ranks.size()))
           return fmt::format("rank {} names rank {}, outside the pipeline", r, op.peer);
         auto& list = op.send ? sends[{r, op.peer}] : receives[{op.peer, r}];
         list.push_back({Place{r, i}, &op});
+        within[&op] = counts[{op.send, op.peer}]++;
       }
+    }
   waits.assign(ranks.size(), {});
   for (size_t r = 0; r < ranks.size(); ++r) waits[r].resize(ranks[r].size());
   for (const auto& [pair, sent] : sends) {
@@ -105,6 +132,12 @@ std::string matchOps(const std::vector<RankGroups>& ranks, std::vector<std::vect
       if (idOf(*sendOp) != idOf(*receiveOp))
         return fmt::format("order mismatch: rank {}'s send #{} to rank {} is {}, but that rank's receive #{} is {}",
                            pair.first, k, pair.second, idOf(*sendOp), k, idOf(*receiveOp));
+      // NCCL pairs a pair's operations by their place in the group as well.
+      if (within[sendOp] != within[receiveOp])
+        return fmt::format(
+            "group mismatch: rank {}'s send #{} to rank {} is its group's #{} to that rank, the "
+            "receive its group's #{}",
+            pair.first, k, pair.second, within[sendOp], within[receiveOp]);
       waits[from.rank][from.group].push_back(to);
       waits[to.rank][to.group].push_back(from);
     }
@@ -146,9 +179,10 @@ std::string checkExchanges(const std::vector<RankGroups>& ranks) {
   return "";
 }
 
-std::string checkSchedule(PipelineSchedule schedule, int P, int V, int M) {
+std::string checkSchedule(PipelineSchedule schedule, int P, int V, int M, bool headers) {
   std::vector<RankGroups> ranks;
-  for (int r = 0; r < P; ++r) ranks.push_back(groupsOf(schedule, P, V, M, r));
+  for (int r = 0; r < P; ++r)
+    ranks.push_back(headers ? withHeaders(groupsOf(schedule, P, V, M, r), P) : groupsOf(schedule, P, V, M, r));
   return checkExchanges(ranks);
 }
 
@@ -177,7 +211,8 @@ TEST_CASE("every schedule's grouped exchanges match in order and never deadlock"
           } catch (const ConfigError&) {
             continue;  // a shape the schedule refuses
           }
-          REQUIRE(checkSchedule(schedule, P, V, M) == "");
+          REQUIRE(checkSchedule(schedule, P, V, M, false) == "");
+          REQUIRE(checkSchedule(schedule, P, V, M, true) == "");  // GPUs: a first micro-batch's header ahead
           ++checked;
         }
   CHECK(checked > 500);
@@ -202,6 +237,12 @@ TEST_CASE("the exchange checker finds order mismatches and deadlocks", "[pipelin
     const std::string problem = checkExchanges({{{sendF00}}, {{recvF00, recvF01}}});
     INFO(problem);
     CHECK(contains(problem, "count"));
+  }
+  SECTION("a pair grouped differently on its two ends") {
+    const Op sendH00{true, 1, true, 0, 0, true}, recvH00{false, 0, true, 0, 0, true};
+    const std::string problem = checkExchanges({{{sendH00, sendF00}}, {{recvH00}, {recvF00}}});
+    INFO(problem);
+    CHECK(contains(problem, "group mismatch"));
   }
   SECTION("each rank sends first, its receive in a later group") {
     const std::string problem = checkExchanges({{{sendF00}, {recvB10}}, {{sendB10}, {recvF00}}});
