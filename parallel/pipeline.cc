@@ -1,6 +1,7 @@
 #include "parallel/pipeline.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -8,6 +9,7 @@
 #include <map>
 
 #include "parallel/pipeline_channel.h"
+#include "runtime/env.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::parallel {
@@ -132,8 +134,31 @@ Pipeline::Pipeline(CommunicatorPtr pp, PipelineOptions options) : pp_(std::move(
   // One stream for the pipeline's life: the caching allocator keeps its
   // blocks per stream, so a new stream each run would allocate afresh.
   const c10::Device device = pp_->device();
-  if (pp_->size() > 1 && !device.is_cpu())
+  if (pp_->size() > 1 && !device.is_cpu()) {
     stream_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+    warmLinks();
+  }
+}
+
+// NCCL connects a pair of ranks at its first message; a group whose pair was
+// connected for other traffic could then wait on a connection its peer does
+// not make in its own group. Every link a schedule uses (the interleaved
+// schedule's wrap from the last stage to the first included) is connected
+// here at once: around the ring forward, then backward, each a grouped send
+// and receive, as a schedule's steady state runs them.
+void Pipeline::warmLinks() {
+  const int n = pp_->size(), me = pp_->rank();
+  const Deadline deadline = Deadline::afterSeconds(options_.timeoutSeconds.value_or(env::kInitTimeout.seconds()));
+  const auto options = at::TensorOptions(at::kFloat).device(pp_->device());
+  at::Tensor out = at::ones({int64_t{1} << 21}, options), in = at::empty({int64_t{1} << 21}, options);
+  const c10::StreamGuard onStream(*stream_);
+  for (int direction : {+1, -1}) {
+    const int to = (me + direction + n) % n, from = (me - direction + n) % n;
+    pp_->sendRecv(
+           {{PeerOp::Kind::Send, out, to, "pipeline warm-up"}, {PeerOp::Kind::Recv, in, from, "pipeline warm-up"}},
+           {.deadline = deadline})
+        ->wait(deadline);
+  }
 }
 
 PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {

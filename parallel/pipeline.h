@@ -99,11 +99,15 @@ struct PipelineResult {
 
 class Pipeline {
  public:
+  // On GPUs, connects every link the schedules use (collective over the pp
+  // group, bounded by timeoutSeconds or BULKHEAD_INIT_TIMEOUT).
   Pipeline(CommunicatorPtr pp, PipelineOptions options);
   // Forward and backward of every micro-batch (collective over the pp group).
   PipelineResult run(const std::vector<PipelineChunk>& chunks);
 
  private:
+  void warmLinks();
+
   CommunicatorPtr pp_;
   PipelineOptions options_;
   std::optional<c10::Stream> stream_;  // GPU: where the pipeline's sends and receives run
