@@ -153,11 +153,10 @@ void Channel::exchangeOnDevice(const std::vector<std::pair<Message, at::Tensor>>
     ops.push_back(receive(e, at::empty(spec.shape, at::TensorOptions(spec.dtype).device(pp_.device()))));
   }
   if (!ops.empty()) issue(std::move(ops), what, peers);
-  // The current stream reads what came only once it is there.
-  const c10::impl::VirtualGuardImpl device(pp_.device().type());
-  c10::Event received(pp_.device().type());
-  received.record(*stream_);
-  received.block(device.getStream(pp_.device()));
+  // The current stream reads what came only once it is there (take()).
+  auto received = std::make_shared<c10::Event>(pp_.device().type());
+  received->record(*stream_);
+  for (const Expected* e : receiving) arrived_[e->message.direction] = received;
 }
 
 PeerOp Channel::receive(const Expected& e, at::Tensor into) {
@@ -336,6 +335,11 @@ void Channel::senderDesync(const Message& m, const Spec& expected, const at::Ten
 }
 
 at::Tensor Channel::take(const Key& key, int myStage) {
+  if (auto& event = arrived_[std::get<0>(key)]) {
+    const c10::impl::VirtualGuardImpl device(pp_.device().type());
+    event->block(device.getStream(pp_.device()));
+    event.reset();
+  }
   auto it = mailbox_.find(key);
   if (it == mailbox_.end()) {
     auto [direction, chunk, microBatch] = key;

@@ -21,9 +21,11 @@
 //   waits only for headers and at the end of the run.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -111,6 +113,9 @@ class Channel {
   std::map<int64_t, Spec> sentSpec_, receivedSpec_;  // by receiving chunk: the run's agreed activations
   std::map<int, std::string> lastFrom_;              // by peer: the last message that came from it
   std::vector<Issued> pending_;
+  // GPU: by direction, the event after the exchange that received the next
+  // messages, which the current stream waits for when a step takes one.
+  std::shared_ptr<c10::Event> arrived_[2];
 };
 
 }  // namespace bulkhead::parallel::detail

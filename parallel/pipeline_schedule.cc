@@ -85,13 +85,16 @@ std::vector<PipelineStep> pipelineSteps(PipelineSchedule schedule, const Pipelin
 
 std::vector<std::vector<PipelineStep>> pipelineUnits(PipelineSchedule schedule, const PipelineShape& s) {
   const std::vector<PipelineStep> steps = pipelineSteps(schedule, s);
-  const int total = s.microBatches * s.virtualStages, warmup = warmupOf(schedule, s);
   std::vector<std::vector<PipelineStep>> units;
+  if (schedule != PipelineSchedule::Interleaved) {
+    for (const PipelineStep& step : steps) units.push_back({step});
+    return units;
+  }
+  const int total = s.microBatches * s.virtualStages, warmup = warmupOf(schedule, s);
   size_t i = 0;
   for (; i < static_cast<size_t>(warmup); ++i) units.push_back({steps[i]});
   for (int pair = 0; pair < total - warmup; ++pair, i += 2) units.push_back({steps[i], steps[i + 1]});
   for (; i < steps.size(); ++i) units.push_back({steps[i]});
   return units;
 }
-
 }  // namespace bulkhead::parallel

@@ -48,12 +48,15 @@ struct PipelineShape {
 // all forwards over several chunks).
 std::vector<PipelineStep> pipelineSteps(PipelineSchedule schedule, const PipelineShape& shape);
 
-// The same steps in the units a rank communicates between (Megatron-LM's
-// pairing): a warm-up forward or a cool-down backward alone, a steady-state
-// forward with the backward after it. Before unit u a rank issues, in one
-// grouped exchange, the sends of unit u - 1 and the receives of unit u.
-// Under every schedule here each rank's sends to a peer then come in the
-// order that peer receives them, and no exchange waits on a later one
+// The same steps in the units a rank communicates between, as Megatron-LM's
+// p2p layer does: each step alone (1F1B: a forward's send goes with the
+// next backward's receive), or under the interleaved schedule a warm-up
+// forward or cool-down backward alone and a steady-state forward with the
+// backward after it. Before unit u a rank issues, grouped, the sends of unit
+// u - 1 and the receives of unit u (interleaved: the forward direction's,
+// then the backward's, so the forward computes while the backward's messages
+// move). Under every schedule here each rank's sends to a peer then come in
+// the order that peer receives them, and no exchange waits on a later one
 // (pipeline_schedule_test checks both for P <= 8, V <= 4, M <= 16).
 std::vector<std::vector<PipelineStep>> pipelineUnits(PipelineSchedule schedule, const PipelineShape& shape);
 

@@ -37,7 +37,7 @@ esac
 start=$(date +%s.%N)
 timeout 60 "$mpirun" --oversubscribe -np "$ranks" "$program" run "$out" >"$out/log" 2>&1
 code=$?
-elapsed=$(echo "$(date +%s.%N) - $start" | bc)
+elapsed=$(awk -v a="$(date +%s.%N)" -v b="$start" 'BEGIN { printf "%.1f", a - b }')
 [ "$code" -ne 0 ] || fail "the job exited 0"
 [ "$code" -ne 124 ] || fail "the job hung (killed after 60 s)"
 for ((rank = 0; rank < ranks; rank++)); do
