@@ -9,7 +9,7 @@
 // Prints a markdown table row (bench/run_pipeline_bench.sh collects them).
 //
 //   mpirun -np 4 bulkhead-pipeline-bench [--vpp 1] [--microbatches 4P] [--tokens 4096] [--hidden 2048]
-//                                        [--ffn 8192] [--layers-per-stage 2] [--runs 10] [--trace trace.json]
+//                                        [--ffn 8192] [--layers-per-stage 8] [--runs 10] [--trace trace.json]
 //
 // A chunk is L blocks x = x + gelu(x @ W1) @ W2; the last stage returns
 // x.float().pow(2).mean(), and the first stage's input requires a gradient as
@@ -45,7 +45,7 @@ constexpr int kWarmupRuns = 3;
 struct Options {
   int vpp = 1;
   int microBatches = 0;  // 0: 4 per rank
-  int tokens = 4096, hidden = 2048, ffn = 8192, layersPerStage = 2, runs = 10;
+  int tokens = 4096, hidden = 2048, ffn = 8192, layersPerStage = 8, runs = 10;
   std::string trace;
 };
 

@@ -6,7 +6,7 @@
 # (b) on 4 GPUs, train_moe at one global batch as pp 2 x ep 2 (8 micro-batches through 1F1B) and as
 #     ep 2 x dp 2 (1 micro-batch), and the ratio of their tokens per second at the last step.
 #   bench/run_pipeline_bench.sh [build-dir, default $BUILD or build] [out-file] [trace folder, default <out-file>_traces]
-# Env: BATCH (train_moe's global batch, default 64); MPIRUN_ARGS (extra mpirun flags);
+# Env: BATCH (train_moe's global batch, default 256), STEPS (default 60); MPIRUN_ARGS (extra mpirun flags);
 # BULKHEAD_COMMIT (the commit to name, where this copy's git is stale). Exits 77 with fewer than 2 GPUs.
 set -euo pipefail
 build=${1:-${BUILD:-build}}
@@ -21,8 +21,8 @@ model=$(awk 'match($0, /[ABHL][0-9][0-9][0-9]?/) { print tolower(substr($0, RSTA
 day=$(date -u +%Y-%m-%d)
 out=${2:-bench/results/pipeline_${model:-gpu}x${gpus}_${day}.md}
 traces=${3:-${out%.md}_traces}
-batch=${BATCH:-64}
-steps=60
+batch=${BATCH:-256}
+steps=${STEPS:-60}
 commit=${BULKHEAD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export NCCL_NVLS_ENABLE=0
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
@@ -68,7 +68,7 @@ for p in $sizes; do
 done
 
 # (b) train_moe with and without a pipeline, on 4 GPUs, at one global batch.
-shape="--backend nccl --dtype bfloat16 --layers 8 --hidden 1024 --heads 8 --ffn 512 --experts 16 --topk 2 --seq 1024 --batch $batch --steps $steps --warmup 10 --log-interval 20"
+shape="--backend nccl --dtype bfloat16 --layers 8 --hidden 1024 --heads 8 --ffn 512 --experts 16 --topk 2 --seq 1024 --batch $batch --steps $steps --warmup 10 --log-interval $((steps / 3))"
 # at_last_step <unit>: the number before <unit> ("tok/s", "ms") on train_moe's log line of the last step.
 at_last_step() {
   local value
@@ -104,7 +104,7 @@ fi
   echo
   echo "## The bubble (bulkhead-pipeline-bench)"
   echo
-  echo "One rank a GPU, the whole world one pp group; every chunk 2 MLP blocks \`x = x + gelu(x @ W1) @ W2\`"
+  echo "One rank a GPU, the whole world one pp group; every chunk 8 MLP blocks \`x = x + gelu(x @ W1) @ W2\`"
   echo "(bf16, 4096 tokens, hidden 2048, ffn 8192), M = 4P micro-batches. Each step's compute timed with CUDA"
   echo "events on the default stream; the first stage's idle fraction is 1 - its busy time over the span from its"
   echo "first step's start to its last step's end; ideal (P - 1) / (V M + P - 1). Medians of 10 runs after 3"
@@ -119,7 +119,7 @@ fi
   echo
   if [ ${#train_rows[@]} -gt 0 ]; then
     echo "\`mpirun -np 4 $build/bin/train_moe $shape\` plus the layout's flags; tokens per second and step"
-    echo "time of the last log line (steps 41-60)."
+    echo "time of the last log line (the last third of the steps)."
     echo
     echo "| layout | flags | tok/s (step $steps) | step ms |"
     echo "|---|---|---:|---:|"

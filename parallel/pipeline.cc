@@ -48,8 +48,9 @@ class RunState {
     }
   }
 
+  // A step's compute, announced to onStep once its input is there (the
+  // current stream waits for it first), so a trace shows the wait as idle.
   void compute(const PipelineStep& step) {
-    if (options_.onStep) options_.onStep(step, true);
     if (step.forward)
       forward(step);
     else
@@ -79,6 +80,7 @@ class RunState {
     const int stage = step.chunk * P_ + r_, m = step.microBatch;
     at::Tensor input;
     if (stage > 0) input = channel_.take({Forward, step.chunk, m}, stage).detach().requires_grad_(true);
+    if (options_.onStep) options_.onStep(step, true);
     PipelineOutput out = chunks_[step.chunk].forward(m, input);
     at::Tensor& output = out.output;
     if (stage == lastStage_) {
@@ -101,10 +103,12 @@ class RunState {
     Held h = std::move(it->second);
     held_.erase(it);
     const bool aux = h.auxLoss.defined() && h.auxLoss.requires_grad();
+    at::Tensor grad;
+    if (stage != lastStage_) grad = channel_.take({Backward, step.chunk, m}, stage);
+    if (options_.onStep) options_.onStep(step, true);
     if (stage == lastStage_) {
       ((aux ? h.output + h.auxLoss : h.output) * scale_).backward();
     } else {
-      at::Tensor grad = channel_.take({Backward, step.chunk, m}, stage);
       if (aux)
         torch::autograd::backward({h.output, h.auxLoss}, {grad, at::full_like(h.auxLoss, scale_)});
       else

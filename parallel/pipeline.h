@@ -84,8 +84,9 @@ struct PipelineOptions {
   // Seconds each send and receive may take, from its call; unset: the
   // communicator's default timeout.
   std::optional<double> timeoutSeconds;
-  // Called on the host as each step's compute is issued (begin) and once it
-  // is (end): a trace's hook (bench/pipeline_bench.cc records events there).
+  // Called on the host as each step's compute is issued, once the current
+  // stream waits for its input (begin), and once it is issued (end): a
+  // trace's hook (bench/pipeline_bench.cc records CUDA events there).
   std::function<void(const PipelineStep& step, bool begin)> onStep;
 };
 
