@@ -242,17 +242,40 @@ void Monitor::checkBeforeCollective(const Communicator& comm, uint64_t seq, cons
   if (seq > 2) store_->erase(fmt::format("strict/{}/{}/{}", groupKey(comm), seq - 2, worldRank_), deadline);
 }
 
+Diagnosis Monitor::diagnosePeer(const Communicator& comm, const Fingerprint& fingerprint, const std::string& local,
+                                double paused) {
+  if (paused > 0)
+    return {
+        fmt::format("{} This rank was not running for {:.1f} s (stopped or starved) while it waited.", local, paused),
+        false};
+  if (fingerprint.root < 0 || fingerprint.root >= static_cast<int>(comm.members().size())) return {local, false};
+  const int peer = comm.members()[fingerprint.root];
+  try {
+    auto values = store_->multiGet({stateKey(peer)}, Deadline::afterSeconds(options_.diagnosisSeconds));
+    auto state = monitor_record::decodeState(values.at(0));
+    if (!state)
+      return {fmt::format("{} Its peer, rank {}, published no state (not started, or cut off from the store).", local,
+                          peer),
+              false};
+    const double silentFor = (wallClockMs() - state->wallMs) / 1000.0;
+    if (silentFor > options_.deadAfterSeconds)
+      return {fmt::format("{} Its peer: rank {} is dead (no heartbeat for {:.1f} s).", local, peer, silentFor), false};
+    return {fmt::format("{} Its peer, rank {}, is alive: it skipped or reordered the matching {}, or is itself held up "
+                        "by another rank.",
+                        local, peer, fingerprint.op == OpType::Send ? "receive" : "send"),
+            false};
+  } catch (const Error& e) {
+    return {fmt::format("{} {}.", local, storeSilence(e, paused)), false};
+  }
+}
+
 Diagnosis Monitor::diagnose(const Communicator& comm, uint64_t seq, const Fingerprint& fingerprint,
                             double waitedSeconds) {
   std::string local = describeTimeout(comm, fingerprint, seq, waitedSeconds);
   const double paused = pausedSeconds(std::chrono::steady_clock::now() -
                                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                           std::chrono::duration<double>(waitedSeconds + options_.heartbeatSeconds)));
-  if (isPointToPoint(fingerprint.op))
-    return {paused > 0 ? fmt::format("{} This rank was not running for {:.1f} s (stopped or starved) while it waited.",
-                                     local, paused)
-                       : local,
-            false};
+  if (isPointToPoint(fingerprint.op)) return diagnosePeer(comm, fingerprint, local, paused);
   Deadline deadline = Deadline::afterSeconds(options_.diagnosisSeconds);
   std::string key = groupKey(comm);
   try {

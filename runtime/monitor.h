@@ -114,6 +114,9 @@ class Monitor : public std::enable_shared_from_this<Monitor> {
   bool leaderLate(const NodeRelay& relay) const;
   // What a diagnosis says when the store did not answer it.
   std::string storeSilence(const Error& error, double paused) const;
+  // A send or receive's timeout: whether its peer still beats.
+  Diagnosis diagnosePeer(const Communicator& comm, const Fingerprint& fingerprint, const std::string& local,
+                         double paused);
   std::vector<Group> groups() const;
 
   std::shared_ptr<Store> store_;

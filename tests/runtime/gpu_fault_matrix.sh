@@ -16,7 +16,8 @@
 #   a2a   an expert-parallel all-to-all (ep group), rs a data-parallel
 #         reduce-scatter (dp-cp group), ckpt halfway through writing the rank's
 #         file of an asynchronous save, pp a pipeline send (pp 2, ep 2 from 4
-#         ranks, 1F1B over 4 micro-batches).
+#         ranks, 1F1B over 4 micro-batches; not in the matrix yet: a survivor
+#         with no group holding the culprit names the live rank it waits on).
 # A victim other than 0 stays other than 0 with fewer ranks (taken modulo the ranks, else the last rank).
 set -u
 launch=$1 fault=$2 victim=$3 moment=$4 bin=$5 mpirun=$6
