@@ -102,9 +102,9 @@ void Channel::exchangeDirection(std::optional<Direction> only) {
     exchangeOnDevice(sends, receiving, what, peers);
 }
 
-// CPU backends: the old reliable order of isend and blocking receive. Sends
-// (each header, then its tensor) go without waiting for their receivers;
-// each message's header is received and read before its tensor.
+// CPU backends: sends (each header, then its tensor) go without waiting for
+// their receivers, as MPI's and Gloo's sends can; each message's header is
+// received and read before its tensor, in the order the peer sent them.
 void Channel::exchangeOnHost(const std::vector<std::pair<Message, at::Tensor>>& sends,
                              const std::vector<const Expected*>& receiving, const std::string& what,
                              const std::vector<int>& peers) {
@@ -125,9 +125,9 @@ void Channel::exchangeOnHost(const std::vector<std::pair<Message, at::Tensor>>& 
   }
 }
 
-// GPUs: one grouped exchange, after one of the headers where a chunk's first
-// activations of the run go (both ends group the same way: NCCL pairs a
-// pair's sends and receives by their place in the group).
+// GPUs: one grouped exchange, preceded by a grouped exchange of the headers
+// where a chunk's first activations of the run go. Both ends group alike:
+// NCCL pairs a pair's sends and receives by their place in the group too.
 void Channel::exchangeOnDevice(const std::vector<std::pair<Message, at::Tensor>>& sends,
                                const std::vector<const Expected*>& receiving, const std::string& what,
                                const std::vector<int>& peers) {

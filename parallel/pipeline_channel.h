@@ -8,17 +8,19 @@
 // - On a CPU backend every tensor goes with a header (direction, stages,
 //   micro-batch, run, dtype, shape), read on the host before the tensor is
 //   received: reading it costs nothing there, and any mismatch is reported
-//   by the stage that received it, naming both stages.
-// - On a GPU backend a header goes only with the first forward activation a
-//   chunk receives in a run (unless activationShape and activationDtype give
-//   both): it fixes that chunk's activation shape and dtype for the run, so
-//   later messages cost no host sync. Gradients go back with the shape of the
-//   activations they belong to. A sender whose tensor differs from what its
-//   receiver will expect raises DesyncError naming both stages and the
-//   micro-batch before sending anything, and ends the job.
-// - Sends and receives run on a stream of their own; the current stream
-//   waits for an exchange's receives before it reads them, and the host
-//   waits only for headers and at the end of the run.
+//   by the stage that received it, naming both stages. Sends go at once,
+//   without waiting for their receivers.
+// - On a GPU backend an exchange is one grouped call, and a header goes only
+//   with the first forward activation a chunk receives in a run (unless
+//   activationShape and activationDtype give both), in a grouped call of its
+//   own on both ends: it fixes that chunk's activation shape and dtype for
+//   the run, so later messages cost no host sync. Gradients go back with
+//   the shape of the activations they belong to. A sender whose tensor
+//   differs from what its receiver will expect raises DesyncError naming
+//   both stages and the micro-batch before sending anything, and ends the
+//   job. Sends and receives run on a stream of their own; the current
+//   stream waits for an exchange when a step takes what it brought, and the
+//   host waits only for headers and at the end of the run.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
