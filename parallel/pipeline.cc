@@ -1,7 +1,6 @@
 #include "parallel/pipeline.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -140,27 +139,23 @@ Pipeline::Pipeline(CommunicatorPtr pp, PipelineOptions options) : pp_(std::move(
   const c10::Device device = pp_->device();
   if (pp_->size() > 1 && !device.is_cpu()) {
     stream_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
-    warmLinks();
+    // Already done where ProcessGroups made the group; a group from elsewhere
+    // must not meet its first connection inside a schedule's exchange.
+    warmPipelineLinks(*pp_, int64_t{8} << 20,
+                      Deadline::afterSeconds(options_.timeoutSeconds.value_or(env::kInitTimeout.seconds())));
   }
 }
 
-// NCCL connects a pair of ranks at its first message; a group whose pair was
-// connected for other traffic could then wait on a connection its peer does
-// not make in its own group. Every link a schedule uses (the interleaved
-// schedule's wrap from the last stage to the first included) is connected
-// here at once: around the ring forward, then backward, each a grouped send
-// and receive, as a schedule's steady state runs them.
-void Pipeline::warmLinks() {
-  const int n = pp_->size(), me = pp_->rank();
-  const Deadline deadline = Deadline::afterSeconds(options_.timeoutSeconds.value_or(env::kInitTimeout.seconds()));
-  const auto options = at::TensorOptions(at::kFloat).device(pp_->device());
-  at::Tensor out = at::ones({int64_t{1} << 21}, options), in = at::empty({int64_t{1} << 21}, options);
-  const c10::StreamGuard onStream(*stream_);
+void warmPipelineLinks(Communicator& pp, int64_t bytes, Deadline deadline) {
+  const int n = pp.size(), me = pp.rank();
+  if (n < 2) return;
+  const auto options = at::TensorOptions(at::kFloat).device(pp.device());
+  const int64_t numel = std::max<int64_t>(1, bytes / 4);
+  at::Tensor out = at::ones({numel}, options), in = at::empty({numel}, options);
   for (int direction : {+1, -1}) {
     const int to = (me + direction + n) % n, from = (me - direction + n) % n;
-    pp_->sendRecv(
-           {{PeerOp::Kind::Send, out, to, "pipeline warm-up"}, {PeerOp::Kind::Recv, in, from, "pipeline warm-up"}},
-           {.deadline = deadline})
+    pp.sendRecv({{PeerOp::Kind::Send, out, to, "pipeline warm-up"}, {PeerOp::Kind::Recv, in, from, "pipeline warm-up"}},
+                {.deadline = deadline})
         ->wait(deadline);
   }
 }

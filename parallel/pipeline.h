@@ -98,6 +98,14 @@ struct PipelineResult {
   int maxLiveActivations = 0;  // most micro-batches (over this rank's chunks) held for backward at once
 };
 
+// Connects every link a pipeline on `pp` uses: a grouped send to and
+// receive from each neighbour around the ring, forward then backward (the
+// interleaved schedule's wrap from the last stage to the first included),
+// `bytes` a message, each under `deadline`. Collective over `pp`; nothing
+// on one rank. ProcessGroups warms its pp groups with it, and a Pipeline on
+// a GPU its own group (NCCL connects a pair at its first message).
+void warmPipelineLinks(Communicator& pp, int64_t bytes, Deadline deadline);
+
 class Pipeline {
  public:
   // On GPUs, connects every link the schedules use (collective over the pp
@@ -107,8 +115,6 @@ class Pipeline {
   PipelineResult run(const std::vector<PipelineChunk>& chunks);
 
  private:
-  void warmLinks();
-
   CommunicatorPtr pp_;
   PipelineOptions options_;
   std::optional<c10::Stream> stream_;  // GPU: where the pipeline's sends and receives run

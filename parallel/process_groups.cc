@@ -8,6 +8,7 @@
 
 #include <chrono>
 
+#include "parallel/pipeline.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
@@ -56,7 +57,7 @@ std::string membersText(const std::vector<int>& members) {
 
 // The operations `kind` carries, once, at `bytes` per rank, under `deadline`.
 void warm(Communicator& comm, GroupKind kind, int64_t bytes, Deadline deadline) {
-  int n = comm.size(), me = comm.rank();
+  const int n = comm.size();
   auto options = at::TensorOptions().dtype(at::kFloat).device(comm.device());
   int64_t numel = std::max<int64_t>(1, bytes / 4);
   if (kind == GroupKind::Ep) {
@@ -64,18 +65,7 @@ void warm(Communicator& comm, GroupKind kind, int64_t bytes, Deadline deadline) 
     at::Tensor send = at::ones({n, row}, options), recv = at::empty({n, row}, options);
     comm.allToAll(send, recv, {}, {}, {.deadline = deadline})->wait(deadline);
   } else if (kind == GroupKind::Pp) {
-    // Every link a pipeline uses, the interleaved schedule's wrap from the
-    // last stage to the first included: forward around the ring, then
-    // backward, each a grouped send and receive.
-    at::Tensor out = at::ones({numel}, options), in = at::empty({numel}, options);
-    if (n > 1) {
-      for (int direction : {+1, -1}) {
-        const int to = (me + direction + n) % n, from = (me - direction + n) % n;
-        comm.sendRecv({{PeerOp::Kind::Send, out, to, "warm-up"}, {PeerOp::Kind::Recv, in, from, "warm-up"}},
-                      {.deadline = deadline})
-            ->wait(deadline);
-      }
-    }
+    warmPipelineLinks(comm, bytes, deadline);
   } else {
     at::Tensor tensor = at::ones({numel}, options);
     comm.allReduce(tensor, {.deadline = deadline})->wait(deadline);
