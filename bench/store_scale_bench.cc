@@ -14,6 +14,12 @@
 // Per N: ranks connected, the server's CPU share, and the p50/p99/max of a
 // publish round (every rank's record reaches the store once) and of a
 // diagnosis read.
+//
+// With --rendezvous: N simulated ranks join through the store bootstrap's
+// roster (launch/bootstrap.h, arriveAtRoster and awaitRoster, the code
+// joinStore runs): every rank arrives, then every rank awaits the roster.
+// Per N: the seconds to connect, to arrive and to receive the roster, and the
+// store requests per rank.
 
 #include <fmt/format.h>
 #include <signal.h>
@@ -31,6 +37,7 @@
 #include <thread>
 #include <vector>
 
+#include "launch/bootstrap.h"
 #include "launch/cli.h"
 #include "runtime/monitor_record.h"
 #include "runtime/node_relay.h"
@@ -45,10 +52,11 @@ struct Options {
   std::vector<int> ranks = {1024, 2048, 4096, 8192, 16384};
   double seconds = 20;
   double heartbeat = 0.5;
-  int threads = 64;        // client threads; each drives ranks / threads simulated ranks
-  int maxConnections = 0;  // the server's cap; 0: none (its default)
-  int ranksPerNode = 8;    // 1: no relay
-  int recordBytes = 256;   // a ledger record's size: heads and newest entries of one group
+  int threads = 64;         // client threads; each drives ranks / threads simulated ranks
+  int maxConnections = 0;   // the server's cap; 0: none (its default)
+  int ranksPerNode = 8;     // 1: no relay
+  int recordBytes = 256;    // a ledger record's size: heads and newest entries of one group
+  bool rendezvous = false;  // time the store bootstrap's roster instead of heartbeats
 };
 
 struct Percentiles {
@@ -218,6 +226,99 @@ Row run(int ranks, const Options& options) {
   return row;
 }
 
+// Connects one client per simulated rank, `threads` at a time; returns how many connected.
+int connectClients(std::vector<std::unique_ptr<TcpStoreClient>>& clients, uint16_t port, const std::string& token,
+                   int threads) {
+  std::atomic<int> connected{0};
+  std::vector<std::thread> pool;
+  const int ranks = static_cast<int>(clients.size());
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      for (int r = t; r < ranks; r += threads) {
+        try {
+          clients[r] = std::make_unique<TcpStoreClient>(
+              TcpStoreOptions{.host = "127.0.0.1", .port = port, .token = token, .rank = r});
+          clients[r]->connect(Deadline::afterSeconds(60));
+          ++connected;
+        } catch (const std::exception&) {
+        }
+      }
+    });
+  for (auto& thread : pool) thread.join();
+  return connected;
+}
+
+struct RendezvousRow {
+  int ranks = 0, connected = 0, joined = 0;
+  double connectSeconds = 0, arriveSeconds = 0, rosterSeconds = 0, serverCpuSeconds = 0;
+};
+
+// Every rank arrives, then every rank awaits the roster: how long each half
+// takes with `threads` client threads driving the simulated ranks.
+RendezvousRow runRendezvous(int ranks, const Options& options) {
+  const std::string token = "rendezvous-bench";
+  auto [server, port] = startServer(token, options.maxConnections);
+  RendezvousRow row{.ranks = ranks};
+  std::vector<std::unique_ptr<TcpStoreClient>> clients(ranks);
+  auto seconds = [](Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); };
+  auto start = Clock::now();
+  row.connected = connectClients(clients, port, token, options.threads);
+  row.connectSeconds = seconds(start);
+  const double cpuBefore = cpuSeconds(server);
+  const Deadline deadline = Deadline::afterSeconds(120);
+  std::atomic<int> joined{0};
+  auto half = [&](bool arrive) {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < options.threads; ++t)
+      pool.emplace_back([&, t] {
+        for (int r = t; r < ranks; r += options.threads) {
+          if (!clients[r]) continue;
+          const launch::WorldInfo world{.rank = r, .size = ranks};
+          try {
+            if (arrive) {
+              launch::arriveAtRoster(*clients[r], world, deadline);
+            } else {
+              launch::awaitRoster(*clients[r], world, deadline);
+              ++joined;
+            }
+          } catch (const std::exception& e) {
+            fmt::print(stderr, "rank {}: {}\n", r, e.what());
+          }
+        }
+      });
+    for (auto& thread : pool) thread.join();
+  };
+  start = Clock::now();
+  half(true);
+  row.arriveSeconds = seconds(start);
+  start = Clock::now();
+  half(false);
+  row.rosterSeconds = seconds(start);
+  row.joined = joined;
+  row.serverCpuSeconds = cpuSeconds(server) - cpuBefore;
+  clients.clear();
+  kill(server, SIGTERM);
+  waitpid(server, nullptr, 0);
+  return row;
+}
+
+void printRendezvous(const Options& options) {
+  fmt::print(
+      "store bootstrap roster: {} client threads, {} CPUs; each rank arrives (add, set, get of the first "
+      "arrival; the last also waits for and reads every record), then awaits the roster (one get)\n",
+      options.threads, std::thread::hardware_concurrency());
+  fmt::print(
+      "| ranks | connected | joined | connect s | arrive s | roster s | arrive + roster s | server CPU s |\n"
+      "|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (int ranks : options.ranks) {
+    const RendezvousRow row = runRendezvous(ranks, options);
+    fmt::print("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |\n", row.ranks, row.connected, row.joined,
+               row.connectSeconds, row.arriveSeconds, row.rosterSeconds, row.arriveSeconds + row.rosterSeconds,
+               row.serverCpuSeconds);
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -235,7 +336,13 @@ int main(int argc, char** argv) {
   app.add_option("--record-bytes", options.recordBytes, "bytes of ledger state in each record")->check(cli::positive());
   app.add_option("--max-connections", options.maxConnections, "the server's connection cap (0: none)")
       ->check(cli::nonNegative());
+  app.add_flag("--rendezvous", options.rendezvous,
+               "time the store bootstrap's roster (every rank joins once) instead of heartbeats");
   if (auto code = cli::parse(app, argc, argv)) return *code;
+  if (options.rendezvous) {
+    printRendezvous(options);
+    return 0;
+  }
   fmt::print(
       "store scale: {} s per N, a record every {} s per rank (heartbeat time + {} B of ledger state), {}, {} "
       "client threads, {} CPUs\n",

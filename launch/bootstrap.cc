@@ -10,7 +10,6 @@
 #include <sstream>
 #include <thread>
 
-#include "runtime/backoff.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
@@ -19,8 +18,11 @@ namespace bulkhead::launch {
 namespace {
 
 const std::string kArrivals = "bootstrap/arrivals";
-// The first contradiction a rank finds, for every other rank to report too.
-const std::string kProblem = "bootstrap/problem";
+// "ok" once the last rank to arrive has checked every arrival, or the first
+// contradiction any rank found, after kProblemPrefix.
+const std::string kRoster = "bootstrap/roster";
+const std::string kRosterOk = "ok";
+const std::string kProblemPrefix = "problem: ";
 
 struct Arrival {
   int rank = -1;
@@ -38,6 +40,15 @@ std::string processId() {
 std::string describe(const Arrival& a) {
   return fmt::format("{} (pid {})", a.process.substr(0, a.process.find(':')),
                      a.process.substr(a.process.find(':') + 1, a.process.rfind(':') - a.process.find(':') - 1));
+}
+
+std::string arrivalKey(int64_t slot) { return fmt::format("bootstrap/arrival/{}", slot); }
+
+Arrival parseArrival(const std::string& value) {
+  Arrival a;
+  std::istringstream in(value);
+  in >> a.rank >> a.size >> a.process;
+  return a;
 }
 
 // Where the store is: MASTER_ADDR:MASTER_PORT (127.0.0.1 when every rank
@@ -60,31 +71,21 @@ std::pair<std::string, int> storeAddress(const WorldInfo& world) {
   return {host, world.masterPort};
 }
 
-bool isNumeric(const std::string& host) {
-  return host.find_first_not_of("0123456789.:abcdefABCDEF") == std::string::npos &&
-         host.find_first_of(".:") != std::string::npos;
+ConfigError sizeMismatch(const Arrival& a, const WorldInfo& world) {
+  return ConfigError(fmt::format("rank {} on {} started with WORLD_SIZE={}, but rank {} has {}: every rank "
+                                 "must be started with the same world size; fix the launch command",
+                                 a.rank, describe(a), a.size, world.rank, world.size),
+                     {.rank = world.rank, .group = "world", .expected = fmt::format("WORLD_SIZE={}", world.size)});
 }
 
-// Reads every arrival so far and raises on a contradiction; returns the ranks
-// seen.
-std::set<int> checkRoster(Store& store, const WorldInfo& world, const Arrival& me, Deadline deadline) {
-  const int64_t count = parseStoreInteger(store.tryGet(kArrivals, deadline).value_or("0")).value_or(0);
-  std::vector<std::string> keys{kProblem};
-  for (int64_t i = 1; i <= count; ++i) keys.push_back(fmt::format("bootstrap/arrival/{}", i));
-  std::vector<std::optional<std::string>> values = store.multiGet(keys, deadline);
-  if (values[0])
-    throw ConfigError(*values[0], {.rank = world.rank, .group = "world", .expected = "a consistent launch"});
+// Raises on a contradiction among these arrivals (another world size, a rank
+// claimed by two processes); returns the ranks seen.
+std::set<int> checkArrivals(const std::vector<std::optional<std::string>>& values, const WorldInfo& world) {
   std::map<int, std::vector<Arrival>> byRank;
-  for (const auto& value : std::vector<std::optional<std::string>>(values.begin() + 1, values.end())) {
+  for (const auto& value : values) {
     if (!value) continue;
-    Arrival a;
-    std::istringstream in(*value);
-    in >> a.rank >> a.size >> a.process;
-    if (a.size != world.size)
-      throw ConfigError(fmt::format("rank {} on {} started with WORLD_SIZE={}, but rank {} has {}: every rank "
-                                    "must be started with the same world size; fix the launch command",
-                                    a.rank, describe(a), a.size, world.rank, world.size),
-                        {.rank = world.rank, .group = "world", .expected = fmt::format("WORLD_SIZE={}", world.size)});
+    const Arrival a = parseArrival(*value);
+    if (a.size != world.size) throw sizeMismatch(a, world);
     auto& claims = byRank[a.rank];
     if (std::none_of(claims.begin(), claims.end(), [&](const Arrival& b) { return b.process == a.process; }))
       claims.push_back(a);
@@ -101,6 +102,53 @@ std::set<int> checkRoster(Store& store, const WorldInfo& world, const Arrival& m
     seen.insert(rank);
   }
   return seen;
+}
+
+std::vector<std::string> arrivalKeys(int64_t count) {
+  std::vector<std::string> keys;
+  for (int64_t i = 1; i <= count; ++i) keys.push_back(arrivalKey(i));
+  return keys;
+}
+
+// Every arrival so far, read once (the last arrival's check, and the report
+// of a roster that never came): raises on a contradiction; the ranks seen.
+std::set<int> readArrivals(Store& store, const WorldInfo& world, Deadline deadline) {
+  const int64_t count = parseStoreInteger(store.tryGet(kArrivals, deadline).value_or("0")).value_or(0);
+  return checkArrivals(store.multiGet(arrivalKeys(count), deadline), world);
+}
+
+// The first contradiction, for every rank to report: the first writer wins.
+void publishProblem(Store& store, const Error& problem) {
+  try {
+    store.compareSet(kRoster, "", kProblemPrefix + problem.message(), Deadline::afterSeconds(1));
+  } catch (const Error&) {
+  }
+}
+
+// The roster never came by the deadline: which ranks are missing (or the
+// contradiction a full read finds instead).
+[[noreturn]] void reportMissing(Store& store, const WorldInfo& world, Deadline roundTrips) {
+  const std::set<int> seen = readArrivals(store, world, roundTrips);
+  std::vector<int> missing;
+  for (int r = 0; r < world.size; ++r)
+    if (!seen.count(r)) missing.push_back(r);
+  const std::string where = store.describe();
+  if (missing.empty())  // all arrived, but the last of them never published the roster (it died checking)
+    throw TimeoutError(fmt::format("every rank joined the store at {}, but the roster was never published within the "
+                                   "init deadline: the last rank to join failed while checking it",
+                                   where),
+                       {.rank = world.rank, .group = "world", .expected = "the roster"});
+  throw TimeoutError(fmt::format("rank{} {} did not join the store at {} within the init deadline ({} of {} ranks "
+                                 "joined): they never started, crashed, cannot reach it, or have another {}",
+                                 missing.size() > 1 ? "s" : "", fmt::join(missing, ", "), where, seen.size(),
+                                 world.size, env::kStoreToken.name()),
+                     {.rank = world.rank, .group = "world", .expected = fmt::format("{} ranks", world.size)});
+}
+
+// Round trips may outlast the deadline by a second, so that its expiry is
+// reported as the missing ranks, not as a store timeout.
+Deadline withGrace(Deadline deadline) {
+  return deadline.isNever() ? deadline : Deadline::at(deadline.when() + std::chrono::seconds(1));
 }
 
 }  // namespace
@@ -126,6 +174,61 @@ Bootstrap resolveBootstrap(const std::optional<WorldInfo>& found, const EnvLooku
   return Bootstrap::Store;
 }
 
+namespace {
+
+// An arrival's record, its check against the first arrival and, for the last
+// to arrive, the check of every arrival and the roster.
+void checkIn(Store& store, const WorldInfo& world, const Arrival& me, int64_t slot, Deadline deadline) {
+  store.set(arrivalKey(slot), fmt::format("{} {} {}", me.rank, me.size, me.process), deadline);
+  // This rank's world size against the first arrival's: one read, so that
+  // the rank on the other side of a mismatch finds it, whoever is last.
+  if (slot > 1) {
+    const Arrival first = parseArrival(store.get(arrivalKey(1), deadline));
+    if (first.size != world.size) throw sizeMismatch(first, world);
+  }
+  if (slot < world.size) return;
+  // The last to arrive (or one past the world) checks every arrival once, for everyone.
+  const std::vector<std::string> keys = arrivalKeys(slot);
+  store.wait(keys, deadline);
+  const std::set<int> seen = checkArrivals(store.multiGet(keys, withGrace(deadline)), world);
+  if (slot > world.size)
+    throw ConfigError(fmt::format("{} processes joined a world of {} (WORLD_SIZE={}); this one, rank {}, is one "
+                                  "too many: start exactly WORLD_SIZE processes",
+                                  slot, world.size, world.size, world.rank),
+                      {.rank = world.rank, .group = "world", .expected = fmt::format("{} processes", world.size)});
+  if (static_cast<int>(seen.size()) == world.size) store.compareSet(kRoster, "", kRosterOk, withGrace(deadline));
+}
+
+}  // namespace
+
+int64_t arriveAtRoster(Store& store, const WorldInfo& world, Deadline deadline) {
+  const Arrival me{world.rank, world.size, processId()};
+  const int64_t slot = store.add(kArrivals, 1, deadline);
+  try {
+    try {
+      checkIn(store, world, me, slot, deadline);
+    } catch (const TimeoutError&) {
+      reportMissing(store, world, withGrace(deadline));  // a rank took a slot and never wrote it, or never came
+    }
+  } catch (const ConfigError& e) {
+    publishProblem(store, e);
+    throw;
+  }
+  return slot;
+}
+
+void awaitRoster(Store& store, const WorldInfo& world, Deadline deadline) {
+  std::string roster;
+  try {
+    roster = store.get(kRoster, deadline);
+  } catch (const TimeoutError&) {
+    reportMissing(store, world, withGrace(deadline));
+  }
+  if (roster == kRosterOk) return;
+  throw ConfigError(roster.rfind(kProblemPrefix, 0) == 0 ? roster.substr(kProblemPrefix.size()) : roster,
+                    {.rank = world.rank, .group = "world", .expected = "a consistent launch"});
+}
+
 Rendezvous joinStore(const WorldInfo& world, Deadline deadline) {
   const std::string token = env::kStoreToken.text();
   if (token.empty())
@@ -137,8 +240,11 @@ Rendezvous joinStore(const WorldInfo& world, Deadline deadline) {
   auto [host, port] = storeAddress(world);
   Rendezvous rendezvous;
   if (world.rank == 0) {
-    rendezvous.server = std::make_unique<TcpStoreServer>(TcpStoreOptions{
-        .host = isNumeric(host) ? host : "0.0.0.0", .port = static_cast<uint16_t>(port), .token = token, .rank = 0});
+    rendezvous.server =
+        std::make_unique<TcpStoreServer>(TcpStoreOptions{.host = isNumericAddress(host) ? host : "0.0.0.0",
+                                                         .port = static_cast<uint16_t>(port),
+                                                         .token = token,
+                                                         .rank = 0});
   }
   auto client = std::make_shared<TcpStoreClient>(
       TcpStoreOptions{.host = host, .port = static_cast<uint16_t>(port), .token = token, .rank = world.rank});
@@ -152,44 +258,14 @@ Rendezvous joinStore(const WorldInfo& world, Deadline deadline) {
   }
   rendezvous.store = client;
 
-  Arrival me{world.rank, world.size, processId()};
-  const int64_t slot = client->add(kArrivals, 1, deadline);
-  client->set(fmt::format("bootstrap/arrival/{}", slot), fmt::format("{} {} {}", me.rank, me.size, me.process),
-              deadline);
-  // Round trips may outlast the deadline by a second, so that its expiry is
-  // reported as the missing ranks, not as a store timeout.
-  const Deadline roundTrips = deadline.isNever() ? deadline : Deadline::at(deadline.when() + std::chrono::seconds(1));
-  Backoff backoff(std::chrono::milliseconds(50));
-  for (;;) {
-    std::set<int> seen;
-    try {
-      seen = checkRoster(*client, world, me, roundTrips);
-    } catch (const ConfigError& e) {
-      // Published for the ranks that have not seen it; rank 0 serves a moment
-      // longer so that they can read it.
-      try {
-        client->compareSet(kProblem, "", e.message(), Deadline::afterSeconds(1));
-        if (world.rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      } catch (const Error&) {
-      }
-      throw;
-    }
-    if (static_cast<int>(seen.size()) == world.size) break;
-    if (deadline.expired()) {
-      std::vector<int> missing;
-      for (int r = 0; r < world.size; ++r)
-        if (!seen.count(r)) missing.push_back(r);
-      // Rank 0 serves a moment longer, so that the others report this too
-      // rather than a store that went away.
-      if (world.rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      throw TimeoutError(fmt::format("rank{} {} did not join the store at {}:{} within the init deadline ({} of {} "
-                                     "ranks joined): they never started, crashed, cannot reach {}:{}, or have "
-                                     "another {}",
-                                     missing.size() > 1 ? "s" : "", fmt::join(missing, ", "), host, port, seen.size(),
-                                     world.size, host, port, env::kStoreToken.name()),
-                         {.rank = world.rank, .group = "world", .expected = fmt::format("{} ranks", world.size)});
-    }
-    backoff.pause(deadline);
+  try {
+    arriveAtRoster(*client, world, deadline);
+    awaitRoster(*client, world, deadline);
+  } catch (const Error&) {
+    // Rank 0 serves a moment longer, so that the others read the problem or
+    // report the missing ranks rather than a store that went away.
+    if (world.rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    throw;
   }
   if (world.rank == 0) log::debug("launch", "rendezvous store at {}:{}: all {} ranks joined", host, port, world.size);
   return rendezvous;

@@ -31,4 +31,15 @@ Bootstrap resolveBootstrap(const std::optional<WorldInfo>& found, const EnvLooku
 // `deadline` until every rank of the world has joined.
 Rendezvous joinStore(const WorldInfo& world, Deadline deadline);
 
+// joinStore's roster, once connected, in two halves (so that one process can
+// drive many simulated ranks through it: bulkhead-store-scale-bench
+// --rendezvous). Linear in the ranks: each arrival takes a slot, writes its
+// record and reads the first arrival's (a world size that differs is found by
+// one side or the other); the rank that takes slot WORLD_SIZE reads every
+// record once, checks them and publishes the roster; every other rank waits
+// on that one key. Contradictions are published there for every rank to
+// raise; at the deadline a full read names the ranks that never joined.
+int64_t arriveAtRoster(Store& store, const WorldInfo& world, Deadline deadline);
+void awaitRoster(Store& store, const WorldInfo& world, Deadline deadline);
+
 }  // namespace bulkhead::launch

@@ -37,13 +37,13 @@ std::string advertisedHost(const WorldInfo& world) {
   return name;
 }
 
+}  // namespace
+
 bool isNumericAddress(const std::string& host) {
   in_addr v4;
   in6_addr v6;
   return ::inet_pton(AF_INET, host.c_str(), &v4) == 1 || ::inet_pton(AF_INET6, host.c_str(), &v6) == 1;
 }
-
-}  // namespace
 
 Rendezvous startRendezvous(Communicator& cpuWorld, const WorldInfo& world, Deadline deadline) {
   Rendezvous rendezvous;

@@ -4,6 +4,7 @@
 // (BULKHEAD_STORE_HOST, MASTER_ADDR and MASTER_PORT steer where it listens).
 
 #include <memory>
+#include <string>
 
 #include "launch/world.h"
 #include "runtime/communicator.h"
@@ -15,6 +16,10 @@ struct Rendezvous {
   std::unique_ptr<TcpStoreServer> server;  // rank 0 only
   std::shared_ptr<Store> store;            // every rank, connected and authenticated
 };
+
+// Whether `host` is a numeric IPv4 or IPv6 address (a server binds to it),
+// not a name (a server binds to every interface): "10.0.0.1", "::1", not "bad.cafe".
+bool isNumericAddress(const std::string& host);
 
 // Collective over `cpuWorld` (a CPU communicator), bounded by `deadline`.
 Rendezvous startRendezvous(Communicator& cpuWorld, const WorldInfo& world, Deadline deadline);

@@ -1,9 +1,16 @@
+#include <algorithm>
+#include <chrono>
 #include <map>
+#include <memory>
+#include <numeric>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "launch/bootstrap.h"
 #include "launch/world.h"
 #include "runtime/errors.h"
+#include "runtime/tcp_store.h"
 #include "tests/support/catch_compat.h"
 
 using namespace bulkhead;
@@ -147,4 +154,101 @@ TEST_CASE("Slurm on one node makes every task local") {
   CHECK(world.localSize == 4);
   auto spread = discoverWorld(fake({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"SLURM_STEP_NUM_NODES", "2"}}));
   CHECK(spread.localSize == -1);
+}
+
+TEST_CASE("a numeric address is one inet_pton reads, not a name made of hex letters") {
+  for (const char* numeric : {"10.0.0.1", "127.0.0.1", "::1", "fe80::1", "2001:db8::7"}) {
+    INFO(numeric);
+    CHECK(isNumericAddress(numeric));
+  }
+  for (const char* name : {"bad.cafe", "dead.beef", "node-1", "a.b.c", "cafe", ""}) {
+    INFO(name);
+    CHECK(!isNumericAddress(name));
+  }
+}
+
+namespace {
+
+// Simulated ranks of one job, each with its own connection to one in-process
+// store: every rank arrives, then every rank awaits the roster (the order one
+// process must drive them in). Returns each rank's error text ("" for none).
+std::vector<std::string> rendezvous(const std::vector<WorldInfo>& ranks, double seconds) {
+  TcpStoreServer server(TcpStoreOptions{.host = "127.0.0.1", .port = 0, .token = "roster-test"});
+  std::vector<std::unique_ptr<TcpStoreClient>> clients;
+  for (const WorldInfo& world : ranks)
+    clients.push_back(std::make_unique<TcpStoreClient>(
+        TcpStoreOptions{.host = "127.0.0.1", .port = server.port(), .token = "roster-test", .rank = world.rank}));
+  const Deadline deadline = Deadline::afterSeconds(seconds);
+  std::vector<std::string> errors(ranks.size());
+  std::vector<bool> arrived(ranks.size(), false);
+  // Arrivals in a shuffled order, so that any rank may be the first or the last.
+  std::vector<size_t> order(ranks.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(ranks.size()) * 7919u));
+  for (size_t i : order) {
+    try {
+      arriveAtRoster(*clients[i], ranks[i], deadline);
+      arrived[i] = true;
+    } catch (const Error& e) {
+      errors[i] = e.what();
+    }
+  }
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (!arrived[i]) continue;
+    try {
+      awaitRoster(*clients[i], ranks[i], deadline);
+    } catch (const Error& e) {
+      errors[i] = e.what();
+    }
+  }
+  return errors;
+}
+
+std::vector<WorldInfo> worldOf(int size, std::vector<int> ranks) {
+  std::vector<WorldInfo> infos;
+  for (int r : ranks) infos.push_back({.rank = r, .size = size});
+  return infos;
+}
+
+}  // namespace
+
+TEST_CASE("the store roster: every rank joins, and each contradiction reaches every rank") {
+  SECTION("a whole world of 64 joins") {
+    std::vector<int> ranks(64);
+    std::iota(ranks.begin(), ranks.end(), 0);
+    for (const std::string& error : rendezvous(worldOf(64, ranks), 10)) CHECK(error.empty());
+  }
+  SECTION("a rank claimed twice is named on every rank") {
+    for (const std::string& error : rendezvous(worldOf(4, {0, 1, 1, 2}), 10)) {
+      INFO(error);
+      CHECK(contains(error, "two processes claim rank 1"));
+    }
+  }
+  SECTION("another world size is named on every rank, whichever rank arrives first or last") {
+    std::vector<WorldInfo> infos = worldOf(6, {0, 1, 2, 3, 4, 5});
+    infos[3].size = 7;
+    for (const std::string& error : rendezvous(infos, 10)) {
+      INFO(error);
+      CHECK(contains(error, "started with WORLD_SIZE="));
+    }
+  }
+  SECTION("a rank that never comes is named at the deadline") {
+    const auto start = std::chrono::steady_clock::now();
+    for (const std::string& error : rendezvous(worldOf(5, {0, 1, 3, 4}), 1)) {
+      INFO(error);
+      CHECK(contains(error, "rank 2 did not join the store"));
+      CHECK(contains(error, "4 of 5 ranks joined"));
+    }
+    // Four waits of up to the deadline (the ranks await one after another) plus their grace.
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(8));
+  }
+  SECTION("a fourth process in a world of three raises; the others raise the same or form the world") {
+    // Whether the duplicate is among the first three arrivals decides which.
+    std::vector<std::string> errors = rendezvous(worldOf(3, {0, 1, 2, 0}), 10);
+    for (const std::string& error : errors) {
+      INFO(error);
+      CHECK((error.empty() || contains(error, "two processes claim rank 0")));
+    }
+    CHECK(std::count(errors.begin(), errors.end(), "") != 4);
+  }
 }
