@@ -187,15 +187,16 @@ void checkIn(Store& store, const WorldInfo& world, const Arrival& me, int64_t sl
     if (first.size != world.size) throw sizeMismatch(first, world);
   }
   if (slot < world.size) return;
-  // The last to arrive (or one past the world) checks every arrival once, for everyone.
+  if (slot > world.size)
+    throw ConfigError(fmt::format("{} processes have joined a world of {} (WORLD_SIZE={}); this one, rank {}, is "
+                                  "one too many: a rank was started twice, or an earlier run used this run's id "
+                                  "(with a store outside the job, give each run a new {})",
+                                  slot, world.size, world.size, world.rank, env::kRunId.name()),
+                      {.rank = world.rank, .group = "world", .expected = fmt::format("{} processes", world.size)});
+  // The last to arrive checks every arrival once, for everyone.
   const std::vector<std::string> keys = arrivalKeys(slot);
   store.wait(keys, deadline);
   const std::set<int> seen = checkArrivals(store.multiGet(keys, withGrace(deadline)), world);
-  if (slot > world.size)
-    throw ConfigError(fmt::format("{} processes joined a world of {} (WORLD_SIZE={}); this one, rank {}, is one "
-                                  "too many: start exactly WORLD_SIZE processes",
-                                  slot, world.size, world.size, world.rank),
-                      {.rank = world.rank, .group = "world", .expected = fmt::format("{} processes", world.size)});
   if (static_cast<int>(seen.size()) == world.size) store.compareSet(kRoster, "", kRosterOk, withGrace(deadline));
 }
 
@@ -229,7 +230,10 @@ void awaitRoster(Store& store, const WorldInfo& world, Deadline deadline) {
                     {.rank = world.rank, .group = "world", .expected = "a consistent launch"});
 }
 
-Rendezvous joinStore(const WorldInfo& world, Deadline deadline) {
+namespace {
+
+// Rank 0 hosts the store at MASTER_ADDR:MASTER_PORT; every rank connects to it.
+Rendezvous hostOrReachRankZero(const WorldInfo& world, Deadline deadline) {
   const std::string token = env::kStoreToken.text();
   if (token.empty())
     throw ConfigError(fmt::format("{} is not set: ranks started without MPI share the store's token through the "
@@ -257,17 +261,25 @@ Rendezvous joinStore(const WorldInfo& world, Deadline deadline) {
                        {.rank = world.rank, .group = "world", .expected = "rank 0's store"});
   }
   rendezvous.store = client;
+  return rendezvous;
+}
 
+}  // namespace
+
+Rendezvous joinStore(const WorldInfo& world, Deadline deadline) {
+  std::optional<Rendezvous> outside = joinOutsideStore(world, deadline);
+  Rendezvous rendezvous = outside ? std::move(*outside) : hostOrReachRankZero(world, deadline);
   try {
-    arriveAtRoster(*client, world, deadline);
-    awaitRoster(*client, world, deadline);
+    arriveAtRoster(*rendezvous.store, world, deadline);
+    awaitRoster(*rendezvous.store, world, deadline);
   } catch (const Error&) {
-    // Rank 0 serves a moment longer, so that the others read the problem or
-    // report the missing ranks rather than a store that went away.
-    if (world.rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    // The store's host serves a moment longer, so that the others read the
+    // problem or report the missing ranks rather than a store that went away.
+    if (rendezvous.server) std::this_thread::sleep_for(std::chrono::milliseconds(500));
     throw;
   }
-  if (world.rank == 0) log::debug("launch", "rendezvous store at {}:{}: all {} ranks joined", host, port, world.size);
+  if (world.rank == 0)
+    log::debug("launch", "rendezvous store {}: all {} ranks joined", rendezvous.store->describe(), world.size);
   return rendezvous;
 }
 

@@ -27,7 +27,8 @@ const char* toString(Bootstrap bootstrap);
 // store mode without a launcher's RANK and WORLD_SIZE.
 Bootstrap resolveBootstrap(const std::optional<WorldInfo>& found, const EnvLookup& lookup = processEnvironment());
 
-// Store mode: hosts (rank 0) or reaches the store, then waits under
+// Store mode: reaches the store outside the job (BULKHEAD_STORE_ADDR,
+// rendezvous.h), or hosts (rank 0) or reaches rank 0's, then waits under
 // `deadline` until every rank of the world has joined.
 Rendezvous joinStore(const WorldInfo& world, Deadline deadline);
 
@@ -37,7 +38,7 @@ Rendezvous joinStore(const WorldInfo& world, Deadline deadline);
 // record and reads the first arrival's (a world size that differs is found by
 // one side or the other); the rank that takes slot WORLD_SIZE reads every
 // record once, checks them and publishes the roster; every other rank waits
-// on that one key. Contradictions are published there for every rank to
+// on that one key, and a process past slot WORLD_SIZE is refused at once. Contradictions are published there for every rank to
 // raise; at the deadline a full read names the ranks that never joined.
 int64_t arriveAtRoster(Store& store, const WorldInfo& world, Deadline deadline);
 void awaitRoster(Store& store, const WorldInfo& world, Deadline deadline);

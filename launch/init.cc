@@ -163,13 +163,16 @@ std::unique_ptr<Runtime> init(InitOptions options) {
     cpuWorld = mpiWorld(found, info, deadline);
     log::setRank(info.rank, info.size);
     if (!found) log::info("launch", "no launcher variables found: running as a single process");
-    rendezvous = launch::startRendezvous(*cpuWorld, info, deadline);
+    std::optional<launch::Rendezvous> outside = launch::joinOutsideStore(info, deadline);
+    rendezvous = outside ? std::move(*outside) : launch::startRendezvous(*cpuWorld, info, deadline);
   } else {
     rendezvous = launch::joinStore(info, deadline);
   }
   log::debug("launch", "world of {} ranks from {}, bootstrap {}, backend {}", info.size, launch::toString(info.source),
              launch::toString(bootstrap), toString(backend));
-  auto monitor = std::make_shared<Monitor>(rendezvous.store, info.rank);
+  MonitorOptions monitorOptions = MonitorOptions::fromEnvironment();
+  if (!env::kStoreAddr.text().empty()) monitorOptions.storeHostRank = -1;  // no rank hosts the store
+  auto monitor = std::make_shared<Monitor>(rendezvous.store, info.rank, monitorOptions);
   monitor->relayThrough(
       joinNodeRelay(*rendezvous.store,
                     {.localRank = info.localRank, .localSize = info.localSize, .worldRank = info.rank}, deadline),

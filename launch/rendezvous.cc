@@ -12,6 +12,7 @@
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
+#include "runtime/prefix_store.h"
 
 namespace bulkhead::launch {
 namespace {
@@ -43,6 +44,69 @@ bool isNumericAddress(const std::string& host) {
   in_addr v4;
   in6_addr v6;
   return ::inet_pton(AF_INET, host.c_str(), &v4) == 1 || ::inet_pton(AF_INET6, host.c_str(), &v6) == 1;
+}
+
+namespace {
+
+// "host:port" or "[v6]:port" into its parts; nullopt where it is neither.
+std::optional<std::pair<std::string, uint16_t>> parseHostPort(const std::string& text) {
+  const auto colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) return std::nullopt;
+  std::string host = text.substr(0, colon);
+  if (host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  const std::string port = text.substr(colon + 1);
+  if (host.empty() || port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5) return std::nullopt;
+  const int value = std::stoi(port);
+  if (value < 1 || value > 65535) return std::nullopt;
+  return std::pair{host, static_cast<uint16_t>(value)};
+}
+
+// BULKHEAD_RUN_ID, else Slurm's job id (and restart count), else torchrun's run id.
+std::string runId(const EnvLookup& lookup) {
+  if (std::string id = env::kRunId.text(); !id.empty()) return id;
+  if (auto job = lookup("SLURM_JOB_ID"); job && !job->empty()) {
+    auto restart = lookup("SLURM_RESTART_COUNT");
+    return restart && !restart->empty() ? fmt::format("slurm-{}.{}", *job, *restart) : "slurm-" + *job;
+  }
+  if (auto id = lookup("TORCHELASTIC_RUN_ID"); id && !id->empty() && *id != "none") return "torchrun-" + *id;
+  return "";
+}
+
+}  // namespace
+
+std::optional<Rendezvous> joinOutsideStore(const WorldInfo& world, Deadline deadline, const EnvLookup& lookup) {
+  const std::string address = env::kStoreAddr.text();
+  if (address.empty()) return std::nullopt;
+  const auto hostPort = parseHostPort(address);
+  if (!hostPort)
+    throw ConfigError(fmt::format("{}='{}' is not host:port (or [v6 address]:port)", env::kStoreAddr.name(), address),
+                      {.rank = world.rank, .expected = "host:port of a running bulkhead-store"});
+  const std::string token = env::kStoreToken.text();
+  if (token.empty())
+    throw ConfigError(fmt::format("{} is set but {} is not: export the token bulkhead-store was started with on every "
+                                  "rank",
+                                  env::kStoreAddr.name(), env::kStoreToken.name()),
+                      {.rank = world.rank, .expected = fmt::format("{} set", env::kStoreToken.name())});
+  const std::string id = runId(lookup);
+  if (id.empty())
+    throw ConfigError(fmt::format("{} is set but no run id is: export {} (the same on every rank, new for each run) so "
+                                  "that this run's keys do not meet an earlier run's in the store",
+                                  env::kStoreAddr.name(), env::kRunId.name()),
+                      {.rank = world.rank, .expected = fmt::format("{} set", env::kRunId.name())});
+  auto client = std::make_shared<TcpStoreClient>(
+      TcpStoreOptions{.host = hostPort->first, .port = hostPort->second, .token = token, .rank = world.rank});
+  try {
+    client->connect(deadline);
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(fmt::format("the store at {} ({}) did not answer within the init deadline: start bulkhead-store "
+                                   "there before the job, or check the address ({})",
+                                   address, env::kStoreAddr.name(), e.what()),
+                       {.rank = world.rank, .group = "world", .expected = "the store outside the job"});
+  }
+  Rendezvous rendezvous;
+  rendezvous.store = std::make_shared<PrefixStore>(client, fmt::format("run/{}/", id));
+  log::debug("launch", "rendezvous through the store at {} as run '{}'", address, id);
+  return rendezvous;
 }
 
 Rendezvous startRendezvous(Communicator& cpuWorld, const WorldInfo& world, Deadline deadline) {

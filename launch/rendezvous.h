@@ -4,6 +4,7 @@
 // (BULKHEAD_STORE_HOST, MASTER_ADDR and MASTER_PORT steer where it listens).
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "launch/world.h"
@@ -20,6 +21,15 @@ struct Rendezvous {
 // Whether `host` is a numeric IPv4 or IPv6 address (a server binds to it),
 // not a name (a server binds to every interface): "10.0.0.1", "::1", not "bad.cafe".
 bool isNumericAddress(const std::string& host);
+
+// The store outside the job (BULKHEAD_STORE_ADDR, bulkhead-store), or nullopt
+// where it is unset: connected and authenticated (BULKHEAD_STORE_TOKEN), every
+// key under "run/<run id>/" (BULKHEAD_RUN_ID, else the launcher's job id), so
+// that one store serves run after run. ConfigError for an address that is not
+// host:port, or a missing token or run id; TimeoutError when the store does
+// not answer by `deadline`.
+std::optional<Rendezvous> joinOutsideStore(const WorldInfo& world, Deadline deadline,
+                                           const EnvLookup& lookup = processEnvironment());
 
 // Collective over `cpuWorld` (a CPU communicator), bounded by `deadline`.
 Rendezvous startRendezvous(Communicator& cpuWorld, const WorldInfo& world, Deadline deadline);

@@ -50,6 +50,13 @@ const Knob kStoreMaxMessage{"BULKHEAD_STORE_MAX_MESSAGE", "16777216",
 const Knob kStoreHost{"BULKHEAD_STORE_HOST", "",
                       "address of rank 0's rendezvous store; empty: 127.0.0.1 when every rank shares one node, else "
                       "MASTER_ADDR, else rank 0's host name"};
+const Knob kStoreAddr{
+    "BULKHEAD_STORE_ADDR", "",
+    "host:port of a store that runs outside the job (bulkhead-store): every rank connects there and "
+    "none hosts one, so losing any rank never loses the store; needs BULKHEAD_STORE_TOKEN and a run id"};
+const Knob kRunId{"BULKHEAD_RUN_ID", "",
+                  "this run's name in an outside store (BULKHEAD_STORE_ADDR), the same on every rank and new for "
+                  "each run; empty: SLURM_JOB_ID (with SLURM_RESTART_COUNT), else TORCHELASTIC_RUN_ID"};
 const Knob kHeartbeat{"BULKHEAD_HEARTBEAT", "0.5",
                       "seconds between publications of each rank's ledger heads and heartbeat through the store"};
 const Knob kNodeRelay{"BULKHEAD_NODE_RELAY", "1",
@@ -77,6 +84,8 @@ const std::vector<const Knob*>& all() {
                                                  &kStoreToken,
                                                  &kStoreMaxMessage,
                                                  &kStoreHost,
+                                                 &kStoreAddr,
+                                                 &kRunId,
                                                  &kHeartbeat,
                                                  &kNodeRelay,
                                                  &kStrict,

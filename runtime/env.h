@@ -43,6 +43,8 @@ extern const Knob kAbortGrace;
 extern const Knob kLedgerCapacity;
 extern const Knob kStoreToken;
 extern const Knob kStoreHost;
+extern const Knob kStoreAddr;
+extern const Knob kRunId;
 extern const Knob kHeartbeat;
 extern const Knob kNodeRelay;
 extern const Knob kStrict;

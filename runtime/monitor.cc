@@ -199,17 +199,26 @@ bool Monitor::leaderLate(const NodeRelay& relay) const {
 
 std::string Monitor::storeSilence(const Error& error, double paused) const {
   const int host = options_.storeHostRank;
+  // Where the store lives, for the messages: a rank, or outside the job.
+  const std::string store = host >= 0 ? fmt::format("rank {}", host) : "outside the job, at " + store_->describe();
   if (paused > 0)
     return fmt::format(
-        "this rank was not running for {:.1f} s (stopped or starved), and the store (on rank {}) no "
+        "this rank was not running for {:.1f} s (stopped or starved), and the store ({}) no "
         "longer answers: the job most likely ended while this rank was paused ({})",
-        paused, host, error.what());
+        paused, store, error.what());
   double silent;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     silent = std::chrono::duration<double>(std::chrono::steady_clock::now() - storeAnswered_).count();
     // A relay member hears from the store through its leader's turns.
     if (relay_ && !relay_->leader()) silent = std::min(silent, relay_->secondsSinceForwarded());
+  }
+  if (host < 0) {
+    const bool timeout = dynamic_cast<const TimeoutError*>(&error) != nullptr;
+    return fmt::format("the store {} {}: restart it or check the network ({})", store,
+                       timeout ? fmt::format("has not answered for {:.1f} s", silent)
+                               : std::string("no longer answers (its connections are closed or refused)"),
+                       error.what());
   }
   if (dynamic_cast<const TimeoutError*>(&error))
     return fmt::format("rank {} hosts the store and has not answered for {:.1f} s: it is stalled or dead ({})", host,

@@ -36,7 +36,7 @@ struct MonitorOptions {
   // What the diagnosis of one timeout may take on top of the deadline.
   double diagnosisSeconds = 1.5;
   // The rank that hosts the store: when the store stops answering, the
-  // diagnosis names it.
+  // diagnosis names it. -1: the store runs outside the job (BULKHEAD_STORE_ADDR).
   int storeHostRank = 0;
   static MonitorOptions fromEnvironment();
 };

@@ -12,11 +12,17 @@
 #                mismatched WORLD_SIZE, a wrong token and a missing token: every
 #                started rank exits non-zero within the init deadline + 2 s,
 #                naming the problem.
-# usage: store_launch_test.sh <collectives|train|faults> <bin dir> <mpirun>
+#   outside      a store outside the job (bulkhead-store, BULKHEAD_STORE_ADDR):
+#                two runs started by the loop and one under mpirun, one after
+#                another through the same store, each with its own run id, all
+#                correct; a run without a run id is refused on every rank; the
+#                store still serves after them all and ends on SIGTERM with 0.
+# usage: store_launch_test.sh <collectives|train|faults|outside> <bin dir> <mpirun>
 set -u
 mode=$1 bin=$2 mpirun=$3
 out=$(mktemp -d)
-trap '[ -n "${KEEP:-}" ] || rm -rf "$out"' EXIT
+store=
+trap '[ -n "$store" ] && kill "$store" 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$out"' EXIT
 fail() { echo "FAIL: $*"; for f in "$out"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -20 "$f"; }; done; exit 1; }
 
 # A port below Linux's ephemeral range (32768 up, where the kernel picks the ports
@@ -37,7 +43,7 @@ loop() {
   shift 4
   local master_port
   master_port=$(port)
-  local i=0
+  local i=0 pids=()
   for r in $ranks; do
     local extra_var="RANK_${i}_ENV"
     (
@@ -48,9 +54,10 @@ loop() {
         ${!extra_var:-} timeout 120 "$@" >"$out/$name.$i.log" 2>&1
       echo "$? $((($(date +%s%N) - start) / 1000000))" >"$out/$name.$i.rc"
     ) &
+    pids+=($!)
     i=$((i + 1))
   done
-  wait
+  wait "${pids[@]}"  # these ranks, not a store started in the background
 }
 
 case $mode in
@@ -119,6 +126,45 @@ faults)
 
   TOKEN="" loop notoken 2 "0 1" -- "${prog[@]}"
   check notoken 2 "BULKHEAD_STORE_TOKEN is not set"
+  ;;
+outside)
+  export BULKHEAD_STORE_TOKEN=outside-token TOKEN=outside-token
+  "$bin/bulkhead-store" --host 127.0.0.1 --port 0 >"$out/store.log" 2>&1 &
+  store=$!
+  for _ in $(seq 100); do grep -q "^bulkhead-store listening on" "$out/store.log" && break; sleep 0.1; done
+  BULKHEAD_STORE_ADDR=$(sed -n 's/^bulkhead-store listening on //p' "$out/store.log")
+  [ -n "$BULKHEAD_STORE_ADDR" ] || fail "bulkhead-store did not start"
+  export BULKHEAD_STORE_ADDR
+  for run in first second; do
+    export BULKHEAD_RUN_ID=$run
+    loop "coll_$run" 4 "0 1 2 3" -- "$bin/bulkhead-collectives" --iters 2 --sizes 4K,1M
+    for i in 0 1 2 3; do
+      read -r code _ <"$out/coll_$run.$i.rc"
+      [ "$code" = 0 ] || fail "run $run: rank $i exited $code"
+    done
+    grep -q "all results correct" "$out/coll_$run.0.log" || fail "run $run: not every result was correct"
+  done
+  export BULKHEAD_RUN_ID=third
+  "$mpirun" --oversubscribe -np 4 "$bin/bulkhead-collectives" --iters 2 --sizes 4K \
+    >"$out/mpirun.log" 2>&1 || fail "the run under mpirun failed"
+  grep -q "all results correct" "$out/mpirun.log" || fail "under mpirun: not every result was correct"
+  echo "three runs, two started by the loop and one by mpirun, through one store outside the job"
+  (
+    unset BULKHEAD_RUN_ID
+    export BULKHEAD_INIT_TIMEOUT=5
+    loop norun 2 "0 1" -- "$bin/bulkhead-collectives" --iters 1 --sizes 4K
+  )
+  for i in 0 1; do
+    read -r code _ <"$out/norun.$i.rc"
+    [ "$code" != 0 ] || fail "a run without a run id: rank $i exited 0"
+    grep -q "no run id is" "$out/norun.$i.log" || fail "a run without a run id: rank $i does not say so"
+  done
+  kill -0 "$store" 2>/dev/null || fail "bulkhead-store did not outlive the runs"
+  kill -TERM "$store"
+  wait "$store"
+  code=$?
+  store=
+  [ "$code" = 0 ] || fail "bulkhead-store exited $code on SIGTERM"
   ;;
 *)
   echo "unknown mode $mode"

@@ -3,14 +3,28 @@
 # SIGSTOP for 6 s, or killed: every other rank raises within the deadline + 2 s
 # naming it (rank 0 as the store's host), and the frozen rank, resumed, says
 # it was not running and names no healthy rank as dead.
-# usage: freeze_test.sh <stop|kill> <rank> <train_moe> <mpirun>
+# With "outside", the store runs outside the job (bulkhead-store, next to
+# train_moe; BULKHEAD_STORE_ADDR): rank 0 is then named dead like any other
+# rank, and the store outlives the job.
+# usage: freeze_test.sh <stop|kill> <rank> <train_moe> <mpirun> [outside]
 set -u
 declare -A ended
-action=$1 victim=$2 program=$3 mpirun=$4
+action=$1 victim=$2 program=$3 mpirun=$4 where=${5:-rank0}
 ranks=4
 out=$(mktemp -d)
-trap 'kill -CONT "${pid:-0}" 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$out"' EXIT
+trap 'kill -CONT "${pid:-0}" 2>/dev/null; [ -n "${store:-}" ] && kill "$store" 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$out"' EXIT
 fail() { echo "FAIL: $*"; echo "--- job output:"; cut -c1-400 "$out/log"; exit 1; }
+
+store=
+if [ "$where" = outside ]; then
+  export BULKHEAD_STORE_TOKEN=freeze-test BULKHEAD_RUN_ID=freeze-$$
+  "$(dirname "$program")/bulkhead-store" --host 127.0.0.1 --port 0 >"$out/store.log" 2>&1 &
+  store=$!
+  for _ in $(seq 100); do grep -q "^bulkhead-store listening on" "$out/store.log" && break; sleep 0.1; done
+  BULKHEAD_STORE_ADDR=$(sed -n 's/^bulkhead-store listening on //p' "$out/store.log")
+  [ -n "$BULKHEAD_STORE_ADDR" ] || fail "bulkhead-store did not start"
+  export BULKHEAD_STORE_ADDR
+fi
 
 # Every line stamped with the wall clock when it arrives.
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done; }
@@ -71,7 +85,7 @@ for ((r = 0; r < ranks; r++)); do
   after=$(echo "$at - $frozen" | bc)
   echo "rank $r after $after s: $(echo "$line" | cut -d' ' -f2- | cut -c1-300)"
   awk -v a="$after" 'BEGIN { exit !(a <= 4.5) }' || fail "rank $r raised $after s after the $action, over 2 s + 2 s"
-  if [ "$victim" = 0 ]; then
+  if [ "$victim" = 0 ] && [ "$where" != outside ]; then
     echo "$line" | grep -q "rank 0 hosts the store" || fail "rank $r does not name rank 0 as the store's host"
   else
     echo "$line" | grep -q "rank $victim is dead" || fail "rank $r does not name rank $victim"
@@ -84,5 +98,11 @@ if [ "$action" = stop ]; then
     fail "the frozen rank $victim names a healthy rank as dead"
   fi
   grep "\[bulkhead $victim/$ranks " "$out/log" | grep "not running\|ERROR" | head -3 | cut -d' ' -f2- | cut -c1-300
+fi
+if [ -n "$store" ]; then
+  kill -0 "$store" 2>/dev/null || fail "the store outside the job did not outlive it"
+  kill -TERM "$store"
+  wait "$store" || fail "bulkhead-store did not end cleanly on SIGTERM"
+  store=
 fi
 echo PASS
