@@ -1,7 +1,8 @@
 #pragma once
 // The job's rendezvous store (docs/design.md#launch-and-the-rendezvous-store): rank 0 hosts a TCP store,
 // whose address and per-job token reach the other ranks through the MPI world
-// (BULKHEAD_STORE_HOST, MASTER_ADDR and MASTER_PORT steer where it listens).
+// (BULKHEAD_STORE_HOST, MASTER_ADDR and MASTER_PORT steer where it listens);
+// or every rank reaches a store outside the job (joinOutsideStore).
 
 #include <memory>
 #include <optional>
