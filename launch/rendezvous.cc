@@ -93,8 +93,11 @@ std::optional<Rendezvous> joinOutsideStore(const WorldInfo& world, Deadline dead
                                   "that this run's keys do not meet an earlier run's in the store",
                                   env::kStoreAddr.name(), env::kRunId.name()),
                       {.rank = world.rank, .expected = fmt::format("{} set", env::kRunId.name())});
-  auto client = std::make_shared<TcpStoreClient>(
-      TcpStoreOptions{.host = hostPort->first, .port = hostPort->second, .token = token, .rank = world.rank});
+  auto client = std::make_shared<TcpStoreClient>(TcpStoreOptions{.host = hostPort->first,
+                                                                 .port = hostPort->second,
+                                                                 .token = token,
+                                                                 .rank = world.rank,
+                                                                 .serverOwner = "the bulkhead-store process"});
   try {
     client->connect(deadline);
   } catch (const TimeoutError& e) {

@@ -58,6 +58,8 @@ struct TcpStoreOptions {
   int maxConnections = 0;
   // This process's rank, carried by the errors this store raises.
   int rank = -1;
+  // Client only: who runs the server, for the client's messages ("did rank 0 exit?").
+  std::string serverOwner = "rank 0";
 };
 
 class TcpStoreServer {

@@ -150,24 +150,24 @@ Fd TcpStoreClient::openConnection(Deadline deadline) {
       }
       if (result == net::ConnectResult::Connected)
         throw TimeoutError(fmt::format("store server {} accepted a connection but did not answer its hello within "
-                                       "{:.2f} s; check that {} is a Bulkhead store server and that rank 0 is not "
+                                       "{:.2f} s; check that {} is a Bulkhead store server and that {} is not "
                                        "stalled, or extend the deadline",
-                                       endpoint_, secondsSince(started), endpoint_),
+                                       endpoint_, secondsSince(started), endpoint_, options_.serverOwner),
                            {.rank = options_.rank, .expected = "a hello reply from the store server"});
     }
     if (result == net::ConnectResult::DeadlinePassed || deadline.expired())
-      throw TimeoutError(
-          fmt::format("could not connect to the store server at {} within {:.2f} s (last error: {}); "
-                      "check that rank 0 started the server, that {} is reachable from this host, "
-                      "or extend the deadline ({})",
-                      endpoint_, secondsSince(started), net::errorText(lastError), endpoint_, env::kInitTimeout.name()),
-          {.rank = options_.rank, .expected = "a store server listening at " + endpoint_});
+      throw TimeoutError(fmt::format("could not connect to the store server at {} within {:.2f} s (last error: {}); "
+                                     "check that {} started the server, that {} is reachable from this host, "
+                                     "or extend the deadline ({})",
+                                     endpoint_, secondsSince(started), net::errorText(lastError), options_.serverOwner,
+                                     endpoint_, env::kInitTimeout.name()),
+                         {.rank = options_.rank, .expected = "a store server listening at " + endpoint_});
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (everConnected_ && lastError == ECONNREFUSED)
         throw CommError(fmt::format("the store server at {} refuses connections after this client had reached it: "
-                                    "it stopped (did rank 0 exit?); look for rank 0's error",
-                                    endpoint_),
+                                    "it stopped (did {} exit?); look for {}'s error",
+                                    endpoint_, options_.serverOwner, options_.serverOwner),
                         {.rank = options_.rank, .expected = "the store server to outlive its clients"});
     }
     backoff.pause(deadline);
@@ -217,12 +217,13 @@ std::string TcpStoreClient::roundTrip(const std::function<std::string()>& makeFr
     }
     if (!body) {
       bool writes = call == Call::Write || call == Call::Count;
-      throw TimeoutError(fmt::format("{} on store {} did not complete within {:.2f} s: the server did not answer{}; "
-                                     "check that the store server (rank 0) is alive and not overloaded, or extend "
-                                     "the deadline",
-                                     subject, describe(), secondsSince(started),
-                                     writes ? " (the write may or may not have been applied)" : ""),
-                         context);
+      throw TimeoutError(
+          fmt::format("{} on store {} did not complete within {:.2f} s: the server did not answer{}; "
+                      "check that the store server ({}) is alive and not overloaded, or extend "
+                      "the deadline",
+                      subject, describe(), secondsSince(started),
+                      writes ? " (the write may or may not have been applied)" : "", options_.serverOwner),
+          context);
     }
     FrameReader reader(*body);
     auto status = static_cast<Status>(reader.u8());

@@ -17,6 +17,8 @@
 #                another through the same store, each with its own run id, all
 #                correct; a run without a run id is refused on every rank; the
 #                store still serves after them all and ends on SIGTERM with 0.
+#                A store killed mid-training: training goes on to its end, and
+#                the ranks name the store's process as gone.
 # usage: store_launch_test.sh <collectives|train|faults|outside> <bin dir> <mpirun>
 set -u
 mode=$1 bin=$2 mpirun=$3
@@ -165,6 +167,26 @@ outside)
   code=$?
   store=
   [ "$code" = 0 ] || fail "bulkhead-store exited $code on SIGTERM"
+
+  # The store killed mid-training: the collectives need no store, so training
+  # goes on to its end; each rank says once that the store process is gone.
+  "$bin/bulkhead-store" --host 127.0.0.1 --port 0 >"$out/store2.log" 2>&1 &
+  store=$!
+  for _ in $(seq 100); do grep -q "^bulkhead-store listening on" "$out/store2.log" && break; sleep 0.1; done
+  BULKHEAD_STORE_ADDR=$(sed -n 's/^bulkhead-store listening on //p' "$out/store2.log")
+  export BULKHEAD_STORE_ADDR BULKHEAD_RUN_ID=fourth
+  "$mpirun" --oversubscribe -np 4 "$bin/train_moe" --steps 150 --log-interval 50 >"$out/train.log" 2>&1 &
+  job=$!
+  for _ in $(seq 300); do grep -q "step .* | loss" "$out/train.log" && break; sleep 0.1; done
+  grep -q "step .* | loss" "$out/train.log" || fail "training through the outside store did not start"
+  kill -KILL "$store"
+  wait "$store" 2>/dev/null
+  store=
+  wait "$job" || fail "training ended non-zero after the store was killed"
+  grep -q "^step   150 " "$out/train.log" || fail "training did not reach its last step"
+  [ "$(grep -c "did the bulkhead-store process exit" "$out/train.log")" -ge 1 ] ||
+    fail "no rank names the bulkhead-store process once it is gone"
+  echo "training went on to its end after the store outside the job was killed"
   ;;
 *)
   echo "unknown mode $mode"
