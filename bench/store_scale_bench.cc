@@ -19,7 +19,7 @@
 // roster (launch/bootstrap.h, arriveAtRoster and awaitRoster, the code
 // joinStore runs): every rank arrives, then every rank awaits the roster.
 // Per N: the seconds to connect, to arrive and to receive the roster, and the
-// store requests per rank.
+// store process's CPU time.
 
 #include <fmt/format.h>
 #include <signal.h>
@@ -124,6 +124,16 @@ Relays makeRelays(int ranks, int perNode) {
   return relays;
 }
 
+// body(i) for every i in [0, count), spread over `threads` threads.
+void forEachIndex(int count, int threads, const std::function<void(int)>& body) {
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      for (int i = t; i < count; i += threads) body(i);
+    });
+  for (auto& thread : pool) thread.join();
+}
+
 struct Row {
   int ranks = 0, connected = 0;
   double cpuShare = 0;
@@ -138,14 +148,7 @@ Row run(int ranks, const Options& options) {
   std::vector<std::unique_ptr<TcpStoreClient>> clients(ranks);
   std::vector<char> ok(ranks, 0);
   const std::string record(options.recordBytes, 'r');
-  auto forEachOf = [&](int count, const std::function<void(int)>& body) {
-    std::vector<std::thread> threads;
-    for (int t = 0; t < options.threads; ++t)
-      threads.emplace_back([&, t] {
-        for (int i = t; i < count; i += options.threads) body(i);
-      });
-    for (auto& thread : threads) thread.join();
-  };
+  auto forEachOf = [&](int count, const std::function<void(int)>& body) { forEachIndex(count, options.threads, body); };
   auto forEach = [&](const std::function<void(int)>& body) { forEachOf(ranks, body); };
   forEach([&](int r) {
     try {
@@ -230,21 +233,15 @@ Row run(int ranks, const Options& options) {
 int connectClients(std::vector<std::unique_ptr<TcpStoreClient>>& clients, uint16_t port, const std::string& token,
                    int threads) {
   std::atomic<int> connected{0};
-  std::vector<std::thread> pool;
-  const int ranks = static_cast<int>(clients.size());
-  for (int t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      for (int r = t; r < ranks; r += threads) {
-        try {
-          clients[r] = std::make_unique<TcpStoreClient>(
-              TcpStoreOptions{.host = "127.0.0.1", .port = port, .token = token, .rank = r});
-          clients[r]->connect(Deadline::afterSeconds(60));
-          ++connected;
-        } catch (const std::exception&) {
-        }
-      }
-    });
-  for (auto& thread : pool) thread.join();
+  forEachIndex(static_cast<int>(clients.size()), threads, [&](int r) {
+    try {
+      clients[r] = std::make_unique<TcpStoreClient>(
+          TcpStoreOptions{.host = "127.0.0.1", .port = port, .token = token, .rank = r});
+      clients[r]->connect(Deadline::afterSeconds(60));
+      ++connected;
+    } catch (const std::exception&) {
+    }
+  });
   return connected;
 }
 
@@ -268,25 +265,20 @@ RendezvousRow runRendezvous(int ranks, const Options& options) {
   const Deadline deadline = Deadline::afterSeconds(120);
   std::atomic<int> joined{0};
   auto half = [&](bool arrive) {
-    std::vector<std::thread> pool;
-    for (int t = 0; t < options.threads; ++t)
-      pool.emplace_back([&, t] {
-        for (int r = t; r < ranks; r += options.threads) {
-          if (!clients[r]) continue;
-          const launch::WorldInfo world{.rank = r, .size = ranks};
-          try {
-            if (arrive) {
-              launch::arriveAtRoster(*clients[r], world, deadline);
-            } else {
-              launch::awaitRoster(*clients[r], world, deadline);
-              ++joined;
-            }
-          } catch (const std::exception& e) {
-            fmt::print(stderr, "rank {}: {}\n", r, e.what());
-          }
+    forEachIndex(ranks, options.threads, [&](int r) {
+      if (!clients[r]) return;
+      const launch::WorldInfo world{.rank = r, .size = ranks};
+      try {
+        if (arrive) {
+          launch::arriveAtRoster(*clients[r], world, deadline);
+        } else {
+          launch::awaitRoster(*clients[r], world, deadline);
+          ++joined;
         }
-      });
-    for (auto& thread : pool) thread.join();
+      } catch (const std::exception& e) {
+        fmt::print(stderr, "rank {}: {}\n", r, e.what());
+      }
+    });
   };
   start = Clock::now();
   half(true);

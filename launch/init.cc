@@ -171,7 +171,7 @@ std::unique_ptr<Runtime> init(InitOptions options) {
   log::debug("launch", "world of {} ranks from {}, bootstrap {}, backend {}", info.size, launch::toString(info.source),
              launch::toString(bootstrap), toString(backend));
   MonitorOptions monitorOptions = MonitorOptions::fromEnvironment();
-  if (!env::kStoreAddr.text().empty()) monitorOptions.storeHostRank = -1;  // no rank hosts the store
+  if (rendezvous.outside) monitorOptions.storeHostRank = -1;  // no rank hosts the store
   auto monitor = std::make_shared<Monitor>(rendezvous.store, info.rank, monitorOptions);
   monitor->relayThrough(
       joinNodeRelay(*rendezvous.store,

@@ -108,6 +108,7 @@ std::optional<Rendezvous> joinOutsideStore(const WorldInfo& world, Deadline dead
   }
   Rendezvous rendezvous;
   rendezvous.store = std::make_shared<PrefixStore>(client, fmt::format("run/{}/", id));
+  rendezvous.outside = true;
   log::debug("launch", "rendezvous through the store at {} as run '{}'", address, id);
   return rendezvous;
 }

@@ -17,6 +17,7 @@ namespace bulkhead::launch {
 struct Rendezvous {
   std::unique_ptr<TcpStoreServer> server;  // rank 0 only
   std::shared_ptr<Store> store;            // every rank, connected and authenticated
+  bool outside = false;                    // the store runs outside the job (joinOutsideStore): no rank hosts it
 };
 
 // Whether `host` is a numeric IPv4 or IPv6 address (a server binds to it),
