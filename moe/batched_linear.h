@@ -22,7 +22,9 @@
 // - A gradient that is not contiguous, or has another dtype, is added to the
 //   usual way; the values are the same.
 // - Written in place, the weight's gradient does not pass through its
-//   AccumulateGrad: hooks registered on the weight do not see it, and the
+//   AccumulateGrad: hooks registered on the weight do not see it (the
+//   AccumulateGrad node still runs, with no gradient, after the write, so
+//   post hooks on that node do: optim/grad_buckets.h), and the
 //   write takes no lock, so two threads running backwards over graphs that
 //   share the weight at once (on the CPU) must not meet here. On a GPU the
 //   engine runs every node of a device on one thread.

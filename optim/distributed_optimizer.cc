@@ -1,13 +1,17 @@
 #include "optim/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <numeric>
 
@@ -45,23 +49,22 @@ DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const 
   const CommunicatorPtr& world = groups_.world();
   int me = world->rank();
   detail::checkParameters(params_, world->device(), me, "DistributedOptimizer");
-  std::map<std::pair<int, int>, std::vector<size_t>> members;  // (group, dtype) -> parameters
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Parameter& p = params_[i];
-    decay_.push_back(weightDecayFor(p, options_.adamw));
-    members[{static_cast<int>(p.group), static_cast<int>(p.tensor.scalar_type())}].push_back(i);
-  }
+  for (const Parameter& p : params_) decay_.push_back(weightDecayFor(p, options_.adamw));
 
   Deadline deadline = parallel::collectiveDeadline(options_.timeout);
   checkReplicasAgree(ParamGroup::Dense, groups_.dpCp(), deadline);
   checkReplicasAgree(ParamGroup::Expert, groups_.expertDp(), deadline);
 
   int64_t divisor = parallel::gradientDivisor(groups_);
-  for (auto& [key, indices] : members) {  // dense before expert: every rank issues them in this order
+  const auto plans = planBuckets(params_, options_.bucketBytes, options_.reduceAtStep,
+                                 [](at::ScalarType type) { return at::elementSize(masterType(type)); });
+  bucketOf_.resize(params_.size());
+  for (const BucketPlan& plan : plans) {  // every rank plans the same buckets and issues them in this order
     Bucket bucket;
-    bucket.group = static_cast<ParamGroup>(key.first);
-    bucket.paramType = static_cast<at::ScalarType>(key.second);
+    bucket.group = plan.group;
+    bucket.paramType = plan.dtype;
     bucket.masterType = masterType(bucket.paramType);
+    bucket.atStep = plan.atStep;
     if (bucket.group == ParamGroup::Expert && groups_.expertDpInterInstance()->size() > 1) {
       bucket.comm = groups_.expertDpIntraInstance();
       bucket.instances = groups_.expertDpInterInstance();
@@ -69,10 +72,12 @@ DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const 
       bucket.comm = bucket.group == ParamGroup::Expert ? groups_.expertDp() : groups_.dpCp();
     }
     bucket.divisor = bucket.group == ParamGroup::Expert ? options_.expertDivisor.value_or(divisor) : divisor;
-    std::sort(indices.begin(), indices.end(), [&](size_t a, size_t b) { return params_[a].name < params_[b].name; });
-    bucket.members = indices;
+    bucket.members = plan.members;
     std::vector<std::vector<int64_t>> shapes;
-    for (size_t i : indices) shapes.push_back(params_[i].tensor.sizes().vec());
+    for (size_t i : plan.members) {
+      shapes.push_back(params_[i].tensor.sizes().vec());
+      bucketOf_[i] = buckets_.size();
+    }
     bucket.layout = ShardLayout::create(shapes, bucket.comm->size());
     for (int r = 0; r < bucket.comm->size(); ++r) bucket.pieces.push_back(bucket.layout.pieces(r));
 
@@ -87,15 +92,21 @@ DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const 
     }
     buckets_.push_back(std::move(bucket));
   }
+  runs_.assign(params_.size(), 0);
+  if (options_.overlapGradReduce) {
+    const c10::Device device = world->device();
+    if (!device.is_cpu())  // high priority: the reductions' kernels go ahead of the backward's queued ones
+      stream_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+    hooks_ = std::make_unique<GradientHooks>(params_, [this](size_t param) { onGradient(param); });
+  }
   stepTensor_ = at::zeros({1}, at::kLong);
 }
 
 void DistributedOptimizer::checkReplicasAgree(ParamGroup group, const CommunicatorPtr& comm, Deadline deadline) const {
   if (comm->size() == 1) return;
-  std::vector<const Parameter*> mine;
+  std::vector<const Parameter*> mine;  // in the order passed: buckets follow it
   for (const Parameter& p : params_)
     if (p.group == group) mine.push_back(&p);
-  std::sort(mine.begin(), mine.end(), [](const Parameter* a, const Parameter* b) { return a->name < b->name; });
   uint64_t hash = 1469598103934665603ULL;
   int64_t elements = 0;
   for (const Parameter* p : mine) {
@@ -116,8 +127,8 @@ void DistributedOptimizer::checkReplicasAgree(ParamGroup group, const Communicat
   if (!differ.empty())
     throw ConfigError(
         fmt::format("DistributedOptimizer: the {} parameters of world ranks {} differ from this rank's ({} "
-                    "parameters, {} elements) in names, shapes or dtypes: every replica in {} must pass the "
-                    "same parameters",
+                    "parameters, {} elements) in names, shapes, dtypes or order: every replica in {} must pass "
+                    "the same parameters in the same order",
                     groupName(group), fmt::join(differ, ","), mine.size(), elements, comm->name()),
         {.rank = groups_.world()->rank(), .group = comm->name(), .expected = "identical parameters on every replica"});
 }
@@ -132,54 +143,123 @@ at::Tensor DistributedOptimizer::masterPiece(const Bucket& bucket, const ShardLa
   return bucket.distinctMaster() ? bucket.master.narrow(0, piece.shardOffset, piece.numel) : paramRows(bucket, piece);
 }
 
-void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
-  std::vector<WorkPtr> works;
-  const bool fusedKernels = fused::available(groups_.world()->device());
-  for (Bucket& bucket : buckets_) {
-    const ShardLayout& layout = bucket.layout;
-    const int ranks = layout.ranks();
-    auto options = at::TensorOptions().dtype(bucket.masterType).device(groups_.world()->device());
-    // Every gradient goes straight into its rows' place in the padded input
-    // (rank r's region starts at r * shardMax), converted to the master dtype
-    // there: one bucket-sized buffer, not a converted copy of each gradient,
-    // their concatenation and then this.
-    at::Tensor padded = at::empty({ranks * layout.shardMax}, options);
-    std::vector<at::Tensor> into, from;  // on a GPU, converted together in few kernels
-    for (int r = 0; r < ranks; ++r) {
-      at::Tensor region = padded.narrow(0, r * layout.shardMax, layout.shardMax);
-      region.narrow(0, layout.shardLength(r), layout.shardMax - layout.shardLength(r)).zero_();
-      for (const auto& piece : bucket.pieces[r]) {
-        const at::Tensor& grad = params_[bucket.members[piece.param]].tensor.grad();
-        if (!grad.defined()) {
-          region.narrow(0, piece.shardOffset, piece.numel).zero_();
-          continue;
-        }
-        const int64_t rowElems = layout.params[piece.param].rowElems;
-        const at::Tensor rows = grad.reshape({-1}).narrow(0, piece.rowBegin * rowElems, piece.numel);
-        if (!fusedKernels) {
-          region.narrow(0, piece.shardOffset, piece.numel).copy_(rows);
-          continue;
-        }
-        into.push_back(region.narrow(0, piece.shardOffset, piece.numel));
-        from.push_back(rows);
-      }
-    }
-    if (fusedKernels) fused::copy(into, from);
-    if (ranks == 1) {
-      bucket.gradShard = padded;
-      continue;
-    }
-    bucket.gradShard = at::empty({layout.shardMax}, options);
-    works.push_back(bucket.comm->reduceScatter(padded, bucket.gradShard, {.op = ReduceOp::Sum, .deadline = deadline}));
+DistributedOptimizer::~DistributedOptimizer() {
+  hooks_.reset();  // no hook may reach this object from here on
+}
+
+void DistributedOptimizer::startBucket(size_t b, Deadline deadline) {
+  Bucket& bucket = buckets_[b];
+  bucket.started = true;
+  const ShardLayout& layout = bucket.layout;
+  const int ranks = layout.ranks();
+  const c10::Device device = groups_.world()->device();
+  auto options = at::TensorOptions().dtype(bucket.masterType).device(device);
+  // Allocated on the current stream, which the reduction's stream waits for
+  // below, and handed to the communicator, which keeps it from reuse until
+  // the reduction is done.
+  at::Tensor padded = at::empty({ranks * layout.shardMax}, options);
+  bucket.gradShard = ranks == 1 ? padded : at::empty({layout.shardMax}, options);
+  std::optional<c10::StreamGuard> onStream;
+  if (stream_) {  // behind everything queued so far, which wrote these gradients
+    const c10::impl::VirtualGuardImpl impl(device.type());
+    c10::Event written(device.type());
+    written.record(impl.getStream(device));
+    written.block(*stream_);
+    onStream.emplace(*stream_);
   }
-  for (const WorkPtr& work : works) work->wait(deadline);
-  works.clear();
+  // Every gradient goes straight into its rows' place in the padded input
+  // (rank r's region starts at r * shardMax), converted to the master dtype
+  // there: one bucket-sized buffer, not a converted copy of each gradient,
+  // their concatenation and then this.
+  const bool fusedKernels = fused::available(device);
+  std::vector<at::Tensor> into, from;  // on a GPU, converted together in few kernels
+  for (int r = 0; r < ranks; ++r) {
+    at::Tensor region = padded.narrow(0, r * layout.shardMax, layout.shardMax);
+    region.narrow(0, layout.shardLength(r), layout.shardMax - layout.shardLength(r)).zero_();
+    for (const auto& piece : bucket.pieces[r]) {
+      const at::Tensor& grad = params_[bucket.members[piece.param]].tensor.grad();
+      if (!grad.defined()) {
+        region.narrow(0, piece.shardOffset, piece.numel).zero_();
+        continue;
+      }
+      const int64_t rowElems = layout.params[piece.param].rowElems;
+      const at::Tensor rows = grad.reshape({-1}).narrow(0, piece.rowBegin * rowElems, piece.numel);
+      if (!fusedKernels) {
+        region.narrow(0, piece.shardOffset, piece.numel).copy_(rows);
+        continue;
+      }
+      into.push_back(region.narrow(0, piece.shardOffset, piece.numel));
+      from.push_back(rows);
+    }
+  }
+  if (fusedKernels) fused::copy(into, from);
+  if (ranks > 1)
+    bucket.work = bucket.comm->reduceScatter(padded, bucket.gradShard, {.op = ReduceOp::Sum, .deadline = deadline});
+}
+
+void DistributedOptimizer::onGradient(size_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++runs_[param];
+  if (expectedRuns_.empty()) return;  // learning: everything is reduced at step()
+  Bucket& bucket = buckets_[bucketOf_[param]];
+  if (bucket.started) {
+    if (late_.empty()) late_ = params_[param].name;
+    return;
+  }
+  if (runs_[param] != expectedRuns_[param] || --bucket.waitingFor > 0) return;
+  // In bucket order only, so that every rank issues the same sequence.
+  while (nextBucket_ < buckets_.size() && !buckets_[nextBucket_].atStep && buckets_[nextBucket_].waitingFor == 0) {
+    startBucket(nextBucket_++, parallel::collectiveDeadline(options_.timeout));
+    ++overlapping_;
+  }
+}
+
+void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  while (nextBucket_ < buckets_.size()) startBucket(nextBucket_++, deadline);
+  if (stream_) {  // the update reads the shards on the current stream
+    const c10::Device device = groups_.world()->device();
+    c10::Event reduced(device.type());
+    reduced.record(*stream_);
+    reduced.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
+  for (Bucket& bucket : buckets_)
+    if (bucket.work) bucket.work->wait(deadline);
+  std::vector<WorkPtr> works;
   for (Bucket& bucket : buckets_)  // the other instances' sums of the same shard
     if (bucket.instances)
       works.push_back(bucket.instances->allReduce(bucket.gradShard, {.op = ReduceOp::Sum, .deadline = deadline}));
   for (const WorkPtr& work : works) work->wait(deadline);
   for (Bucket& bucket : buckets_)
     if (bucket.divisor != 1) bucket.gradShard.div_(bucket.divisor);
+}
+
+void DistributedOptimizer::endCycle() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!late_.empty()) {
+    log::warn("optim",
+              "the gradient of {} changed after its bucket's reduction had started (it was used more often in this "
+              "step than in the step the overlap learned from): this step's update is skipped on every rank and "
+              "the overlap learns again",
+              late_);
+    expectedRuns_.clear();
+  } else if (expectedRuns_.empty() && hooks_) {
+    expectedRuns_ = runs_;
+  }
+  late_.clear();
+  overlappedBuckets_ = overlapping_;
+  overlapping_ = 0;
+  nextBucket_ = 0;
+  for (Bucket& bucket : buckets_) {
+    bucket.gradShard = at::Tensor();  // not held between steps
+    bucket.work.reset();
+    bucket.started = false;
+    bucket.waitingFor = 0;
+  }
+  if (!expectedRuns_.empty())
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (expectedRuns_[i] > 0) ++buckets_[bucketOf_[i]].waitingFor;
+  std::fill(runs_.begin(), runs_.end(), 0);
 }
 
 void DistributedOptimizer::allGatherParameters(Deadline deadline) {
@@ -235,6 +315,8 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
     partial = fused::sumOfSquares(counted, normOptions);
   else
     for (const at::Tensor& piece : counted) addSquares(partial, piece);
+  // A gradient that changed after its reduction started: every rank skips this update.
+  if (!late_.empty()) partial.fill_(std::numeric_limits<double>::quiet_NaN());
   // The update's views are built while the device still sums the squares.
   std::map<double, fused::AdamWPieces> groups;  // by weight decay
   if (fusedKernels)
@@ -257,7 +339,7 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
                 "step skipped on every rank: the global gradient norm is {} (an inf or NaN gradient); the "
                 "parameters, the optimizer state and the step count are unchanged ({} skipped so far)",
                 norm, skippedSteps_);
-    for (Bucket& bucket : buckets_) bucket.gradShard = at::Tensor();
+    endCycle();
     return norm;
   }
   double scale = clipScale(norm, stepOptions.maxGradNorm);
@@ -277,7 +359,7 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
   }
 
   allGatherParameters(deadline);
-  for (Bucket& bucket : buckets_) bucket.gradShard = at::Tensor();  // not held between steps
+  endCycle();
   return norm;
 }
 

@@ -17,11 +17,24 @@
 //      rank's shard of the master weights and moments;
 //   4. all-gather the updated parameters into every replica's tensors.
 //
-// Sharding (optim/shard_layout.h): parameters of one group and dtype form a
-// bucket, ordered by name; its flat buffer is cut on row boundaries (rows run
-// over all dimensions but the last, so one expert's state spreads over the
-// expert-dp ranks too), so each rank's state of a parameter is a run of whole
-// rows and exports as one to a few ShardedTensors (optim::rowBoxes) under the
+// Overlap (DistributedOptimizerOptions::overlapGradReduce, on by default):
+// the reduce-scatters of step 1 start during the backward. Buckets
+// (optim/grad_buckets.h) are reduce-scattered in bucket order, each as soon as
+// the backward has finished every gradient in it and the buckets before it
+// have started, on a stream of their own (on a GPU); step() starts the rest
+// and waits for all. When a gradient is finished is learned in the first
+// step, which reduces everything at step(): how many times each parameter's
+// AccumulateGrad runs in one step (once per backward, so micro-batches count
+// too). A gradient that changes after its bucket started (a parameter used
+// more often than in the step counts were learned in) makes that step skip
+// its update on every rank (its norm is NaN), and the rank that saw it learns
+// the counts again. Gradients the caller changes after the backward (a tied
+// embedding's sum across pipeline stages) must be named in reduceAtStep.
+//
+// Sharding (optim/shard_layout.h): each bucket's flat buffer is cut on row
+// boundaries (rows run over all dimensions but the last, so one expert's state
+// spreads over the expert-dp ranks too), so each rank's state of a parameter
+// is a run of whole rows and exports as one to a few ShardedTensors (optim::rowBoxes) under the
 // keys of optim/adamw.h, with the parameter's global shape, its offsets plus
 // the box's, and replicaId 0 (for a tpReplicated parameter: the tp rank,
 // expert-tp for experts; with instances, non-zero outside the first;
@@ -29,18 +42,24 @@
 // plain AdamW) loads into another.
 //
 // Contract: collective over dp x cp, expert dp and (for the norm) the world.
-// Every replica passes the same parameters (names, shapes, dtypes; any order)
-// and calls step() together. Parameter tensors are contiguous, on the groups'
+// Every replica passes the same parameters (names, shapes, dtypes) in the
+// same order, forward order for the overlap to pay, and calls step() together. Parameter tensors are contiguous, on the groups'
 // device, and hold the same values on every replica at construction. A
 // parameter without a gradient steps with a zero gradient.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <chrono>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "optim/adamw.h"
+#include "optim/grad_buckets.h"
 #include "optim/shard_layout.h"
 #include "parallel/parameter.h"
 #include "parallel/process_groups.h"
@@ -55,6 +74,13 @@ struct DistributedOptimizerOptions {
   // Expert gradients summed over expert dp are divided by this; unset:
   // parallel::gradientDivisor(groups) (the dense dp x cp size).
   std::optional<int64_t> expertDivisor;
+  // Reduce-scatter buckets during the backward (see above); off: all at step().
+  bool overlapGradReduce = true;
+  // Gradient bytes (of the reduction dtype) per bucket.
+  int64_t bucketBytes = int64_t{64} << 20;
+  // Parameters whose gradients the caller changes between the backward and
+  // step() (a tied embedding's sum across stages): reduced at step().
+  std::set<std::string> reduceAtStep;
 };
 
 struct StepOptions {
@@ -68,11 +94,10 @@ class DistributedOptimizer {
   // (ConfigError naming the ranks that differ).
   DistributedOptimizer(std::vector<parallel::Parameter> params, const parallel::ProcessGroups& groups,
                        DistributedOptimizerOptions options = {});
-  // The state lives in tensors; a copy would share it.
+  // The state lives in tensors, and the gradient hooks hold this object.
   DistributedOptimizer(const DistributedOptimizer&) = delete;
   DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
-  DistributedOptimizer(DistributedOptimizer&&) = default;
-  DistributedOptimizer& operator=(DistributedOptimizer&&) = default;
+  ~DistributedOptimizer();
 
   // Steps 1-4 above with learning rate `lr`. Returns the global gradient norm
   // before clipping. A norm that is not finite (an inf or NaN gradient
@@ -87,6 +112,9 @@ class DistributedOptimizer {
   int64_t stepCount() const { return step_; }
   // Steps skipped for a gradient norm that was not finite, since construction.
   int64_t skippedSteps() const { return skippedSteps_; }
+  // Buckets, and how many of them the last step started during the backward.
+  size_t buckets() const { return buckets_.size(); }
+  size_t overlappedBuckets() const { return overlappedBuckets_; }
   const std::vector<parallel::Parameter>& parameters() const { return params_; }
   // Elements of master weights (when distinct) and moments this rank holds.
   int64_t stateElements() const;
@@ -115,6 +143,11 @@ class DistributedOptimizer {
     at::Tensor master;                                    // this rank's shard, when distinct from the parameters
     at::Tensor expAvg, expAvgSq;                          // this rank's shard
     at::Tensor gradShard;                                 // the reduced gradient, during a step (shardMax long)
+    bool atStep = false;                                  // never started during the backward
+    // During a step: members whose gradients are not finished yet, and the reduce-scatter once started.
+    int waitingFor = 0;
+    WorkPtr work;
+    bool started = false;
     bool distinctMaster() const { return master.defined(); }
   };
 
@@ -122,6 +155,11 @@ class DistributedOptimizer {
   at::Tensor paramRows(const Bucket& bucket, const ShardLayout::Piece& piece) const;
   at::Tensor masterPiece(const Bucket& bucket, const ShardLayout::Piece& piece) const;
   void reduceScatterGradients(Deadline deadline);
+  // Converts bucket b's gradients into its padded float buffer and starts its reduce-scatter.
+  void startBucket(size_t b, Deadline deadline);
+  void onGradient(size_t param);  // from the hooks
+  // After a step (taken or skipped): counts learned, everything ready for the next backward.
+  void endCycle();
   void allGatherParameters(Deadline deadline);
 
   std::vector<parallel::Parameter> params_;
@@ -132,6 +170,17 @@ class DistributedOptimizer {
   int64_t step_ = 0;
   int64_t skippedSteps_ = 0;
   at::Tensor stepTensor_;
+
+  // The overlap: per parameter, its bucket, its AccumulateGrad runs this step
+  // and in the step counts were learned in (empty: learning).
+  std::vector<size_t> bucketOf_;
+  std::vector<int> runs_, expectedRuns_;
+  size_t nextBucket_ = 0;  // the first bucket not started
+  std::string late_;       // a parameter whose gradient changed after its bucket started
+  size_t overlapping_ = 0, overlappedBuckets_ = 0;
+  std::optional<c10::Stream> stream_;  // the reductions' stream on a GPU
+  std::mutex mutex_;                   // hooks may run on autograd's threads
+  std::unique_ptr<GradientHooks> hooks_;
 };
 
 }  // namespace bulkhead::optim

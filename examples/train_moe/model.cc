@@ -168,19 +168,20 @@ double trainingFlopsPerToken(const ModelConfig& c, int64_t sequence) {
   return 3 * (c.layers * (attention + moe) + output);
 }
 
+// In forward order, which the distributed optimizer's buckets follow backwards.
 std::vector<parallel::Parameter> MoETransformer::parameters() const {
-  std::vector<parallel::Parameter> all;
+  std::vector<parallel::Parameter> all, embedding;
   if (embedding_) {
     for (parallel::Parameter parameter : embedding_->parameters()) {
       if (!part_.first) {  // the last stage's copy: the first stage's is saved and counted
         parameter.pipelineCopy = true;
         parameter.shard.replicaId += 1 << 16;
       }
-      all.push_back(std::move(parameter));
+      embedding.push_back(std::move(parameter));
     }
   }
   auto append = [&](std::vector<parallel::Parameter> more) { all.insert(all.end(), more.begin(), more.end()); };
-  if (output_) append(output_->parameters());
+  if (part_.first) append(embedding);
   auto appendNorm = [&](const Norm& n) {
     all.push_back({.name = n.name,
                    .tensor = n.weight,
@@ -198,6 +199,8 @@ std::vector<parallel::Parameter> MoETransformer::parameters() const {
     append(moe_[layer]->parameters());
   }
   if (part_.last) appendNorm(finalNorm_);
+  if (output_) append(output_->parameters());
+  if (!part_.first) append(embedding);  // the tied copy, the last stage's output layer
   return all;
 }
 

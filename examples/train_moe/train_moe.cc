@@ -162,7 +162,12 @@ int main(int argc, char** argv) {
                         {.rank = rank, .expected = fmt::format("--batch a multiple of {}", parts)});
     examples::StagedModel model(options.model, groups,
                                 {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
-    optim::DistributedOptimizer optimizer(model.parameters(), groups, {.adamw = {.weightDecay = 0.01}});
+    // The tied embedding's gradients are summed across stages after the backward: reduced at the step.
+    std::set<std::string> reduceAtStep;
+    if (options.model.tiedEmbedding) reduceAtStep.insert("embed.weight");
+    optim::DistributedOptimizer optimizer(
+        model.parameters(), groups,
+        {.adamw = {.weightDecay = 0.01}, .overlapGradReduce = options.gradOverlap, .reduceAtStep = reduceAtStep});
     const optim::LrSchedule schedule{
         .peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup, .totalSteps = options.steps};
     schedule.validate();

@@ -67,6 +67,9 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
       ->group("Training");
   app.add_option("--lr", o.lr, "peak learning rate")->check(positive)->group("Training");
   app.add_option("--warmup", o.warmup, "warm-up steps")->check(count)->group("Training");
+  app.add_flag("--grad-overlap,!--no-grad-overlap", o.gradOverlap,
+               "reduce-scatter gradient buckets during the backward (the default), or all at the optimizer step")
+      ->group("Training");
   app.add_option("--clip", o.clip, "global gradient-norm clip (0: none)")->check(count)->group("Training");
   app.add_option("--log-interval", o.logInterval, "steps between log lines")->check(positive)->group("Training");
   // Checkpoints.

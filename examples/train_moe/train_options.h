@@ -34,7 +34,8 @@ struct TrainOptions {
   std::string resume;   // "latest", a step number, or empty
   std::string lossLog;  // rank 0 appends "step loss grad_norm" per step
   bool printDigest = false;
-  std::string profile;  // Chrome trace of 5 steps after 10 of warm-up; empty: none
+  std::string profile;      // Chrome trace of 5 steps after 10 of warm-up; empty: none
+  bool gradOverlap = true;  // gradient reduce-scatters during the backward
 };
 
 // train_moe's flags, writing into `options` (parse with cli::parse).
