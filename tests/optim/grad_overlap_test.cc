@@ -7,6 +7,7 @@
 // started skips that step on every rank; gradients changed after the
 // backward are reduced at step() when named.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
 #include <functional>
@@ -58,10 +59,6 @@ void backward(const std::vector<Parameter>& model, int step, int micro) {
   at::Tensor y = moe::batchedLinear(h, model[2].tensor);
   at::Tensor loss = at::linear(at::tanh(y), model[3].tensor).square().mean();
   loss.backward();
-}
-
-void zeroGrad(const std::vector<Parameter>& model) {
-  for (const Parameter& p : model) p.tensor.mutable_grad() = at::Tensor();
 }
 
 // Trains two copies of the model, one whose reduction overlaps (a bucket per
