@@ -4,6 +4,12 @@
 # tokens a step; one row per (layers, sequence length).
 #   bench/run_train_bench.sh [build-dir] [out-file] [layers, default "4 8"] [sequence lengths, default "256 1024 4096"]
 # Env: STEPS (default 40; the second half is measured), MODES (default "eager,compiled").
+#
+# Multi-GPU mode (NP=N, N > 1): weak scaling at 4 layers, sequence 1,024, 16 sequences per GPU. train_moe
+# on one GPU and on N (ep 1, 2 and N; gradient reduction overlapped, and at ep 1 also not), PyTorch under
+# DDP (torchrun) on one and on N, eager and compiled; tokens/s, scaling efficiency (N-GPU tokens/s over N
+# times the same program's one-GPU figure) and MFU.
+#   NP=4 bench/run_train_bench.sh [build-dir] [out-file]
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench/results/train_moe_$(date +%Y%m%d).md}
@@ -33,6 +39,66 @@ ours() {
     { echo "train_moe failed:" >&2; echo "$log" | tail -20 >&2; exit 1; }
   grep -o '[0-9.]* tok/s' <<<"$log" | tail -1 | cut -d' ' -f1
 }
+np=${NP:-1}
+if [ "$np" -gt 1 ]; then
+  shape="--layers 4 --hidden 1024 --heads 8 --ffn 512 --experts 16 --topk 2 --seq 1024"
+  f=$(flops 4 1024)
+  # train_moe tokens/s on $1 GPUs with the flags after it.
+  ranks() {
+    local n=$1 log
+    shift
+    log=$(mpirun -np "$n" --bind-to none "$build/bin/train_moe" $shape --backend nccl --batch $((16 * n)) "$@" \
+      --dtype bfloat16 --steps "$steps" --warmup 10 --log-interval $((steps / 2)) 2>&1) ||
+      { echo "train_moe failed:" >&2; echo "$log" | tail -20 >&2; exit 1; }
+    grep -o '[0-9.]* tok/s' <<<"$log" | tail -1 | cut -d' ' -f1
+  }
+  torch() {
+    local n=$1 ref
+    ref=$(python3 -m torch.distributed.run --nproc-per-node "$n" bench/torch_train_moe.py $shape --batch 16 \
+      --steps "$steps" --modes "$modes" 2>&1) || { echo "PyTorch reference failed:"; echo "$ref" | tail -20; exit 1; }
+    echo "$ref"
+  }
+  pick() { grep -o "TORCH_TRAIN $1 tokens_per_s=[0-9]*" <<<"$2" | cut -d= -f2 || echo 0; }
+  row() { rows+=("| $1 | $2 | $3 | $(mfu "$2" "$f") |"); echo "${rows[-1]}"; }
+  rows=()
+  one=$(ranks 1)
+  row "train_moe, 1 GPU" "$one" ""
+  for ep in 1 2 "$np"; do
+    t=$(ranks "$np" --ep "$ep")
+    row "train_moe, $np GPUs, ep $ep" "$t" "$(ratio "$t" "$(awk -v a="$one" -v n="$np" 'BEGIN { print a * n }')")"
+    [ "$ep" = 1 ] && best=$t
+    [ "$ep" = 1 ] || best=$(awk -v a="$best" -v b="$t" 'BEGIN { print (b > a ? b : a) }')
+  done
+  t=$(ranks "$np" --ep 1 --no-grad-overlap)
+  row "train_moe, $np GPUs, ep 1, reduction after the backward" "$t" "$(ratio "$t" "$(awk -v a="$one" -v n="$np" 'BEGIN { print a * n }')")"
+  ref1=$(torch 1)
+  refn=$(torch "$np")
+  for mode in ${modes//,/ }; do
+    a=$(pick "$mode" "$ref1")
+    b=$(pick "$mode" "$refn")
+    row "PyTorch $mode, 1 GPU" "$a" ""
+    row "PyTorch DDP $mode, $np GPUs" "$b" "$(ratio "$b" "$(awk -v a="$a" -v n="$np" 'BEGIN { print a * n }')")"
+    [ "$mode" = compiled ] && compiled=$b
+  done
+  {
+    echo "# train_moe weak scaling beside PyTorch DDP, $np GPUs"
+    echo
+    echo "- Command: \`NP=$np STEPS=$steps bench/run_train_bench.sh $build $out\` (the second half of the steps measured)"
+    echo "- Machine: $np x $gpu ($(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1) driver), PyTorch $(python3 -c 'import torch; print(torch.__version__)')"
+    echo "- Date: $(date -u +%Y-%m-%d)"
+    echo "- Commit: \`$(git rev-parse --short HEAD 2>/dev/null || echo unknown)\`"
+    echo "- Model: bf16, 4 layers, hidden 1024, 8 heads, 16 experts top-2, expert hidden 512, sequence 1,024,"
+    echo "  16 sequences per GPU. Efficiency: N-GPU tokens/s over N x the same program's one-GPU tokens/s."
+    echo "- train_moe's best $np-GPU figure over PyTorch DDP compiled at $np GPUs: $(ratio "$best" "${compiled:-0}")"
+    echo
+    echo "| run | tokens/s | efficiency | MFU |"
+    echo "|---|---:|---:|---:|"
+    printf '%s\n' "${rows[@]}"
+  } >"$out"
+  echo "wrote $out"
+  exit 0
+fi
+
 rows=()
 for layers in $layer_counts; do
   for seq in $sequences; do

@@ -1,4 +1,6 @@
-"""train_moe's model in plain PyTorch on one GPU, the reference of bench/run_train_bench.sh.
+"""train_moe's model in plain PyTorch, the reference of bench/run_train_bench.sh: on one GPU, or under
+torchrun on several with DistributedDataParallel (bucketed all-reduce overlapped with the backward;
+--batch sequences per GPU, each rank its own rows).
 
 The same model as examples/train_moe (the same shapes, initial scales and data): a unit-size byte
 embedding plus 0.1 x sinusoidal positions; per layer RMSNorm -> q, k, v, out projections with
@@ -12,14 +14,18 @@ warm-up and cosine schedule shape. Prints one line per mode:
 
     python3 bench/torch_train_moe.py --layers 4 --hidden 1024 --heads 8 --ffn 512 --experts 16 --topk 2 \\
         --seq 1024 --batch 16 [--steps 40] [--modes eager,compiled]
+    torchrun --nproc-per-node 4 bench/torch_train_moe.py ...   (tokens_per_s over all GPUs, printed by rank 0)
 """
 import argparse
 import math
 import statistics
 import time
 
+import os
+
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 parser = argparse.ArgumentParser()
@@ -33,7 +39,12 @@ parser.add_argument("--router-noise", type=float, default=0.05)
 parser.add_argument("--modes", default="eager,compiled")
 args = parser.parse_args()
 
-device = torch.device("cuda")
+world = int(os.environ.get("WORLD_SIZE", "1"))
+rank = int(os.environ.get("RANK", "0"))
+if world > 1:
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+device = torch.device("cuda", torch.cuda.current_device())
 dtype = torch.bfloat16
 MASK = (1 << 64) - 1
 
@@ -72,7 +83,8 @@ span = len(text) - args.seq - 1
 
 
 def batch(step):
-    starts = [mix(args.seed ^ mix(step * args.batch + row)) % span for row in range(args.batch)]
+    first = (step * world + rank) * args.batch  # each rank its own rows
+    starts = [mix(args.seed ^ mix(first + row)) % span for row in range(args.batch)]
     window = np.stack([text[s:s + args.seq + 1] for s in starts]).astype(np.int64)
     window = torch.from_numpy(window).pin_memory().to(device, non_blocking=True)
     return window[:, :-1], window[:, 1:]
@@ -160,7 +172,8 @@ def run(mode):
     # Compiled: the model's forward (and with it the backward) as torch.compile
     # makes them; the clip and the fused AdamW step, single multi-tensor kernels
     # already, run outside, so the learning rate changing every step recompiles nothing.
-    forward = torch.compile(model) if mode == "compiled" else model
+    wrapped = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    forward = torch.compile(wrapped) if mode == "compiled" else wrapped
 
     def train_step(ids, targets):
         loss, extra = forward(ids, targets)
@@ -183,10 +196,13 @@ def run(mode):
         times.append(time.perf_counter() - start)
     measured = times[len(times) // 2:]  # the second half: compiled and warm
     step_s = statistics.median(measured)
-    tokens = args.batch * args.seq
-    print(f"TORCH_TRAIN {mode} tokens_per_s={tokens / step_s:.0f} step_ms={step_s * 1e3:.2f} "
-          f"first_loss={losses[0].item():.4f} last_loss={losses[-1].item():.4f}", flush=True)
+    tokens = args.batch * args.seq * world
+    if rank == 0:
+        print(f"TORCH_TRAIN {mode} tokens_per_s={tokens / step_s:.0f} step_ms={step_s * 1e3:.2f} "
+              f"first_loss={losses[0].item():.4f} last_loss={losses[-1].item():.4f}", flush=True)
 
 
 for mode in args.modes.split(","):
     run(mode)
+if world > 1:
+    dist.destroy_process_group()
