@@ -20,6 +20,7 @@
 #include "optim/parameter_checks.h"
 #include "parallel/grad_sync.h"
 #include "parallel/tensor_parallel.h"
+#include "runtime/backoff.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
 
@@ -223,13 +224,16 @@ void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
     reduced.record(*stream_);
     reduced.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   }
+  // On a GPU the work is ordered on the streams: nothing for the host to wait for.
+  const bool hostWaits = groups_.world()->device().is_cpu();
   for (Bucket& bucket : buckets_)
-    if (bucket.work) bucket.work->wait(deadline);
+    if (bucket.work && hostWaits) bucket.work->wait(deadline);
   std::vector<WorkPtr> works;
   for (Bucket& bucket : buckets_)  // the other instances' sums of the same shard
     if (bucket.instances)
       works.push_back(bucket.instances->allReduce(bucket.gradShard, {.op = ReduceOp::Sum, .deadline = deadline}));
-  for (const WorkPtr& work : works) work->wait(deadline);
+  if (hostWaits)
+    for (const WorkPtr& work : works) work->wait(deadline);
   for (Bucket& bucket : buckets_)
     if (bucket.divisor != 1) bucket.gradShard.div_(bucket.divisor);
 }
@@ -276,7 +280,8 @@ void DistributedOptimizer::allGatherParameters(Deadline deadline) {
     gathered[b] = at::empty({ranks * bucket.layout.shardMax}, options);
     works.push_back(bucket.comm->allGather(send, gathered[b], {.deadline = deadline}));
   }
-  for (const WorkPtr& work : works) work->wait(deadline);
+  if (groups_.world()->device().is_cpu())  // on a GPU the copies below are ordered behind the gathers
+    for (const WorkPtr& work : works) work->wait(deadline);
   std::vector<at::Tensor> into, from;  // copies done together at the end
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
@@ -295,39 +300,76 @@ void DistributedOptimizer::allGatherParameters(Deadline deadline) {
   for (size_t i = 0; i < into.size(); ++i) into[i].copy_(from[i]);
 }
 
-double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
-  c10::NoGradGuard noGrad;
-  Deadline deadline = stepOptions.deadline.value_or(parallel::collectiveDeadline(options_.timeout));
-  reduceScatterGradients(deadline);
+namespace detail {
 
-  const auto device = groups_.world()->device();
-  const bool fusedKernels = fused::available(device);
-  const auto normOptions = at::TensorOptions().dtype(at::kDouble).device(device);
-  std::vector<at::Tensor> counted;  // the pieces of the gradient shards this rank counts
+// A norm on its way to the host: copied to page-locked memory behind the step.
+struct PendingNorm {
+  at::Tensor host;
+  std::optional<c10::Event> copied;
+  Deadline deadline;
+  std::optional<double> value;
+
+  PendingNorm(const at::Tensor& norm, Deadline deadline) : deadline(deadline) {
+    host = at::empty({1}, norm.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(norm, /*non_blocking=*/true);
+    const c10::impl::VirtualGuardImpl impl(norm.device().type());
+    copied.emplace(norm.device().type());
+    copied->record(impl.getStream(norm.device()));
+  }
+  bool ready() { return value || copied->query(); }
+  double get() {
+    if (value) return *value;
+    Backoff backoff(std::chrono::microseconds(50));
+    while (!copied->query()) {
+      if (deadline.expired())
+        throw TimeoutError("DistributedOptimizer: the step's gradient norm did not reach the host by its deadline",
+                           {.expected = "the step's reductions and norm done on the device"});
+      backoff.pause(deadline);
+    }
+    value = host.item<double>();
+    return *value;
+  }
+};
+
+}  // namespace detail
+
+double StepNorm::get() {
+  if (!value_) value_ = pending_->get();
+  return *value_;
+}
+
+std::vector<at::Tensor> DistributedOptimizer::countedPieces() const {
+  std::vector<at::Tensor> counted;
   for (const Bucket& bucket : buckets_) {
     if (bucket.instances && bucket.instances->rank() != 0) continue;  // the first instance counts the shard
     for (const auto& piece : bucket.pieces[bucket.comm->rank()])
       if (countsOnThisTpRank(params_[bucket.members[piece.param]], groups_))
         counted.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
   }
+  return counted;
+}
+
+StepNorm DistributedOptimizer::launchStep(double lr, StepOptions stepOptions) {
+  c10::NoGradGuard noGrad;
+  Deadline deadline = stepOptions.deadline.value_or(parallel::collectiveDeadline(options_.timeout));
+  settle(/*wait=*/false);
+  reduceScatterGradients(deadline);
+  const auto device = groups_.world()->device();
+  const bool onDevice = fused::available(device);
+  const auto normOptions = at::TensorOptions().dtype(at::kDouble).device(device);
   at::Tensor partial = at::zeros({1}, normOptions);
-  if (fusedKernels)
-    partial = fused::sumOfSquares(counted, normOptions);
+  if (onDevice)
+    partial = fused::sumOfSquares(countedPieces(), normOptions);
   else
-    for (const at::Tensor& piece : counted) addSquares(partial, piece);
+    for (const at::Tensor& piece : countedPieces()) addSquares(partial, piece);
   // A gradient that changed after its reduction started: every rank skips this update.
   if (!late_.empty()) partial.fill_(std::numeric_limits<double>::quiet_NaN());
-  // The update's views are built while the device still sums the squares.
-  std::map<double, fused::AdamWPieces> groups;  // by weight decay
-  if (fusedKernels)
-    for (Bucket& bucket : buckets_)
-      for (const auto& piece : bucket.pieces[bucket.comm->rank()]) {
-        fused::AdamWPieces& group = groups[decay_[bucket.members[piece.param]]];
-        group.masters.push_back(masterPiece(bucket, piece));
-        group.grads.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
-        group.expAvg.push_back(bucket.expAvg.narrow(0, piece.shardOffset, piece.numel));
-        group.expAvgSq.push_back(bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel));
-      }
+  if (onDevice) return deviceUpdate(partial, lr, stepOptions, deadline);
+  return StepNorm(hostUpdate(partial, lr, stepOptions, deadline));
+}
+
+double DistributedOptimizer::hostUpdate(const at::Tensor& partial, double lr, const StepOptions& stepOptions,
+                                        Deadline deadline) {
   double norm = worldNorm(partial, groups_, deadline);
   if (!std::isfinite(norm)) {
     // Every rank holds the same all-reduced norm, so all skip alike. An
@@ -345,22 +387,65 @@ double DistributedOptimizer::step(double lr, StepOptions stepOptions) {
   double scale = clipScale(norm, stepOptions.maxGradNorm);
   ++step_;
   stepTensor_.fill_(step_);
-  if (fusedKernels) {
-    fused::adamw(groups, step_, lr, scale, options_.adamw);
-  } else {
-    if (scale < 1.0)
-      for (Bucket& bucket : buckets_) bucket.gradShard.mul_(scale);
-    for (Bucket& bucket : buckets_)
-      for (const auto& piece : bucket.pieces[bucket.comm->rank()])
-        adamwUpdate(masterPiece(bucket, piece), bucket.gradShard.narrow(0, piece.shardOffset, piece.numel),
-                    bucket.expAvg.narrow(0, piece.shardOffset, piece.numel),
-                    bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel), step_, lr,
-                    decay_[bucket.members[piece.param]], options_.adamw);
-  }
-
+  if (scale < 1.0)
+    for (Bucket& bucket : buckets_) bucket.gradShard.mul_(scale);
+  for (Bucket& bucket : buckets_)
+    for (const auto& piece : bucket.pieces[bucket.comm->rank()])
+      adamwUpdate(masterPiece(bucket, piece), bucket.gradShard.narrow(0, piece.shardOffset, piece.numel),
+                  bucket.expAvg.narrow(0, piece.shardOffset, piece.numel),
+                  bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel), step_, lr,
+                  decay_[bucket.members[piece.param]], options_.adamw);
   allGatherParameters(deadline);
   endCycle();
   return norm;
+}
+
+StepNorm DistributedOptimizer::deviceUpdate(const at::Tensor& partial, double lr, const StepOptions& stepOptions,
+                                            Deadline deadline) {
+  std::map<double, fused::AdamWPieces> groups;  // by weight decay
+  for (Bucket& bucket : buckets_)
+    for (const auto& piece : bucket.pieces[bucket.comm->rank()]) {
+      fused::AdamWPieces& group = groups[decay_[bucket.members[piece.param]]];
+      group.masters.push_back(masterPiece(bucket, piece));
+      group.grads.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
+      group.expAvg.push_back(bucket.expAvg.narrow(0, piece.shardOffset, piece.numel));
+      group.expAvgSq.push_back(bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel));
+    }
+  const CommunicatorPtr& world = groups_.world();
+  at::Tensor sum = partial.reshape({1}).contiguous();
+  if (world->size() > 1) world->allReduce(sum, {.op = ReduceOp::Sum, .deadline = deadline});  // stream-ordered
+  const at::Tensor norm = sum.sqrt();
+  // Every rank holds the same all-reduced norm, so all skip alike (see hostUpdate).
+  const at::Tensor finite = at::isfinite(norm).to(at::kFloat).reshape({});
+  if (!deviceStep_.defined()) deviceStep_ = at::full({}, static_cast<double>(step_), finite.options());
+  deviceStep_.add_(finite);
+  fused::DeviceScalars scalars{.step = deviceStep_, .skip = (1 - finite)};
+  if (const double maxNorm = stepOptions.maxGradNorm; maxNorm > 0)  // clipScale's rule, on the device
+    scalars.unscale =
+        at::where(norm > maxNorm, (norm + 1e-6) / maxNorm, at::ones_like(norm)).to(at::kFloat).reshape({});
+  fused::adamw(groups, lr, scalars, options_.adamw);
+  allGatherParameters(deadline);
+  endCycle();
+  auto pending = std::make_shared<detail::PendingNorm>(norm, deadline);
+  pending_.push_back(pending);
+  return StepNorm(std::move(pending));
+}
+
+void DistributedOptimizer::settle(bool wait) const {
+  while (!pending_.empty() && (wait || pending_.front()->ready())) {
+    const double norm = pending_.front()->get();
+    pending_.pop_front();
+    if (std::isfinite(norm)) {
+      stepTensor_.fill_(++step_);
+      continue;
+    }
+    ++skippedSteps_;
+    if (groups_.world()->rank() == 0)
+      log::warn("optim",
+                "step skipped on every rank: the global gradient norm is {} (an inf or NaN gradient); the "
+                "parameters, the optimizer state and the step count are unchanged ({} skipped so far)",
+                norm, skippedSteps_);
+  }
 }
 
 void DistributedOptimizer::zeroGrad() {
@@ -374,6 +459,7 @@ int64_t DistributedOptimizer::stateElements() const {
 }
 
 std::vector<parallel::ShardedTensor> DistributedOptimizer::state() {
+  settle(/*wait=*/true);  // optim.step counts every queued step
   std::vector<parallel::ShardedTensor> state;
   for (const Bucket& bucket : buckets_) {
     for (const auto& piece : bucket.pieces[bucket.comm->rank()]) {
@@ -414,11 +500,14 @@ void DistributedOptimizer::restart() {
     for (const auto& piece : bucket.pieces[bucket.comm->rank()])
       bucket.master.narrow(0, piece.shardOffset, piece.numel).copy_(paramRows(bucket, piece));
   }
+  settle(/*wait=*/true);
   step_ = 0;
   stepTensor_.fill_(0);
+  deviceStep_ = at::Tensor();  // made again from step_ at the next update
 }
 
 void DistributedOptimizer::afterLoad() {
+  deviceStep_ = at::Tensor();  // made again from step_ at the next update
   step_ = stepTensor_.item<int64_t>();
   if (step_ < 0)
     throw CheckpointError(

@@ -51,6 +51,7 @@
 #include <c10/core/Stream.h>
 
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -88,6 +89,24 @@ struct StepOptions {
   std::optional<Deadline> deadline;  // unset: options.timeout from the call
 };
 
+namespace detail {
+struct PendingNorm;
+}
+
+// A step's global gradient norm before clipping. On a GPU it stays on the
+// device until get(): the step is queued without the host waiting for it.
+class StepNorm {
+ public:
+  explicit StepNorm(double value) : value_(value) {}
+  explicit StepNorm(std::shared_ptr<detail::PendingNorm> pending) : pending_(std::move(pending)) {}
+  // Waits for the norm, bounded by the step's deadline (TimeoutError).
+  double get();
+
+ private:
+  std::shared_ptr<detail::PendingNorm> pending_;
+  std::optional<double> value_;
+};
+
 class DistributedOptimizer {
  public:
   // Checks, collectively, that every replica passed the same parameters
@@ -104,14 +123,26 @@ class DistributedOptimizer {
   // anywhere in the model) skips steps 3 and 4 on every rank alike:
   // parameters, state and stepCount() stay as they were, skippedSteps()
   // counts it, and the caller decides whether to go on.
-  double step(double lr, StepOptions options = {});
+  double step(double lr, StepOptions options = {}) { return launchStep(lr, options).get(); }
+  // The same step, queued: on a GPU the host waits for no GPU work (the clip
+  // scale, and the skip of a step whose norm is not finite, are read by the
+  // update's kernels from the device), so it goes on to queue the next step's
+  // work while this one runs. stepCount() and skippedSteps() count a queued
+  // step once its norm is known (they wait for it).
+  StepNorm launchStep(double lr, StepOptions options = {});
   // Releases every gradient (as PyTorch's zero_grad(set_to_none=True)): the
   // next backward then writes each one fresh, with no zero fill before it and
   // no add into it.
   void zeroGrad();
-  int64_t stepCount() const { return step_; }
+  int64_t stepCount() const {
+    settle(/*wait=*/true);
+    return step_;
+  }
   // Steps skipped for a gradient norm that was not finite, since construction.
-  int64_t skippedSteps() const { return skippedSteps_; }
+  int64_t skippedSteps() const {
+    settle(/*wait=*/true);
+    return skippedSteps_;
+  }
   // Buckets, and how many of them the last step started during the backward.
   size_t buckets() const { return buckets_.size(); }
   size_t overlappedBuckets() const { return overlappedBuckets_; }
@@ -160,6 +191,12 @@ class DistributedOptimizer {
   void onGradient(size_t param);  // from the hooks
   // After a step (taken or skipped): counts learned, everything ready for the next backward.
   void endCycle();
+  std::vector<at::Tensor> countedPieces() const;  // of the gradient shards, for the norm
+  // The update after the norm: on the host (CPU), or queued on the device.
+  double hostUpdate(const at::Tensor& partial, double lr, const StepOptions& stepOptions, Deadline deadline);
+  StepNorm deviceUpdate(const at::Tensor& partial, double lr, const StepOptions& stepOptions, Deadline deadline);
+  // Counts the queued steps whose norms are known (all of them, waiting, with `wait`).
+  void settle(bool wait) const;
   void allGatherParameters(Deadline deadline);
 
   std::vector<parallel::Parameter> params_;
@@ -167,9 +204,11 @@ class DistributedOptimizer {
   DistributedOptimizerOptions options_;
   std::vector<double> decay_;
   std::vector<Bucket> buckets_;
-  int64_t step_ = 0;
-  int64_t skippedSteps_ = 0;
+  mutable int64_t step_ = 0;
+  mutable int64_t skippedSteps_ = 0;
   at::Tensor stepTensor_;
+  at::Tensor deviceStep_;  // float32 on a GPU: the count the update kernels read
+  mutable std::deque<std::shared_ptr<detail::PendingNorm>> pending_;  // queued steps, oldest first
 
   // The overlap: per parameter, its bucket, its AccumulateGrad runs this step
   // and in the step counts were learned in (empty: learning).

@@ -25,18 +25,15 @@ at::Tensor sumOfSquares(const std::vector<at::Tensor>& pieces, const at::TensorO
   return at::stack(norms).to(resultOptions.dtype()).square().sum().reshape({1});
 }
 
-void adamw(const std::map<double, AdamWPieces>& groups, int64_t step, double lr, double gradScale,
+void adamw(const std::map<double, AdamWPieces>& groups, double lr, const DeviceScalars& scalars,
            const AdamWOptions& options) {
   for (const auto& [decay, pieces] : groups) {
     if (pieces.masters.empty()) continue;
-    const auto device = pieces.masters.front().device();
     // The kernels read the step count (one per piece; all the same here).
-    at::Tensor stepCount = at::full({}, static_cast<double>(step), at::TensorOptions(at::kFloat).device(device));
-    std::vector<at::Tensor> steps(pieces.masters.size(), stepCount);
-    std::optional<at::Tensor> unscale;  // the kernels divide each gradient by it
-    if (gradScale != 1.0) unscale = at::full({}, 1.0 / gradScale, at::TensorOptions(at::kFloat).device(device));
+    std::vector<at::Tensor> steps(pieces.masters.size(), scalars.step);
     at::_fused_adamw_(pieces.masters, pieces.grads, pieces.expAvg, pieces.expAvgSq, {}, steps, lr, options.beta1,
-                      options.beta2, decay, options.eps, /*amsgrad=*/false, /*maximize=*/false, unscale, std::nullopt);
+                      options.beta2, decay, options.eps, /*amsgrad=*/false, /*maximize=*/false, scalars.unscale,
+                      scalars.skip);
   }
 }
 
@@ -48,7 +45,7 @@ void copy(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src
   throw ConfigError("the fused optimizer kernels need libtorch 2.2 or later with CUDA");
 }
 at::Tensor sumOfSquares(const std::vector<at::Tensor>&, const at::TensorOptions&) { unavailable(); }
-void adamw(const std::map<double, AdamWPieces>&, int64_t, double, double, const AdamWOptions&) { unavailable(); }
+void adamw(const std::map<double, AdamWPieces>&, double, const DeviceScalars&, const AdamWOptions&) { unavailable(); }
 void copy(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&) { unavailable(); }
 #endif
 

@@ -1,7 +1,8 @@
 #pragma once
 // Multi-tensor kernels for the optimizer's step on a GPU: the squared norm of
 // many gradient pieces in one pass, AdamW over every piece in one kernel per
-// weight-decay value (with the clip scale folded in), and the copy of the
+// weight-decay value (with the clip scale and the skip of a step whose norm
+// is not finite read from the device), and the copy of the
 // updated master pieces into the parameters. The math is AdamW's as in
 // adamwUpdate; the order of the float operations differs in the last bits.
 // Used where available(): CUDA tensors with libtorch 2.2 or later. The CPU
@@ -10,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "optim/adamw.h"
@@ -27,9 +29,16 @@ struct AdamWPieces {
   std::vector<at::Tensor> masters, grads, expAvg, expAvgSq;
 };
 
-// One AdamW update at `step` (already counted) of every group, keyed by its
-// weight decay; the gradients are multiplied by `gradScale` first.
-void adamw(const std::map<double, AdamWPieces>& groups, int64_t step, double lr, double gradScale,
+// What the update reads from the device, so that the host queues it without
+// waiting for the gradient norm.
+struct DeviceScalars {
+  at::Tensor step;                    // float32, 0-D: the step count, this update counted
+  std::optional<at::Tensor> unscale;  // float32, 0-D: each gradient is divided by it first
+  std::optional<at::Tensor> skip;     // float32, 0-D: 1 leaves every piece as it was
+};
+
+// One AdamW update of every group, keyed by its weight decay.
+void adamw(const std::map<double, AdamWPieces>& groups, double lr, const DeviceScalars& scalars,
            const AdamWOptions& options);
 
 // dst[i].copy_(src[i]) for every i, converting dtypes, in few kernels.

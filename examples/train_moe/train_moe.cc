@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -228,6 +229,33 @@ int main(int argc, char** argv) {
     const double peak = peakFlops(device);
     double windowSeconds = 0;
     int64_t windowSteps = 0;
+    // A step whose loss and gradient norm the host reads while the next step runs on the device.
+    struct Queued {
+      int64_t step;
+      examples::StepLoss loss;
+      optim::StepNorm gradNorm;
+    };
+    std::optional<Queued> queued;
+    auto report = [&](Queued& done) {
+      const double meanLoss = done.loss.get(), gradNorm = done.gradNorm.get();
+      if (reporter.lossLog.is_open())
+        reporter.lossLog << fmt::format("{} {:.17g} {:.17g}\n", done.step, meanLoss, gradNorm);
+      if ((done.step + 1) % options.logInterval != 0 && done.step + 1 != lastStep)
+        return reporter.progress(done.step + 1, lastStep, meanLoss);
+      const moe::MoELayer* layer = model.firstMoeLayer();
+      const moe::MoEStats stats = layer ? layer->stats() : moe::MoEStats{};
+      const double tokensPerSecond = batches.tokensPerStep() * windowSteps / windowSeconds;
+      reporter.line(fmt::format(
+          "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms{} | grad norm {:.3f} | imbalance {:.2f} | "
+          "dropped {}{}",
+          done.step + 1, meanLoss, tokensPerSecond, 1e3 * windowSeconds / windowSteps,
+          device.is_cuda() ? throughput(tokensPerSecond, flopsPerToken, peak, runtime->world().size()) : "", gradNorm,
+          stats.imbalance, stats.droppedSlots,
+          // Updates not taken for a gradient norm that was not finite (the optimizer logs each).
+          optimizer.skippedSteps() > 0 ? fmt::format(" | skipped updates {}", optimizer.skippedSteps()) : ""));
+      windowSeconds = 0;
+      windowSteps = 0;
+    };
     examples::StepProfile profile(options.profile);
     const int64_t profileFrom = step + 10, profileTo = step + 15;
     for (; step < lastStep; ++step) {
@@ -244,41 +272,25 @@ int main(int argc, char** argv) {
             batches.batch(step, m * dp->size() + dp->rank(), options.microBatches * dp->size(), device));
       // The data-parallel mean of the loss (every rank's batch is the same size).
       examples::StepLoss loss = model.forwardBackward(microBatches);
-      const double gradNorm = optimizer.step(schedule.at(step), {.maxGradNorm = options.clip});
+      optim::StepNorm gradNorm = optimizer.launchStep(schedule.at(step), {.maxGradNorm = options.clip});
       optimizer.zeroGrad();
-      const double meanLoss = loss.get();  // read with the update already queued
+      if (queued) report(*queued);  // the step before, done or nearly so on the device
+      queued.emplace(Queued{step, std::move(loss), std::move(gradNorm)});
       windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       ++windowSteps;
-      if (reporter.lossLog.is_open()) reporter.lossLog << fmt::format("{} {:.17g} {:.17g}\n", step, meanLoss, gradNorm);
 
       const bool last = step + 1 == lastStep;
-      if ((step + 1) % options.logInterval == 0 || last) {
-        const moe::MoELayer* layer = model.firstMoeLayer();
-        const moe::MoEStats stats = layer ? layer->stats() : moe::MoEStats{};
-        reporter.line(fmt::format(
-            "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms{} | grad norm {:.3f} | imbalance {:.2f} | "
-            "dropped {}{}",
-            step + 1, meanLoss, batches.tokensPerStep() * windowSteps / windowSeconds,
-            1e3 * windowSeconds / windowSteps,
-            device.is_cuda() ? throughput(batches.tokensPerStep() * windowSteps / windowSeconds, flopsPerToken, peak,
-                                          runtime->world().size())
-                             : "",
-            gradNorm, stats.imbalance, stats.droppedSlots,
-            // Updates not taken for a gradient norm that was not finite (the optimizer logs each).
-            optimizer.skippedSteps() > 0 ? fmt::format(" | skipped updates {}", optimizer.skippedSteps()) : ""));
-        windowSeconds = 0;
-        windowSteps = 0;
-      } else {
-        reporter.progress(step + 1, lastStep, meanLoss);
-      }
       if (checkpointer && options.checkpointInterval > 0 && (step + 1) % options.checkpointInterval == 0 && !last)
         save(step + 1);
       if (agreeToStop(*runtime)) {
+        report(*queued);
+        queued.reset();
         reporter.line(fmt::format("signal {} received: saving step {} and stopping", stopSignal.load(), step + 1));
         ++step;
         break;
       }
     }
+    if (queued) report(*queued);
     profile.stop(rank);
     if (checkpointer) {
       save(step);
