@@ -59,25 +59,29 @@ if [ "$np" -gt 1 ]; then
     echo "$ref"
   }
   pick() { grep -o "TORCH_TRAIN $1 tokens_per_s=[0-9]*" <<<"$2" | cut -d= -f2 || echo 0; }
-  row() { rows+=("| $1 | $2 | $3 | $(mfu "$2" "$f") |"); echo "${rows[-1]}"; }
+  # A row: label, GPUs, tokens/s over all of them, efficiency (MFU per GPU).
+  row() {
+    rows+=("| $1 | $3 | $4 | $(mfu "$(awk -v t="$3" -v n="$2" 'BEGIN { print t / n }')" "$f") |")
+    echo "${rows[-1]}"
+  }
   rows=()
   one=$(ranks 1)
-  row "train_moe, 1 GPU" "$one" ""
+  row "train_moe, 1 GPU" 1 "$one" ""
   for ep in 1 2 "$np"; do
     t=$(ranks "$np" --ep "$ep")
-    row "train_moe, $np GPUs, ep $ep" "$t" "$(ratio "$t" "$(awk -v a="$one" -v n="$np" 'BEGIN { print a * n }')")"
+    row "train_moe, $np GPUs, ep $ep" "$np" "$t" "$(ratio "$t" "$(awk -v a="$one" -v n="$np" 'BEGIN { print a * n }')")"
     [ "$ep" = 1 ] && best=$t
     [ "$ep" = 1 ] || best=$(awk -v a="$best" -v b="$t" 'BEGIN { print (b > a ? b : a) }')
   done
   t=$(ranks "$np" --ep 1 --no-grad-overlap)
-  row "train_moe, $np GPUs, ep 1, reduction after the backward" "$t" "$(ratio "$t" "$(awk -v a="$one" -v n="$np" 'BEGIN { print a * n }')")"
+  row "train_moe, $np GPUs, ep 1, reduction after the backward" "$np" "$t" "$(ratio "$t" "$(awk -v a="$one" -v n="$np" 'BEGIN { print a * n }')")"
   ref1=$(torch 1)
   refn=$(torch "$np")
   for mode in ${modes//,/ }; do
     a=$(pick "$mode" "$ref1")
     b=$(pick "$mode" "$refn")
-    row "PyTorch $mode, 1 GPU" "$a" ""
-    row "PyTorch DDP $mode, $np GPUs" "$b" "$(ratio "$b" "$(awk -v a="$a" -v n="$np" 'BEGIN { print a * n }')")"
+    row "PyTorch $mode, 1 GPU" 1 "$a" ""
+    row "PyTorch DDP $mode, $np GPUs" "$np" "$b" "$(ratio "$b" "$(awk -v a="$a" -v n="$np" 'BEGIN { print a * n }')")"
     [ "$mode" = compiled ] && compiled=$b
   done
   {
@@ -91,7 +95,7 @@ if [ "$np" -gt 1 ]; then
     echo "  16 sequences per GPU. Efficiency: N-GPU tokens/s over N x the same program's one-GPU tokens/s."
     echo "- train_moe's best $np-GPU figure over PyTorch DDP compiled at $np GPUs: $(ratio "$best" "${compiled:-0}")"
     echo
-    echo "| run | tokens/s | efficiency | MFU |"
+    echo "| run | tokens/s | efficiency | MFU (per GPU) |"
     echo "|---|---:|---:|---:|"
     printf '%s\n' "${rows[@]}"
   } >"$out"
