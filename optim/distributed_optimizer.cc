@@ -57,8 +57,10 @@ DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const 
   checkReplicasAgree(ParamGroup::Expert, groups_.expertDp(), deadline);
 
   int64_t divisor = parallel::gradientDivisor(groups_);
-  const auto plans = planBuckets(params_, options_.bucketBytes, options_.reduceAtStep,
-                                 [](at::ScalarType type) { return at::elementSize(masterType(type)); });
+  const bool inParamDtype = options_.reduceInParamDtype;
+  const auto plans = planBuckets(params_, options_.bucketBytes, options_.reduceAtStep, [&](at::ScalarType type) {
+    return static_cast<int64_t>(at::elementSize(inParamDtype ? type : masterType(type)));
+  });
   bucketOf_.resize(params_.size());
   for (const BucketPlan& plan : plans) {  // every rank plans the same buckets and issues them in this order
     Bucket bucket;
@@ -154,12 +156,12 @@ void DistributedOptimizer::startBucket(size_t b, Deadline deadline) {
   const ShardLayout& layout = bucket.layout;
   const int ranks = layout.ranks();
   const c10::Device device = groups_.world()->device();
-  auto options = at::TensorOptions().dtype(bucket.masterType).device(device);
+  auto options = at::TensorOptions().dtype(reduceType(bucket)).device(device);
   // Allocated on the current stream, which the reduction's stream waits for
   // below, and handed to the communicator, which keeps it from reuse until
   // the reduction is done.
   at::Tensor padded = at::empty({ranks * layout.shardMax}, options);
-  bucket.gradShard = ranks == 1 ? padded : at::empty({layout.shardMax}, options);
+  bucket.reduced = ranks == 1 ? padded : at::empty({layout.shardMax}, options);
   std::optional<c10::StreamGuard> onStream;
   if (stream_) {  // behind everything queued so far, which wrote these gradients
     const c10::impl::VirtualGuardImpl impl(device.type());
@@ -195,7 +197,11 @@ void DistributedOptimizer::startBucket(size_t b, Deadline deadline) {
   }
   if (fusedKernels) fused::copy(into, from);
   if (ranks > 1)
-    bucket.work = bucket.comm->reduceScatter(padded, bucket.gradShard, {.op = ReduceOp::Sum, .deadline = deadline});
+    bucket.work = bucket.comm->reduceScatter(padded, bucket.reduced, {.op = ReduceOp::Sum, .deadline = deadline});
+}
+
+at::ScalarType DistributedOptimizer::reduceType(const Bucket& bucket) const {
+  return options_.reduceInParamDtype ? bucket.paramType : bucket.masterType;
 }
 
 void DistributedOptimizer::onGradient(size_t param) {
@@ -226,8 +232,11 @@ void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
   }
   // On a GPU the work is ordered on the streams: nothing for the host to wait for.
   const bool hostWaits = groups_.world()->device().is_cpu();
-  for (Bucket& bucket : buckets_)
+  for (Bucket& bucket : buckets_) {
     if (bucket.work && hostWaits) bucket.work->wait(deadline);
+    bucket.gradShard = bucket.reduced.to(bucket.masterType);  // the same tensor where reduced in it
+    bucket.reduced = at::Tensor();
+  }
   std::vector<WorkPtr> works;
   for (Bucket& bucket : buckets_)  // the other instances' sums of the same shard
     if (bucket.instances)
@@ -256,6 +265,7 @@ void DistributedOptimizer::endCycle() {
   nextBucket_ = 0;
   for (Bucket& bucket : buckets_) {
     bucket.gradShard = at::Tensor();  // not held between steps
+    bucket.reduced = at::Tensor();
     bucket.work.reset();
     bucket.started = false;
     bucket.waitingFor = 0;

@@ -77,6 +77,10 @@ struct DistributedOptimizerOptions {
   std::optional<int64_t> expertDivisor;
   // Reduce-scatter buckets during the backward (see above); off: all at step().
   bool overlapGradReduce = true;
+  // bf16 and fp16 gradients reduce-scattered in their own dtype (half the
+  // bytes; every addition of the sum rounds to it), then converted to the
+  // float32 master dtype; false: converted first, summed in float32.
+  bool reduceInParamDtype = false;
   // Gradient bytes (of the reduction dtype) per bucket.
   int64_t bucketBytes = int64_t{64} << 20;
   // Parameters whose gradients the caller changes between the backward and
@@ -173,8 +177,9 @@ class DistributedOptimizer {
     std::vector<std::vector<ShardLayout::Piece>> pieces;  // per rank of comm
     at::Tensor master;                                    // this rank's shard, when distinct from the parameters
     at::Tensor expAvg, expAvgSq;                          // this rank's shard
-    at::Tensor gradShard;                                 // the reduced gradient, during a step (shardMax long)
-    bool atStep = false;                                  // never started during the backward
+    at::Tensor reduced;                                   // the reduce-scatter's output, in the reduction dtype
+    at::Tensor gradShard;  // the reduced gradient in the master dtype, during a step (shardMax long)
+    bool atStep = false;   // never started during the backward
     // During a step: members whose gradients are not finished yet, and the reduce-scatter once started.
     int waitingFor = 0;
     WorkPtr work;
@@ -189,6 +194,7 @@ class DistributedOptimizer {
   // Converts bucket b's gradients into its padded float buffer and starts its reduce-scatter.
   void startBucket(size_t b, Deadline deadline);
   void onGradient(size_t param);  // from the hooks
+  at::ScalarType reduceType(const Bucket& bucket) const;
   // After a step (taken or skipped): counts learned, everything ready for the next backward.
   void endCycle();
   std::vector<at::Tensor> countedPieces() const;  // of the gradient shards, for the norm

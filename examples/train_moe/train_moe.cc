@@ -166,9 +166,11 @@ int main(int argc, char** argv) {
     // The tied embedding's gradients are summed across stages after the backward: reduced at the step.
     std::set<std::string> reduceAtStep;
     if (options.model.tiedEmbedding) reduceAtStep.insert("embed.weight");
-    optim::DistributedOptimizer optimizer(
-        model.parameters(), groups,
-        {.adamw = {.weightDecay = 0.01}, .overlapGradReduce = options.gradOverlap, .reduceAtStep = reduceAtStep});
+    optim::DistributedOptimizer optimizer(model.parameters(), groups,
+                                          {.adamw = {.weightDecay = 0.01},
+                                           .overlapGradReduce = options.gradOverlap,
+                                           .reduceInParamDtype = options.gradReduceBf16,
+                                           .reduceAtStep = reduceAtStep});
     const optim::LrSchedule schedule{
         .peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup, .totalSteps = options.steps};
     schedule.validate();

@@ -34,8 +34,9 @@ struct TrainOptions {
   std::string resume;   // "latest", a step number, or empty
   std::string lossLog;  // rank 0 appends "step loss grad_norm" per step
   bool printDigest = false;
-  std::string profile;      // Chrome trace of 5 steps after 10 of warm-up; empty: none
-  bool gradOverlap = true;  // gradient reduce-scatters during the backward
+  std::string profile;          // Chrome trace of 5 steps after 10 of warm-up; empty: none
+  bool gradOverlap = true;      // gradient reduce-scatters during the backward
+  bool gradReduceBf16 = false;  // bf16 gradients reduce-scattered in bf16, not float32
 };
 
 // train_moe's flags, writing into `options` (parse with cli::parse).

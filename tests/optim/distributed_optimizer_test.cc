@@ -170,7 +170,13 @@ TEST_CASE("distributed optimizer equals plain AdamW with two optimizer instances
   }
 }
 
-TEST_CASE("distributed optimizer keeps float32 master weights for bf16 parameters") {
+namespace {
+
+// bf16 parameters with float32 master weights, their gradients reduced in
+// float32 or in bf16 (`inParamDtype`): the quarter steps below sum exactly in
+// either.
+void checkBf16Masters(bool inParamDtype) {
+  INFO("reduced in " << (inParamDtype ? "bf16" : "float32"));
   ProcessGroups groups = makeGroups({});
   int dpSize = groups.dpCp()->size();
   std::vector<Spec> specs{{"w", {5, 4}}, {"v", {7}}};
@@ -183,7 +189,7 @@ TEST_CASE("distributed optimizer keeps float32 master weights for bf16 parameter
     global.push_back(
         {.name = spec.name, .tensor = initial.clone().set_requires_grad(true), .shard = ShardInfo::whole(spec.shape)});
   }
-  DistributedOptimizer distributed(local, groups, {.adamw = kAdamW});
+  DistributedOptimizer distributed(local, groups, {.adamw = kAdamW, .reduceInParamDtype = inParamDtype});
   AdamW plain(global, kAdamW);
   CHECK(distributed.stateElements() > 0);
 
@@ -219,6 +225,13 @@ TEST_CASE("distributed optimizer keeps float32 master weights for bf16 parameter
   }
 }
 
+}  // namespace
+
+TEST_CASE("distributed optimizer keeps float32 master weights for bf16 parameters") {
+  checkBf16Masters(/*inParamDtype=*/false);
+  checkBf16Masters(/*inParamDtype=*/true);
+}
+
 TEST_CASE("replicas passing different parameters fail on every rank before any step") {
   if (world().size() < 2) return;
   ProcessGroups groups = makeGroups({});
@@ -239,4 +252,35 @@ TEST_CASE("replicas passing different parameters fail on every rank before any s
   // A parameter without its ShardInfo is refused before any communication.
   std::vector<Parameter> bare{{.name = "x", .tensor = seeded({2}, 701).set_requires_grad(true)}};
   CHECK_THROWS_AS(DistributedOptimizer(bare, groups), ConfigError);
+}
+
+TEST_CASE("bf16 gradients reduced in bf16 round their sum to bf16; in float32 they do not") {
+  if (world().size() != 4) return;
+  ProcessGroups groups = makeGroups({});
+  // World rank 0 holds 1, the others 2^-9 each: the float32 sum 1 + 3 * 2^-9 lies between two bf16
+  // values (1 and 1 + 2^-7), so a bf16 sum in any order is a bf16 value, and not it.
+  const float mine = world().rank() == 0 ? 1.0f : std::ldexp(1.0f, -9);
+  const float exact = (1.0f + 3 * std::ldexp(1.0f, -9)) / 4;  // the dp mean, in float32
+  for (bool inParamDtype : {false, true}) {
+    INFO("reduced in " << (inParamDtype ? "bf16" : "float32"));
+    at::Tensor weight = at::zeros({4}, at::kBFloat16).set_requires_grad(true);
+    std::vector<Parameter> params{
+        {.name = "w", .tensor = weight, .shard = ShardInfo::whole({4}, groups.dpCp()->rank())}};
+    DistributedOptimizer optimizer(params, groups, {.adamw = kAdamW, .reduceInParamDtype = inParamDtype});
+    weight.mutable_grad() = at::full({4}, mine, at::kBFloat16);
+    optimizer.step(1e-3);
+    // After one step exp_avg is (1 - beta1) times the reduced gradient.
+    for (const ShardedTensor& piece : optimizer.state()) {
+      if (piece.key != "optim.w.exp_avg" || piece.local.numel() == 0) continue;
+      at::Tensor gradient = piece.local.to(at::kDouble) / (1 - kAdamW.beta1);
+      at::Tensor want = at::full_like(gradient, static_cast<double>(exact));
+      if (inParamDtype) {
+        CHECK((gradient - want).abs().min().item<double>() > 1e-4);
+        at::Tensor sum = gradient * 4;  // a bf16 value, within exp_avg's float32 rounding
+        CHECK((sum - sum.to(at::kBFloat16).to(at::kDouble)).abs().max().item<double>() <= 1e-6);
+      } else {
+        CHECK((gradient - want).abs().max().item<double>() <= 1e-7);
+      }
+    }
+  }
 }
