@@ -70,8 +70,9 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   app.add_flag("--grad-overlap,!--no-grad-overlap", o.gradOverlap,
                "reduce-scatter gradient buckets during the backward (the default), or all at the optimizer step")
       ->group("Training");
-  app.add_flag("--grad-reduce-bf16", o.gradReduceBf16,
-               "reduce-scatter bf16 gradients in bf16 (half the bytes, each addition rounded), not in float32")
+  app.add_flag("--grad-reduce-bf16,!--grad-reduce-fp32", o.gradReduceBf16,
+               "reduce-scatter bf16 gradients in bf16 (the default: half the bytes, each addition rounded) or in "
+               "float32")
       ->group("Training");
   app.add_option("--clip", o.clip, "global gradient-norm clip (0: none)")->check(count)->group("Training");
   app.add_option("--log-interval", o.logInterval, "steps between log lines")->check(positive)->group("Training");
