@@ -5,7 +5,7 @@
 #   bench/run_train_bench.sh [build-dir] [out-file] [layers, default "4 8"] [sequence lengths, default "256 1024 4096"]
 # Env: STEPS (default 40; the second half is measured), MODES (default "eager,compiled").
 #
-# Multi-GPU mode (NP=N, N > 1): weak scaling at 4 layers, sequence 1,024, 16 sequences per GPU. train_moe
+# Multi-GPU mode (NP=N, N > 1; STEPS default 200): weak scaling at 4 layers, sequence 1,024, 16 sequences per GPU. train_moe
 # on one GPU and on N (ep 1, 2 and N; gradient reduction overlapped, and at ep 1 also not), PyTorch under
 # DDP (torchrun) on one and on N, eager and compiled; tokens/s, scaling efficiency (N-GPU tokens/s over N
 # times the same program's one-GPU figure) and MFU.
@@ -41,6 +41,7 @@ ours() {
 }
 np=${NP:-1}
 if [ "$np" -gt 1 ]; then
+  steps=${STEPS:-200}  # the first tens of steps run slower on several GPUs: measure steps 101-200
   shape="--layers 4 --hidden 1024 --heads 8 --ffn 512 --experts 16 --topk 2 --seq 1024"
   f=$(flops 4 1024)
   # train_moe tokens/s on $1 GPUs with the flags after it.
