@@ -34,8 +34,8 @@ struct TrainOptions {
   std::string resume;   // "latest", a step number, or empty
   std::string lossLog;  // rank 0 appends "step loss grad_norm" per step
   bool printDigest = false;
-  std::string profile;          // Chrome trace of 5 steps after 10 of warm-up; empty: none
-  bool gradOverlap = true;      // gradient reduce-scatters during the backward
+  std::string profile;      // Chrome trace of 5 steps after 10 of warm-up; empty: none
+  bool gradOverlap = true;  // gradient reduce-scatters during the backward
   // bf16 gradients reduce-scattered in bf16, not float32: on 4 H100s 5-10% more tokens/s, and the
   // 200-step loss within the run-to-run spread (bench/results/train_grad_reduce_h100x4_2026-11-28.md).
   bool gradReduceBf16 = true;
