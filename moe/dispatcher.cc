@@ -1,71 +1,25 @@
 #include "moe/dispatcher.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <chrono>
 #include <limits>
 #include <numeric>
-#include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "moe/all_to_all_autograd.h"
 #include "moe/dispatch_routes.h"
 #include "moe/gather_sum.h"
 #include "parallel/tensor_parallel.h"
-#include "runtime/backoff.h"
 #include "runtime/errors.h"
+#include "runtime/host_copy.h"
 
 namespace bulkhead::moe {
 namespace {
-
-// A copy of a small tensor to the host that, on a GPU, runs behind the work
-// already queued and lets the host wait for it alone, not for work queued
-// after it (the dispatch's packing).
-class HostCopy {
- public:
-  explicit HostCopy(const at::Tensor& source) : source_(source) {
-    if (!source.is_cuda()) return;
-    host_ = at::empty(source.sizes(), source.options().device(at::kCPU).pinned_memory(true));
-    host_.copy_(source, /*non_blocking=*/true);
-    const c10::impl::VirtualGuardImpl device(source.device().type());
-    copied_.emplace(source.device().type());
-    copied_->record(device.getStream(source.device()));
-  }
-  // The copy of a collective's output, once `work` has completed and the copy
-  // behind it too; raises work's error where it fails or never completes (by
-  // its deadline). CPU sources are returned as they are, once `work` completes.
-  // Polls by yielding for the first millisecond (the copy usually lands within
-  // it, and a sleep would add the timer's slack to every dispatch), then
-  // backs off, leaving the core to others while a slow peer is awaited.
-  at::Tensor get(Work& work, Deadline deadline) const {
-    if (copied_) {
-      const auto spinUntil = Deadline::Clock::now() + std::chrono::milliseconds(1);
-      Backoff backoff;
-      while (!copied_->query()) {
-        // Raises, or returns with the copy right behind the completed collective.
-        if (deadline.expired() || work.exception()) work.wait(deadline);
-        if (Deadline::Clock::now() < spinUntil)
-          std::this_thread::yield();
-        else
-          backoff.pause(deadline);
-      }
-    }
-    work.wait(deadline);  // already complete on a GPU, unless it failed: then this raises why
-    return copied_ ? host_ : source_;
-  }
-
- private:
-  at::Tensor source_, host_;
-  std::optional<c10::Event> copied_;
-};
 
 int64_t sum(const std::vector<int64_t>& values) { return std::accumulate(values.begin(), values.end(), int64_t{0}); }
 
@@ -129,10 +83,10 @@ DispatchPlan TokenDispatcher::dispatch(const at::Tensor& tokens, const Routing& 
   // counts alone: the one device sync of a dispatch.
   const Deadline deadline = parallel::collectiveDeadline(options_.timeout);
   WorkPtr work = ep_->allToAll(routes.counts.select(0, 0), routes.counts.select(0, 1), {}, {}, {.deadline = deadline});
-  const HostCopy counts(routes.counts);
+  const HostCopy counts(routes.counts, "the dispatch's token counts");
   const RoutedLayout layout(tokens, packType, shape.perSlot ? 1 : routing.indices.size(1));
   const SendRows outgoing = packSendRows(layout, tokens.detach(), weights.detach(), routing, shape, routes);
-  const at::Tensor host = counts.get(*work, deadline);
+  const at::Tensor host = counts.get(deadline, work.get());
   const auto hostCounts = host.accessor<int64_t, 3>();
   // Every rank learns of every rank's invalid slots from the exchange, so all
   // raise together rather than leave the others waiting in the next one.

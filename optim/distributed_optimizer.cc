@@ -20,8 +20,8 @@
 #include "optim/parameter_checks.h"
 #include "parallel/grad_sync.h"
 #include "parallel/tensor_parallel.h"
-#include "runtime/backoff.h"
 #include "runtime/errors.h"
+#include "runtime/host_copy.h"
 #include "runtime/log.h"
 
 namespace bulkhead::optim {
@@ -312,31 +312,17 @@ void DistributedOptimizer::allGatherParameters(Deadline deadline) {
 
 namespace detail {
 
-// A norm on its way to the host: copied to page-locked memory behind the step.
+// A norm on its way to the host, copied behind the step's reductions.
 struct PendingNorm {
-  at::Tensor host;
-  std::optional<c10::Event> copied;
+  HostCopy copy;
   Deadline deadline;
   std::optional<double> value;
 
-  PendingNorm(const at::Tensor& norm, Deadline deadline) : deadline(deadline) {
-    host = at::empty({1}, norm.options().device(at::kCPU).pinned_memory(true));
-    host.copy_(norm, /*non_blocking=*/true);
-    const c10::impl::VirtualGuardImpl impl(norm.device().type());
-    copied.emplace(norm.device().type());
-    copied->record(impl.getStream(norm.device()));
-  }
-  bool ready() { return value || copied->query(); }
+  PendingNorm(const at::Tensor& norm, Deadline deadline)
+      : copy(norm, "DistributedOptimizer: the step's gradient norm"), deadline(deadline) {}
+  bool ready() const { return value || copy.ready(); }
   double get() {
-    if (value) return *value;
-    Backoff backoff(std::chrono::microseconds(50));
-    while (!copied->query()) {
-      if (deadline.expired())
-        throw TimeoutError("DistributedOptimizer: the step's gradient norm did not reach the host by its deadline",
-                           {.expected = "the step's reductions and norm done on the device"});
-      backoff.pause(deadline);
-    }
-    value = host.item<double>();
+    if (!value) value = copy.get(deadline).item<double>();
     return *value;
   }
 };
@@ -385,12 +371,7 @@ double DistributedOptimizer::hostUpdate(const at::Tensor& partial, double lr, co
     // Every rank holds the same all-reduced norm, so all skip alike. An
     // update from an inf or NaN gradient would write NaN into the master
     // weights and both moments for good (and into every later checkpoint).
-    ++skippedSteps_;
-    if (groups_.world()->rank() == 0)
-      log::warn("optim",
-                "step skipped on every rank: the global gradient norm is {} (an inf or NaN gradient); the "
-                "parameters, the optimizer state and the step count are unchanged ({} skipped so far)",
-                norm, skippedSteps_);
+    countSkipped(norm);
     endCycle();
     return norm;
   }
@@ -449,13 +430,17 @@ void DistributedOptimizer::settle(bool wait) const {
       stepTensor_.fill_(++step_);
       continue;
     }
-    ++skippedSteps_;
-    if (groups_.world()->rank() == 0)
-      log::warn("optim",
-                "step skipped on every rank: the global gradient norm is {} (an inf or NaN gradient); the "
-                "parameters, the optimizer state and the step count are unchanged ({} skipped so far)",
-                norm, skippedSteps_);
+    countSkipped(norm);
   }
+}
+
+void DistributedOptimizer::countSkipped(double norm) const {
+  ++skippedSteps_;
+  if (groups_.world()->rank() == 0)
+    log::warn("optim",
+              "step skipped on every rank: the global gradient norm is {} (an inf or NaN gradient); the "
+              "parameters, the optimizer state and the step count are unchanged ({} skipped so far)",
+              norm, skippedSteps_);
 }
 
 void DistributedOptimizer::zeroGrad() {

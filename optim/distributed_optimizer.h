@@ -203,6 +203,7 @@ class DistributedOptimizer {
   StepNorm deviceUpdate(const at::Tensor& partial, double lr, const StepOptions& stepOptions, Deadline deadline);
   // Counts the queued steps whose norms are known (all of them, waiting, with `wait`).
   void settle(bool wait) const;
+  void countSkipped(double norm) const;  // a step not taken, logged once by rank 0
   void allGatherParameters(Deadline deadline);
 
   std::vector<parallel::Parameter> params_;

@@ -2,14 +2,11 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 
-#include <chrono>
 #include <utility>
 
 #include "parallel/tensor_parallel.h"
-#include "runtime/backoff.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::examples {
@@ -49,29 +46,11 @@ StagedModel::StagedModel(const ModelConfig& config, const parallel::ProcessGroup
 }
 
 StepLoss::StepLoss(WorkPtr work, at::Tensor sum, int replicas, Deadline deadline)
-    : work_(std::move(work)), sum_(std::move(sum)), replicas_(replicas), deadline_(deadline) {
-  if (!sum_.is_cuda()) return;
-  host_ = at::empty(sum_.sizes(), sum_.options().device(at::kCPU).pinned_memory(true));
-  host_.copy_(sum_, /*non_blocking=*/true);  // on the stream, behind the all-reduce
-  const c10::impl::VirtualGuardImpl device(sum_.device().type());
-  copied_.emplace(sum_.device().type());
-  copied_->record(device.getStream(sum_.device()));
-}
+    : work_(std::move(work)), copy_(sum, "train_moe: the step's loss"), replicas_(replicas), deadline_(deadline) {}
 
 double StepLoss::get() {
-  if (value_) return *value_;
-  work_->wait(deadline_);  // raises the all-reduce's error or its timeout
-  if (copied_) {
-    // The copy right behind the completed all-reduce: microseconds.
-    Backoff backoff(std::chrono::microseconds(20));
-    while (!copied_->query()) {
-      if (deadline_.expired())
-        throw TimeoutError("train_moe: the step's loss did not reach the host by its deadline",
-                           {.expected = "the loss copied behind its all-reduce"});
-      backoff.pause(deadline_);
-    }
-  }
-  value_ = (copied_ ? host_ : sum_).item<double>() / replicas_;
+  // Raises the all-reduce's error or its timeout.
+  if (!value_) value_ = copy_.get(deadline_, work_.get()).item<double>() / replicas_;
   return *value_;
 }
 

@@ -7,7 +7,6 @@
 // backward.
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/Event.h>
 
 #include <memory>
 #include <optional>
@@ -17,6 +16,7 @@
 #include "parallel/pipeline.h"
 #include "runtime/communicator.h"
 #include "runtime/deadline.h"
+#include "runtime/host_copy.h"
 
 namespace bulkhead::examples {
 
@@ -33,8 +33,7 @@ class StepLoss {
 
  private:
   WorkPtr work_;
-  at::Tensor sum_, host_;
-  std::optional<c10::Event> copied_;
+  HostCopy copy_;  // behind the all-reduce
   int replicas_;
   Deadline deadline_;
   std::optional<double> value_;
