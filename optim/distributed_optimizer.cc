@@ -58,7 +58,10 @@ DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const 
 
   int64_t divisor = parallel::gradientDivisor(groups_);
   const bool inParamDtype = options_.reduceInParamDtype;
-  const auto plans = planBuckets(params_, options_.bucketBytes, options_.reduceAtStep, [&](at::ScalarType type) {
+  std::set<std::string> atStep = options_.reduceAtStep;
+  for (const Parameter& p : params_)  // no AccumulateGrad to hook: nothing would say when its gradient is done
+    if (options_.overlapGradReduce && (!p.tensor.requires_grad() || !p.tensor.is_leaf())) atStep.insert(p.name);
+  const auto plans = planBuckets(params_, options_.bucketBytes, atStep, [&](at::ScalarType type) {
     return static_cast<int64_t>(at::elementSize(inParamDtype ? type : masterType(type)));
   });
   bucketOf_.resize(params_.size());
@@ -152,7 +155,6 @@ DistributedOptimizer::~DistributedOptimizer() {
 
 void DistributedOptimizer::startBucket(size_t b, Deadline deadline) {
   Bucket& bucket = buckets_[b];
-  bucket.started = true;
   const ShardLayout& layout = bucket.layout;
   const int ranks = layout.ranks();
   const c10::Device device = groups_.world()->device();
@@ -165,9 +167,11 @@ void DistributedOptimizer::startBucket(size_t b, Deadline deadline) {
   std::optional<c10::StreamGuard> onStream;
   if (stream_) {  // behind everything queued so far, which wrote these gradients
     const c10::impl::VirtualGuardImpl impl(device.type());
-    c10::Event written(device.type());
-    written.record(impl.getStream(device));
-    written.block(*stream_);
+    c10::Event queued(device.type());
+    queued.record(impl.getStream(device));
+    queued.block(*stream_);
+    // And behind each gradient's own stream (a shared expert's runs on one of its own).
+    for (const c10::Event& written : bucket.written) written.block(*stream_);
     onStream.emplace(*stream_);
   }
   // Every gradient goes straight into its rows' place in the padded input
@@ -196,8 +200,11 @@ void DistributedOptimizer::startBucket(size_t b, Deadline deadline) {
     }
   }
   if (fusedKernels) fused::copy(into, from);
-  if (ranks > 1)
+  if (ranks > 1) {
     bucket.work = bucket.comm->reduceScatter(padded, bucket.reduced, {.op = ReduceOp::Sum, .deadline = deadline});
+    inFlight_.push_back(bucket.work);
+  }
+  bucket.started = true;
 }
 
 at::ScalarType DistributedOptimizer::reduceType(const Bucket& bucket) const {
@@ -213,17 +220,23 @@ void DistributedOptimizer::onGradient(size_t param) {
     if (late_.empty()) late_ = params_[param].name;
     return;
   }
+  if (stream_) {  // where this gradient was written
+    const c10::Device device = groups_.world()->device();
+    bucket.written.emplace_back(device.type());
+    bucket.written.back().record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
   if (runs_[param] != expectedRuns_[param] || --bucket.waitingFor > 0) return;
   // In bucket order only, so that every rank issues the same sequence.
   while (nextBucket_ < buckets_.size() && !buckets_[nextBucket_].atStep && buckets_[nextBucket_].waitingFor == 0) {
-    startBucket(nextBucket_++, parallel::collectiveDeadline(options_.timeout));
+    startBucket(nextBucket_, parallel::collectiveDeadline(options_.timeout));
+    ++nextBucket_;
     ++overlapping_;
   }
 }
 
 void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
   std::lock_guard<std::mutex> lock(mutex_);
-  while (nextBucket_ < buckets_.size()) startBucket(nextBucket_++, deadline);
+  for (; nextBucket_ < buckets_.size(); ++nextBucket_) startBucket(nextBucket_, deadline);
   if (stream_) {  // the update reads the shards on the current stream
     const c10::Device device = groups_.world()->device();
     c10::Event reduced(device.type());
@@ -234,39 +247,45 @@ void DistributedOptimizer::reduceScatterGradients(Deadline deadline) {
   const bool hostWaits = groups_.world()->device().is_cpu();
   for (Bucket& bucket : buckets_) {
     if (bucket.work && hostWaits) bucket.work->wait(deadline);
-    bucket.gradShard = bucket.reduced.to(bucket.masterType);  // the same tensor where reduced in it
+    if (bucket.reduced.defined())
+      bucket.gradShard = bucket.reduced.to(bucket.masterType);  // the same where reduced in it
     bucket.reduced = at::Tensor();
   }
   std::vector<WorkPtr> works;
   for (Bucket& bucket : buckets_)  // the other instances' sums of the same shard
     if (bucket.instances)
       works.push_back(bucket.instances->allReduce(bucket.gradShard, {.op = ReduceOp::Sum, .deadline = deadline}));
+  inFlight_.insert(inFlight_.end(), works.begin(), works.end());
   if (hostWaits)
     for (const WorkPtr& work : works) work->wait(deadline);
   for (Bucket& bucket : buckets_)
     if (bucket.divisor != 1) bucket.gradShard.div_(bucket.divisor);
 }
 
-void DistributedOptimizer::endCycle() {
+void DistributedOptimizer::endCycle(bool completed) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!late_.empty()) {
+  if (!completed) {  // a step that raised: what it counted is not a step's
+    expectedRuns_.clear();
+  } else if (!late_.empty()) {
     log::warn("optim",
               "the gradient of {} changed after its bucket's reduction had started (it was used more often in this "
               "step than in the step the overlap learned from): this step's update is skipped on every rank and "
               "the overlap learns again",
               late_);
     expectedRuns_.clear();
-  } else if (expectedRuns_.empty() && hooks_) {
-    expectedRuns_ = runs_;
+  } else if (expectedRuns_.empty() && hooks_ && std::any_of(runs_.begin(), runs_.end(), [](int n) { return n > 0; })) {
+    expectedRuns_ = runs_;  // a step with no backward (gradients set by hand) teaches nothing
   }
   late_.clear();
   overlappedBuckets_ = overlapping_;
   overlapping_ = 0;
   nextBucket_ = 0;
+  inFlight_.clear();
   for (Bucket& bucket : buckets_) {
     bucket.gradShard = at::Tensor();  // not held between steps
     bucket.reduced = at::Tensor();
     bucket.work.reset();
+    bucket.written.clear();
     bucket.started = false;
     bucket.waitingFor = 0;
   }
@@ -290,6 +309,7 @@ void DistributedOptimizer::allGatherParameters(Deadline deadline) {
     gathered[b] = at::empty({ranks * bucket.layout.shardMax}, options);
     works.push_back(bucket.comm->allGather(send, gathered[b], {.deadline = deadline}));
   }
+  inFlight_.insert(inFlight_.end(), works.begin(), works.end());
   if (groups_.world()->device().is_cpu())  // on a GPU the copies below are ordered behind the gathers
     for (const WorkPtr& work : works) work->wait(deadline);
   std::vector<at::Tensor> into, from;  // copies done together at the end
@@ -313,16 +333,26 @@ void DistributedOptimizer::allGatherParameters(Deadline deadline) {
 namespace detail {
 
 // A norm on its way to the host, copied behind the step's reductions.
+// Its collectives' errors are raised when it is read.
 struct PendingNorm {
   HostCopy copy;
   Deadline deadline;
+  WorkPtr normWork;                // the norm's all-reduce (none on one rank)
+  std::vector<WorkPtr> stepWorks;  // the step's reductions and gathers
   std::optional<double> value;
 
-  PendingNorm(const at::Tensor& norm, Deadline deadline)
-      : copy(norm, "DistributedOptimizer: the step's gradient norm"), deadline(deadline) {}
+  PendingNorm(const at::Tensor& norm, Deadline deadline, WorkPtr normWork, std::vector<WorkPtr> stepWorks)
+      : copy(norm, "DistributedOptimizer: the step's gradient norm"),
+        deadline(deadline),
+        normWork(std::move(normWork)),
+        stepWorks(std::move(stepWorks)) {}
   bool ready() const { return value || copy.ready(); }
   double get() {
-    if (!value) value = copy.get(deadline).item<double>();
+    if (value) return *value;
+    const double norm = copy.get(deadline, normWork.get()).item<double>();
+    // Done on the device by now (they precede the copy), unless one failed: then this raises why.
+    for (const WorkPtr& work : stepWorks) work->wait(deadline);
+    value = norm;
     return *value;
   }
 };
@@ -346,6 +376,15 @@ std::vector<at::Tensor> DistributedOptimizer::countedPieces() const {
 }
 
 StepNorm DistributedOptimizer::launchStep(double lr, StepOptions stepOptions) {
+  try {
+    return queueStep(lr, stepOptions);
+  } catch (...) {
+    endCycle(/*completed=*/false);  // the next step starts afresh and learns again
+    throw;
+  }
+}
+
+StepNorm DistributedOptimizer::queueStep(double lr, const StepOptions& stepOptions) {
   c10::NoGradGuard noGrad;
   Deadline deadline = stepOptions.deadline.value_or(parallel::collectiveDeadline(options_.timeout));
   settle(/*wait=*/false);
@@ -404,7 +443,8 @@ StepNorm DistributedOptimizer::deviceUpdate(const at::Tensor& partial, double lr
     }
   const CommunicatorPtr& world = groups_.world();
   at::Tensor sum = partial.reshape({1}).contiguous();
-  if (world->size() > 1) world->allReduce(sum, {.op = ReduceOp::Sum, .deadline = deadline});  // stream-ordered
+  WorkPtr normWork;  // stream-ordered: the host does not wait for it here
+  if (world->size() > 1) normWork = world->allReduce(sum, {.op = ReduceOp::Sum, .deadline = deadline});
   const at::Tensor norm = sum.sqrt();
   // Every rank holds the same all-reduced norm, so all skip alike (see hostUpdate).
   const at::Tensor finite = at::isfinite(norm).to(at::kFloat).reshape({});
@@ -416,8 +456,8 @@ StepNorm DistributedOptimizer::deviceUpdate(const at::Tensor& partial, double lr
         at::where(norm > maxNorm, (norm + 1e-6) / maxNorm, at::ones_like(norm)).to(at::kFloat).reshape({});
   fused::adamw(groups, lr, scalars, options_.adamw);
   allGatherParameters(deadline);
+  auto pending = std::make_shared<detail::PendingNorm>(norm, deadline, std::move(normWork), std::move(inFlight_));
   endCycle();
-  auto pending = std::make_shared<detail::PendingNorm>(norm, deadline);
   pending_.push_back(pending);
   return StepNorm(std::move(pending));
 }
@@ -502,6 +542,7 @@ void DistributedOptimizer::restart() {
 }
 
 void DistributedOptimizer::afterLoad() {
+  pending_.clear();            // the loaded state replaces what queued steps would count
   deviceStep_ = at::Tensor();  // made again from step_ at the next update
   step_ = stepTensor_.item<int64_t>();
   if (step_ < 0)

@@ -48,6 +48,7 @@
 // parameter without a gradient steps with a zero gradient.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
 #include <chrono>
@@ -182,6 +183,7 @@ class DistributedOptimizer {
     bool atStep = false;   // never started during the backward
     // During a step: members whose gradients are not finished yet, and the reduce-scatter once started.
     int waitingFor = 0;
+    std::vector<c10::Event> written;  // on a GPU: where each of its gradients was written
     WorkPtr work;
     bool started = false;
     bool distinctMaster() const { return master.defined(); }
@@ -195,8 +197,10 @@ class DistributedOptimizer {
   void startBucket(size_t b, Deadline deadline);
   void onGradient(size_t param);  // from the hooks
   at::ScalarType reduceType(const Bucket& bucket) const;
-  // After a step (taken or skipped): counts learned, everything ready for the next backward.
-  void endCycle();
+  // After a step (taken or skipped): counts learned, everything ready for the
+  // next backward. `completed` false: the step raised, and counts are learned again.
+  void endCycle(bool completed = true);
+  StepNorm queueStep(double lr, const StepOptions& stepOptions);
   std::vector<at::Tensor> countedPieces() const;  // of the gradient shards, for the norm
   // The update after the norm: on the host (CPU), or queued on the device.
   double hostUpdate(const at::Tensor& partial, double lr, const StepOptions& stepOptions, Deadline deadline);
@@ -226,6 +230,7 @@ class DistributedOptimizer {
   size_t overlapping_ = 0, overlappedBuckets_ = 0;
   std::optional<c10::Stream> stream_;  // the reductions' stream on a GPU
   std::mutex mutex_;                   // hooks may run on autograd's threads
+  std::vector<WorkPtr> inFlight_;      // this step's collectives, read with its norm on a GPU
   std::unique_ptr<GradientHooks> hooks_;
 };
 

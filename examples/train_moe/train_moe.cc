@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -238,13 +239,15 @@ int main(int argc, char** argv) {
       optim::StepNorm gradNorm;
     };
     std::optional<Queued> queued;
+    int64_t skipped = 0;  // updates not taken for a norm that was not finite (the optimizer logs each)
     auto report = [&](Queued& done) {
       const double meanLoss = done.loss.get(), gradNorm = done.gradNorm.get();
+      if (!std::isfinite(gradNorm)) ++skipped;
       if (reporter.lossLog.is_open())
         reporter.lossLog << fmt::format("{} {:.17g} {:.17g}\n", done.step, meanLoss, gradNorm);
       if ((done.step + 1) % options.logInterval != 0 && done.step + 1 != lastStep)
         return reporter.progress(done.step + 1, lastStep, meanLoss);
-      const moe::MoELayer* layer = model.firstMoeLayer();
+      const moe::MoELayer* layer = model.firstMoeLayer();  // its stats: of the latest forward
       const moe::MoEStats stats = layer ? layer->stats() : moe::MoEStats{};
       const double tokensPerSecond = batches.tokensPerStep() * windowSteps / windowSeconds;
       reporter.line(fmt::format(
@@ -252,9 +255,7 @@ int main(int argc, char** argv) {
           "dropped {}{}",
           done.step + 1, meanLoss, tokensPerSecond, 1e3 * windowSeconds / windowSteps,
           device.is_cuda() ? throughput(tokensPerSecond, flopsPerToken, peak, runtime->world().size()) : "", gradNorm,
-          stats.imbalance, stats.droppedSlots,
-          // Updates not taken for a gradient norm that was not finite (the optimizer logs each).
-          optimizer.skippedSteps() > 0 ? fmt::format(" | skipped updates {}", optimizer.skippedSteps()) : ""));
+          stats.imbalance, stats.droppedSlots, skipped > 0 ? fmt::format(" | skipped updates {}", skipped) : ""));
       windowSeconds = 0;
       windowSteps = 0;
     };
