@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -54,17 +56,43 @@ struct Side {
         optim::DistributedOptimizerOptions{.adamw = {.weightDecay = 0.1}});  // matrices and expert weights decay
   }
 
-  // This rank's step-`step` gradients (another draw on every rank), then one update.
-  double step(int step, int rank) {
+  // This rank's step-`step` gradients (another draw on every rank); `poison`: one of them NaN.
+  void setGradients(int step, int rank, bool poison = false) {
     for (size_t i = 0; i + 1 < params.size(); ++i) {
       at::Tensor grad = at::randn(kSpecs[i].shape, sharedGenerator(1000 * step + 10 * rank + static_cast<int>(i)));
+      if (poison && i == 0) grad[0][0] = std::numeric_limits<float>::quiet_NaN();
       params[i].tensor.mutable_grad() = grad.to(params[i].tensor.options());
     }
+  }
+  // The gradients above, then one update.
+  double step(int step, int rank) {
+    setGradients(step, rank);
     const double norm = optimizer->step(1e-2, {.maxGradNorm = 1.0});
     optimizer->zeroGrad();
     return norm;
   }
 };
+
+// Every state tensor and parameter of the GPU side within the kernels' roundings of the CPU side's.
+void checkAgree(Side& gpuSide, Side& cpuSide) {
+  auto gpuState = gpuSide.optimizer->state(), cpuState = cpuSide.optimizer->state();
+  REQUIRE(gpuState.size() == cpuState.size());
+  for (size_t i = 0; i < gpuState.size(); ++i) {
+    INFO(gpuState[i].key);
+    REQUIRE(gpuState[i].key == cpuState[i].key);
+    const at::Tensor ours = gpuState[i].local.cpu().to(at::kDouble), theirs = cpuState[i].local.to(at::kDouble);
+    // The float32 state within a few roundings of the CPU's (the kernels order their float operations otherwise).
+    CHECK((ours - theirs).abs().max().item<double>() <= 1e-5 * (theirs.abs().max().item<double>() + 1e-3));
+  }
+  for (size_t i = 0; i < kSpecs.size(); ++i) {
+    INFO(kSpecs[i].name);
+    const at::Tensor ours = gpuSide.params[i].tensor.detach().cpu().to(at::kDouble);
+    const at::Tensor theirs = cpuSide.params[i].tensor.detach().to(at::kDouble);
+    // The bf16 parameters: the masters rounded, one bf16 step apart at most where they straddle a rounding.
+    CHECK((ours - theirs).abs().max().item<double>() <= theirs.abs().max().item<double>() / 128);
+    CHECK((ours - theirs).ne(0).to(at::kDouble).mean().item<double>() < 0.01);
+  }
+}
 
 }  // namespace
 
@@ -76,22 +104,36 @@ TEST_CASE("the distributed optimizer's GPU kernels match its CPU step: bf16 para
     const double gpuNorm = gpuSide.step(step, me), cpuNorm = cpuSide.step(step, me);
     CHECK(gpuNorm > 1.0);  // the clip scales every step
     CHECK(std::abs(gpuNorm - cpuNorm) <= 1e-5 * cpuNorm);
-    auto gpuState = gpuSide.optimizer->state(), cpuState = cpuSide.optimizer->state();
-    REQUIRE(gpuState.size() == cpuState.size());
-    for (size_t i = 0; i < gpuState.size(); ++i) {
-      INFO(gpuState[i].key);
-      REQUIRE(gpuState[i].key == cpuState[i].key);
-      const at::Tensor ours = gpuState[i].local.cpu().to(at::kDouble), theirs = cpuState[i].local.to(at::kDouble);
-      // The float32 state within a few roundings of the CPU's (the kernels order their float operations otherwise).
-      CHECK((ours - theirs).abs().max().item<double>() <= 1e-5 * (theirs.abs().max().item<double>() + 1e-3));
-    }
-    for (size_t i = 0; i < kSpecs.size(); ++i) {
-      INFO(kSpecs[i].name);
-      const at::Tensor ours = gpuSide.params[i].tensor.detach().cpu().to(at::kDouble);
-      const at::Tensor theirs = cpuSide.params[i].tensor.detach().to(at::kDouble);
-      // The bf16 parameters: the masters rounded, one bf16 step apart at most where they straddle a rounding.
-      CHECK((ours - theirs).abs().max().item<double>() <= theirs.abs().max().item<double>() / 128);
-      CHECK((ours - theirs).ne(0).to(at::kDouble).mean().item<double>() < 0.01);
+    checkAgree(gpuSide, cpuSide);
+  }
+}
+
+TEST_CASE("steps queued on a GPU: a non-finite norm skips its update on every rank, counted once read") {
+  const int me = gpuWorld().rank(), poisoner = gpuWorld().size() - 1;
+  Side gpuSide(gpuWorldPtr(), gpu()), cpuSide(cpuWorldPtr(), c10::Device(c10::kCPU));
+  std::vector<optim::StepNorm> queued;
+  std::vector<double> cpuNorms;
+  for (int step = 1; step <= 3; ++step) {  // the second step's gradients hold a NaN on one rank
+    const bool poison = step == 2 && me == poisoner;
+    gpuSide.setGradients(step, me, poison);
+    queued.push_back(gpuSide.optimizer->launchStep(1e-2, {.maxGradNorm = 1.0}));
+    gpuSide.optimizer->zeroGrad();
+    cpuSide.setGradients(step, me, poison);
+    cpuNorms.push_back(cpuSide.optimizer->step(1e-2, {.maxGradNorm = 1.0}));
+    cpuSide.optimizer->zeroGrad();
+  }
+  for (size_t s = 0; s < queued.size(); ++s) {  // read only now, after all three were queued
+    INFO(fmt::format("rank {}, step {}", me, s + 1));
+    const double norm = queued[s].get();
+    if (s == 1) {
+      CHECK(std::isnan(norm));
+      CHECK(std::isnan(cpuNorms[s]));
+    } else {
+      CHECK(std::abs(norm - cpuNorms[s]) <= 1e-5 * cpuNorms[s]);
     }
   }
+  CHECK(gpuSide.optimizer->stepCount() == 2);
+  CHECK(gpuSide.optimizer->skippedSteps() == 1);
+  CHECK(cpuSide.optimizer->stepCount() == 2);
+  checkAgree(gpuSide, cpuSide);  // the skipped step changed nothing on either side
 }
