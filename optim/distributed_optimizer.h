@@ -21,31 +21,32 @@
 // the reduce-scatters of step 1 start during the backward. Buckets
 // (optim/grad_buckets.h) are reduce-scattered in bucket order, each as soon as
 // the backward has finished every gradient in it and the buckets before it
-// have started, on a stream of their own (on a GPU); step() starts the rest
-// and waits for all. When a gradient is finished is learned in the first
-// step, which reduces everything at step(): how many times each parameter's
-// AccumulateGrad runs in one step (once per backward, so micro-batches count
-// too). A gradient that changes after its bucket started (a parameter used
-// more often than in the step counts were learned in) makes that step skip
-// its update on every rank (its norm is NaN), and the rank that saw it learns
-// the counts again. Gradients the caller changes after the backward (a tied
-// embedding's sum across pipeline stages) must be named in reduceAtStep.
+// have started, on a stream of their own (on a GPU); step() starts the rest.
+// When a gradient is finished is learned in the first step, which reduces
+// everything at step(): how many times each parameter's AccumulateGrad runs
+// in one step (once per backward, so micro-batches count too). A gradient
+// that changes after its bucket started (a parameter used more often than in
+// the step counts were learned in) makes that step skip its update on every
+// rank (its norm is NaN), and the rank that saw it learns the counts again.
+// Gradients the caller changes after the backward (a tied embedding's sum
+// across pipeline stages) must be named in reduceAtStep.
 //
 // Sharding (optim/shard_layout.h): each bucket's flat buffer is cut on row
 // boundaries (rows run over all dimensions but the last, so one expert's state
 // spreads over the expert-dp ranks too), so each rank's state of a parameter
-// is a run of whole rows and exports as one to a few ShardedTensors (optim::rowBoxes) under the
-// keys of optim/adamw.h, with the parameter's global shape, its offsets plus
-// the box's, and replicaId 0 (for a tpReplicated parameter: the tp rank,
-// expert-tp for experts; with instances, non-zero outside the first;
-// optim.step: the world rank). A state saved under one layout (or by the
-// plain AdamW) loads into another.
+// is a run of whole rows and exports as one to a few ShardedTensors
+// (optim::rowBoxes) under the keys of optim/adamw.h, with the parameter's
+// global shape, its offsets plus the box's, and replicaId 0 (for a
+// tpReplicated parameter: the tp rank, expert-tp for experts; with instances,
+// non-zero outside the first; optim.step: the world rank). A state saved
+// under one layout (or by the plain AdamW) loads into another.
 //
 // Contract: collective over dp x cp, expert dp and (for the norm) the world.
 // Every replica passes the same parameters (names, shapes, dtypes) in the
-// same order, forward order for the overlap to pay, and calls step() together. Parameter tensors are contiguous, on the groups'
-// device, and hold the same values on every replica at construction. A
-// parameter without a gradient steps with a zero gradient.
+// same order (forward order, for the overlap to pay) and calls step()
+// together. Parameter tensors are contiguous, on the groups' device, and hold
+// the same values on every replica at construction. A parameter without a
+// gradient steps with a zero gradient.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
