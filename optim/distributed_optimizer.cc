@@ -171,7 +171,7 @@ void DistributedOptimizer::startBucket(size_t b, Deadline deadline) {
     queued.record(impl.getStream(device));
     queued.block(*stream_);
     // And behind each gradient's own stream (a shared expert's runs on one of its own).
-    for (const c10::Event& written : bucket.written) written.block(*stream_);
+    for (const auto& [stream, written] : bucket.written) written.block(*stream_);
     onStream.emplace(*stream_);
   }
   // Every gradient goes straight into its rows' place in the padded input
@@ -222,8 +222,12 @@ void DistributedOptimizer::onGradient(size_t param) {
   }
   if (stream_) {  // where this gradient was written
     const c10::Device device = groups_.world()->device();
-    bucket.written.emplace_back(device.type());
-    bucket.written.back().record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+    const c10::Stream current = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+    auto it = std::find_if(bucket.written.begin(), bucket.written.end(),
+                           [&](const auto& entry) { return entry.first == current; });
+    if (it == bucket.written.end())
+      it = bucket.written.emplace(bucket.written.end(), current, c10::Event(device.type()));
+    it->second.record(current);
   }
   if (runs_[param] != expectedRuns_[param] || --bucket.waitingFor > 0) return;
   // In bucket order only, so that every rank issues the same sequence.
@@ -285,7 +289,6 @@ void DistributedOptimizer::endCycle(bool completed) {
     bucket.gradShard = at::Tensor();  // not held between steps
     bucket.reduced = at::Tensor();
     bucket.work.reset();
-    bucket.written.clear();
     bucket.started = false;
     bucket.waitingFor = 0;
   }

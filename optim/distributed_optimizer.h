@@ -59,6 +59,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "optim/adamw.h"
@@ -184,7 +185,9 @@ class DistributedOptimizer {
     bool atStep = false;   // never started during the backward
     // During a step: members whose gradients are not finished yet, and the reduce-scatter once started.
     int waitingFor = 0;
-    std::vector<c10::Event> written;  // on a GPU: where each of its gradients was written
+    // On a GPU: one event per stream its gradients were written on, recorded
+    // again at each write (kept across steps: no event made per gradient).
+    std::vector<std::pair<c10::Stream, c10::Event>> written;
     WorkPtr work;
     bool started = false;
     bool distinctMaster() const { return master.defined(); }
