@@ -4,6 +4,7 @@
 
 #include <thread>
 
+#include "launch/recovery.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/fatal_exit.h"
@@ -13,6 +14,7 @@
 #include "runtime/mpi/mpi_backend.h"
 #include "runtime/nccl/nccl_backend.h"
 #include "runtime/node_relay.h"
+#include "runtime/prefix_store.h"
 
 namespace bulkhead {
 
@@ -67,14 +69,13 @@ Backend resolve(Backend wanted, const std::optional<launch::WorldInfo>& found, l
 
 }  // namespace
 
-Runtime::Runtime(launch::WorldInfo info, Backend backend, CommunicatorPtr world, CommunicatorPtr cpuWorld,
-                 launch::Rendezvous rendezvous, std::shared_ptr<Monitor> monitor)
+Runtime::Runtime(launch::WorldInfo info, Backend backend, launch::Rendezvous rendezvous, int spares, int launcherRank)
     : info_(std::move(info)),
       backend_(backend),
-      world_(std::move(world)),
-      cpuWorld_(std::move(cpuWorld)),
       rendezvous_(std::move(rendezvous)),
-      monitor_(std::move(monitor)) {}
+      store_(rendezvous_.store),
+      spares_(spares),
+      launcherRank_(launcherRank) {}
 
 Runtime::~Runtime() {
   try {
@@ -84,9 +85,22 @@ Runtime::~Runtime() {
   }
 }
 
+const CommunicatorPtr& Runtime::requireWorld(const CommunicatorPtr& comm) const {
+  if (!comm)
+    throw ConfigError(spare_ ? "this process is a spare: it has no world until it takes a rank's place (Recovery::"
+                               "awaitTurn, launch/recovery.h)"
+                             : "this runtime has no world: it was shut down, or a recovery did not complete",
+                      {.rank = info_.rank, .group = "world", .expected = "a member of the training world"});
+  return comm;
+}
+
 void Runtime::shutdown(std::optional<Deadline> deadline) {
   if (down_) return;
   down_ = true;
+  if (spare_ || !world_) {  // a spare whose turn never came, or a generation that never started
+    if (monitor_) monitor_->stop();
+    return;
+  }
   if (fatal::ending()) return endAfterFatalError();
   Deadline until = deadline.value_or(fatal::shutdownDeadline());
   monitor_->stop();  // heartbeats end (and dumps are written) while the store still serves
@@ -95,6 +109,7 @@ void Runtime::shutdown(std::optional<Deadline> deadline) {
   if (std::string_view(cpuWorld_->backend()) != "mpi" && !cpuWorld_->isAborted()) {
     try {
       cpuWorld_->barrier({.deadline = until})->wait();
+      releaseSpares();
     } catch (const Error& e) {
       log::error("launch", "the final world barrier failed: {}", e.what());
     }
@@ -103,6 +118,18 @@ void Runtime::shutdown(std::optional<Deadline> deadline) {
   cpuWorld_.reset();
   mpi::finalize(until);  // with MPI, a final barrier: every rank is done with the store after it
   if (rendezvous_.server) rendezvous_.server->stop(Deadline::afterSeconds(2));
+}
+
+void Runtime::releaseSpares() {
+  if (spares_ == 0 || info_.rank != 0) return;
+  for (int spare = info_.size; spare < info_.size + spares_; ++spare) {
+    try {  // a spare already given a turn keeps it
+      jobStore()->compareSet(launch::spareTurnKey(spare), "", launch::kSpareDone, Deadline::afterSeconds(2));
+    } catch (const Error& e) {
+      log::warn("launch", "could not tell spare {} that the job is over ({}); it ends once the ranks stop beating",
+                spare, e.what());
+    }
+  }
 }
 
 void Runtime::endAfterFatalError() {
@@ -122,12 +149,18 @@ void Runtime::endAfterFatalError() {
   }
 }
 
+void Runtime::abortGeneration(const std::string& reason) {
+  for (const auto& comm : {world_, cpuWorld_})
+    if (comm && !comm->isAborted()) comm->abort(reason);
+}
+
 namespace {
 
 // The address this rank's Gloo device listens on: loopback when every rank
 // shares this node, else GLOO_SOCKET_IFNAME's interface or the host's name.
-std::string glooHost(const launch::WorldInfo& info) {
-  bool oneNode = info.size == 1 || (info.localSize > 0 && info.localSize == info.size);
+std::string glooHost(const launch::WorldInfo& info, int spares) {
+  const int launched = info.size + spares;
+  bool oneNode = launched == 1 || (info.localSize > 0 && (info.localSize == info.size || info.localSize == launched));
   return oneNode ? "127.0.0.1" : "";
 }
 
@@ -149,6 +182,77 @@ CommunicatorPtr mpiWorld(const std::optional<launch::WorldInfo>& found, launch::
 
 }  // namespace
 
+void Runtime::startGeneration(int generation, int rank, Deadline deadline) {
+  // Generation 0 under MPI: the MPI world, made before the rendezvous, is the CPU world.
+  CommunicatorPtr mpiCpu =
+      generation == 0 && cpuWorld_ && std::string_view(cpuWorld_->backend()) == "mpi" ? cpuWorld_ : nullptr;
+  if (monitor_) monitor_->stop();
+  world_.reset();
+  cpuWorld_.reset();
+  generation_ = generation;
+  spare_ = false;
+  info_.rank = rank;
+  log::setRank(rank, info_.size);
+  store_ = generation == 0 ? rendezvous_.store
+                           : std::make_shared<PrefixStore>(rendezvous_.store, fmt::format("gen/{}/", generation));
+  MonitorOptions monitorOptions = MonitorOptions::fromEnvironment();
+  if (rendezvous_.outside) monitorOptions.storeHostRank = -1;  // no rank hosts the store
+  monitor_ = std::make_shared<Monitor>(store_, rank, monitorOptions);
+  // The node relay needs every process of a node in the world: not with spares.
+  if (spares_ == 0)
+    monitor_->relayThrough(
+        joinNodeRelay(*store_, {.localRank = info_.localRank, .localSize = info_.localSize, .worldRank = rank},
+                      deadline),
+        info_.localRank);
+  auto glooWorld = [&] {
+    return gloo::initWorld(store_, rank, info_.size, {.deadline = deadline, .host = glooHost(info_, spares_)});
+  };
+  if (!mpiCpu && backend_ == Backend::Nccl) {
+    // NCCL's unique id through the store; the CPU world is Gloo's, or (a build
+    // without Gloo) CPU tensors staged through the NCCL world.
+    world_ = nccl::initWorld(*store_, rank, info_.size, {.deadline = deadline, .localRank = info_.localRank});
+    monitor_->watch(world_);
+    cpuWorld_ = gloo::available() ? glooWorld() : stagedOnHost(world_);
+    if (gloo::available()) monitor_->watch(cpuWorld_);
+    return;
+  }
+  // Gloo carries the CPU world when it is the backend or MPI did not start the job.
+  cpuWorld_ = mpiCpu && backend_ != Backend::Gloo ? mpiCpu : glooWorld();
+  monitor_->watch(cpuWorld_);
+  world_ = cpuWorld_;
+  if (backend_ == Backend::Nccl) {
+    world_ = nccl::initWorld(*cpuWorld_, {.deadline = deadline, .localRank = info_.localRank});
+    monitor_->watch(world_);
+  }
+}
+
+namespace {
+
+// Spares wait for a rank that is lost, so the job must survive losing any
+// process: no MPI launcher, and the store outside every rank.
+void checkSpares(int spares, launch::Bootstrap bootstrap, const launch::WorldInfo& info) {
+  if (spares == 0) return;
+  const ErrorContext context{.rank = info.rank,
+                             .expected = "spares in a job started without MPI, with a store outside"};
+  if (spares < 0 || spares >= info.size)
+    throw ConfigError(
+        fmt::format("{} spares in a job of {} processes: leave at least one process to train", spares, info.size),
+        context);
+  if (bootstrap == launch::Bootstrap::Mpi)
+    throw ConfigError(
+        "spares need a job started without MPI (an MPI launcher ends every process when one dies): "
+        "start the processes with RANK, WORLD_SIZE and BULKHEAD_BOOTSTRAP=store (bulkhead-run, "
+        "torchrun, srun without PMIx or a shell loop)",
+        context);
+  if (env::kStoreAddr.text().empty())
+    throw ConfigError(fmt::format("spares need the store outside the job, so that losing any process never loses it: "
+                                  "start bulkhead-store and export {}=host:port (with its token and a run id)",
+                                  env::kStoreAddr.name()),
+                      context);
+}
+
+}  // namespace
+
 std::unique_ptr<Runtime> init(InitOptions options) {
   Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
   std::optional<launch::WorldInfo> found = launch::findWorld();
@@ -156,51 +260,40 @@ std::unique_ptr<Runtime> init(InitOptions options) {
   Backend backend = resolve(options.backend.value_or(parseBackend(env::kBackend.text())), found, bootstrap);
   launch::WorldInfo info = found.value_or(launch::WorldInfo{.source = launch::WorldSource::Generic});
   if (found) log::setRank(info.rank, info.size);
+  checkSpares(options.spares, bootstrap, info);
 
-  CommunicatorPtr cpuWorld;
+  CommunicatorPtr mpiCpu;
   launch::Rendezvous rendezvous;
   if (bootstrap == launch::Bootstrap::Mpi) {
-    cpuWorld = mpiWorld(found, info, deadline);
+    mpiCpu = mpiWorld(found, info, deadline);
     log::setRank(info.rank, info.size);
     if (!found) log::info("launch", "no launcher variables found: running as a single process");
     std::optional<launch::Rendezvous> outside = launch::joinOutsideStore(info, deadline);
-    rendezvous = outside ? std::move(*outside) : launch::startRendezvous(*cpuWorld, info, deadline);
+    rendezvous = outside ? std::move(*outside) : launch::startRendezvous(*mpiCpu, info, deadline);
   } else {
-    rendezvous = launch::joinStore(info, deadline);
+    rendezvous = launch::joinStore(info, deadline);  // every process, spares included
   }
-  log::debug("launch", "world of {} ranks from {}, bootstrap {}, backend {}", info.size, launch::toString(info.source),
-             launch::toString(bootstrap), toString(backend));
-  MonitorOptions monitorOptions = MonitorOptions::fromEnvironment();
-  if (rendezvous.outside) monitorOptions.storeHostRank = -1;  // no rank hosts the store
-  auto monitor = std::make_shared<Monitor>(rendezvous.store, info.rank, monitorOptions);
-  monitor->relayThrough(
-      joinNodeRelay(*rendezvous.store,
-                    {.localRank = info.localRank, .localSize = info.localSize, .worldRank = info.rank}, deadline),
-      info.localRank);
-  auto glooWorld = [&] {
-    return gloo::initWorld(rendezvous.store, info.rank, info.size, {.deadline = deadline, .host = glooHost(info)});
-  };
-  CommunicatorPtr backendWorld;
-  if (bootstrap == launch::Bootstrap::Store && backend == Backend::Nccl) {
-    // NCCL's unique id through the store; the CPU world is Gloo's, or (a build
-    // without Gloo) CPU tensors staged through the NCCL world.
-    backendWorld =
-        nccl::initWorld(*rendezvous.store, info.rank, info.size, {.deadline = deadline, .localRank = info.localRank});
-    monitor->watch(backendWorld);
-    cpuWorld = gloo::available() ? glooWorld() : stagedOnHost(backendWorld);
-    if (gloo::available()) monitor->watch(cpuWorld);
-  } else {
-    // Gloo carries the CPU world when it is the backend or MPI did not start the job.
-    if (backend == Backend::Gloo || bootstrap == launch::Bootstrap::Store) cpuWorld = glooWorld();
-    monitor->watch(cpuWorld);
-    backendWorld = cpuWorld;
-    if (backend == Backend::Nccl) {
-      backendWorld = nccl::initWorld(*cpuWorld, {.deadline = deadline, .localRank = info.localRank});
-      monitor->watch(backendWorld);
-    }
+  log::debug("launch", "world of {} ranks from {}, bootstrap {}, backend {}{}", info.size - options.spares,
+             launch::toString(info.source), launch::toString(bootstrap), toString(backend),
+             options.spares > 0 ? fmt::format(", {} spares", options.spares) : "");
+  const int launcherRank = info.rank, launched = info.size;
+  info.size -= options.spares;
+  if (info.localSize == launched) info.localSize = info.size;  // one node: the spares share it
+  auto runtime = std::make_unique<Runtime>(info, backend, std::move(rendezvous), options.spares, launcherRank);
+  if (launcherRank >= info.size) {
+    // A spare beats under "spare/" until its turn comes (launch/recovery.h).
+    runtime->spare_ = true;
+    MonitorOptions monitorOptions = MonitorOptions::fromEnvironment();
+    monitorOptions.storeHostRank = -1;
+    runtime->monitor_ = std::make_shared<Monitor>(
+        std::make_shared<PrefixStore>(runtime->jobStore(), launch::kSparePrefix), launcherRank, monitorOptions);
+    log::info("launch", "spare {} of {}: waiting to take the place of a lost rank", launcherRank - info.size + 1,
+              options.spares);
+    return runtime;
   }
-  return std::make_unique<Runtime>(std::move(info), backend, std::move(backendWorld), std::move(cpuWorld),
-                                   std::move(rendezvous), std::move(monitor));
+  runtime->cpuWorld_ = std::move(mpiCpu);
+  runtime->startGeneration(0, info.rank, deadline);
+  return runtime;
 }
 
 namespace {

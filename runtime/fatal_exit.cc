@@ -37,6 +37,8 @@ constexpr double kReportMargin = 1.0;
 constexpr double kBoundSlack = 2.0;
 
 std::atomic<bool> enabled{false};
+std::atomic<bool> deferred{false};   // recovery may follow: no countdown (deferToRecovery)
+std::atomic<bool> countdown{false};  // the countdown was started (the timer thread woken)
 std::atomic<int> firstCode{0};
 std::atomic<int64_t> raisedAt{0};      // nanos of the first fatal error
 std::atomic<int64_t> boundAt{0};       // nanos of the last resort's moment
@@ -153,6 +155,13 @@ void timerThread() {
   lastResort();
 }
 
+// Starts the last resort's countdown once (with the bound on and not deferred).
+void startCountdown() {
+  if (!enabled.load() || deferred.load() || countdown.exchange(true)) return;
+  boundAt = nanos(Clock::now()) + static_cast<int64_t>(budgetSeconds.load() * 1e9);
+  ::sem_post(&wake);
+}
+
 }  // namespace
 
 void endProcessOnFatalError() {
@@ -170,8 +179,7 @@ void endProcessOnFatalError() {
     // A fatal error raised before the bound was turned on starts it now.
     if (firstCode.load() != 0) {
       raisedAt = nanos(Clock::now());
-      boundAt = raisedAt.load() + static_cast<int64_t>(budgetSeconds.load() * 1e9);
-      ::sem_post(&wake);
+      startCountdown();
     }
   });
 }
@@ -186,9 +194,21 @@ void raise(int exitCode, std::string_view what) {
   firstWhat[n] = '\0';
   whatReady = true;
   raisedAt = nanos(Clock::now());
-  if (!enabled.load()) return;
-  boundAt = raisedAt.load() + static_cast<int64_t>(budgetSeconds.load() * 1e9);
-  ::sem_post(&wake);
+  startCountdown();
+}
+
+void deferToRecovery(bool on) { deferred = on; }
+
+void recovered() {
+  if (countdown.load()) return;  // too late: the countdown runs
+  whatReady = false;
+  raisedAt = 0;
+  firstCode = 0;
+}
+
+void giveUpRecovery() {
+  deferred = false;
+  if (firstCode.load() != 0) startCountdown();
 }
 
 void raise(const std::exception_ptr& error, std::string_view otherwise) {

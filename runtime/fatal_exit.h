@@ -22,6 +22,12 @@
 //    scopes alive) and calls _exit.
 // Without the bound (library tests that provoke faults on purpose and go on)
 // errors are raised exactly as before and nothing ends the process.
+//
+// Recovery inside the job (launch/recovery.h) defers the bound: while a
+// process may recover, a fatal error is recorded (ending() is true, so the
+// broken communicators are let go of without waiting on peers) but the last
+// resort's countdown does not start. recovered() forgets the error once the
+// job goes on; giveUpRecovery() starts the countdown from that moment.
 
 #include <exception>
 #include <string>
@@ -66,6 +72,15 @@ Deadline lingerDeadline();
 // aborts its communicator, which raises a fatal error: one slow step bounds
 // the rest.)
 Deadline shutdownDeadline();
+
+// While on, a fatal error starts no countdown (see above). Idempotent.
+void deferToRecovery(bool on);
+// The fatal error was recovered from: forgets it, so that raised() and
+// ending() are false again and the next one counts afresh.
+void recovered();
+// Recovery failed: with the bound on, the countdown starts now (the error
+// already raised stays the one the process ends with).
+void giveUpRecovery();
 
 // Names what this thread is waiting for while it lives; the last resort's
 // report lists every live one.

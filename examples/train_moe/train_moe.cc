@@ -32,6 +32,7 @@
 #include "examples/train_moe/step_profile.h"
 #include "examples/train_moe/train_options.h"
 #include "launch/init.h"
+#include "launch/recovery.h"
 #include "optim/distributed_optimizer.h"
 #include "optim/lr_schedule.h"
 #include "parallel/process_groups.h"
@@ -139,6 +140,202 @@ std::string throughput(double tokensPerSecond, double flopsPerToken, double peak
   return text;
 }
 
+// Where a generation after a recovery starts from.
+struct Resume {
+  launch::Recovered recovered;
+  std::chrono::steady_clock::time_point caught;  // when the error that led to it was caught
+};
+
+// The state a recovery restores: every parameter, buffer and optimizer slice of this rank.
+launch::NamedTensors recoveryState(const examples::StagedModel& model, optim::DistributedOptimizer& optimizer) {
+  launch::NamedTensors state;
+  for (const auto& parameter : model.parameters()) state.emplace_back(parameter.name, parameter.tensor);
+  for (auto& buffer : model.buffers()) state.emplace_back(buffer.key, buffer.local);
+  for (auto& slice : optimizer.state()) state.emplace_back(slice.key, slice.local);
+  return state;
+}
+
+// Trains on the runtime's current worlds until the last step: one generation
+// of the job, or all of it when nothing fails.
+void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& recovery,
+           const std::optional<Resume>& resume) {
+  auto groups = parallel::ProcessGroups::create(
+      runtime.worldPtr(),
+      parallel::LayoutOptions{.tp = options.tp, .pp = options.pp, .ep = options.ep, .etp = options.tp},
+      {.localSize = runtime.info().localSize});
+  const auto& layout = groups.layout();
+  const int rank = runtime.world().rank();
+  const c10::Device device = runtime.device();
+  if (options.model.dtype == at::kBFloat16 && !device.is_cuda())
+    log::warn("train", "bf16 on CPU is slow; float32 or float64 are the CPU dtypes");
+
+  if (const int parts = options.microBatches * groups.dpCp()->size(); options.globalBatch % parts != 0)
+    throw ConfigError(fmt::format("--batch {} does not split into {} micro-batches on each of {} data-parallel ranks",
+                                  options.globalBatch, options.microBatches, groups.dpCp()->size()),
+                      {.rank = rank, .expected = fmt::format("--batch a multiple of {}", parts)});
+  examples::StagedModel model(options.model, groups,
+                              {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
+  // The tied embedding's gradients are summed across stages after the backward: reduced at the step.
+  std::set<std::string> reduceAtStep;
+  if (options.model.tiedEmbedding) reduceAtStep.insert("embed.weight");
+  optim::DistributedOptimizer optimizer(model.parameters(), groups,
+                                        {.adamw = {.weightDecay = 0.01},
+                                         .overlapGradReduce = options.gradOverlap,
+                                         .reduceInParamDtype = options.gradReduceBf16,
+                                         .reduceAtStep = reduceAtStep});
+  const optim::LrSchedule schedule{
+      .peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup, .totalSteps = options.steps};
+  schedule.validate();
+  examples::Batches batches(examples::generateCorpus(options.model.seed, 1 << 20), options.sequence,
+                            options.globalBatch, options.model.seed);
+
+  std::unique_ptr<checkpoint::Checkpointer> checkpointer;
+  if (!options.checkpointDir.empty()) {
+    checkpointer = checkpoint::Checkpointer::create({.dir = options.checkpointDir, .keep = options.keep},
+                                                    runtime.store(), rank, runtime.world().size());
+    // Pinned staging memory now, not inside the first save (which training waits for).
+    checkpointer->reserve(stateOf(model, optimizer, layout, 0));
+  }
+  int64_t step = 0;
+  int64_t savedStep = -1;  // the step the folder already holds from this run (or the load)
+  if (resume) {            // the snapshot of the step every rank has, from this rank's memory or its holder's
+    recovery.restore(recoveryState(model, optimizer));
+    optimizer.afterLoad();
+    step = resume->recovered.step;
+  } else if (!options.resume.empty()) {
+    if (!checkpointer) throw ConfigError("--resume needs --ckpt-dir", {.rank = rank, .expected = "--ckpt-dir DIR"});
+    checkpoint::StateDict targets = stateOf(model, optimizer, layout, 0);
+    checkpoint::LoadOptions load;
+    if (options.resume != "latest") load.step = std::stoll(options.resume);
+    load.allowMissing = true;  // an imported checkpoint holds weights only
+    auto loaded = checkpointer->load(targets, load);
+    const bool weightsOnly = restartIfWeightsOnly(loaded, optimizer, rank);
+    if (!weightsOnly) optimizer.afterLoad();
+    // An imported checkpoint has no data position: it goes on from the step it was saved as.
+    step = loaded.dataPosition.empty() ? loaded.step : std::stoll(loaded.dataPosition);
+    savedStep = step;
+    if (rank == 0) {
+      log::info("train", "resumed from {} (step {}, saved as {}) in {:.2f} s", loaded.path, step,
+                loaded.layout ? loaded.layout->text() : "?", loaded.seconds);
+    }
+  }
+
+  if (!resume) recovery.snapshot(step, recoveryState(model, optimizer));  // with spares: the first snapshot
+  const int64_t lastStep = options.stopAfter > 0 ? std::min(options.steps, options.stopAfter) : options.steps;
+  std::signal(SIGTERM, onStopSignal);
+  std::signal(SIGINT, onStopSignal);
+  // A bar only for a person at a terminal; elsewhere the step lines at the log interval are the plain lines.
+  Reporter reporter{.leader = rank == 0,
+                    .bar = ProgressBar({.stream = stdout, .plainInterval = {}, .enabled = rank == 0})};
+  if (rank == 0 && !options.lossLog.empty()) reporter.lossLog.open(options.lossLog, std::ios::app);
+  reporter.line(fmt::format("train_moe: {} ranks (tp {} pp {} ep {} dp {} expert-dp {}), {} on {}, steps {}..{} of {}",
+                            runtime.world().size(), layout.tp(), layout.pp(), layout.ep(), layout.dp(), layout.edp(),
+                            c10::toString(options.model.dtype), device.str(), step, lastStep, options.steps));
+  if (resume)
+    reporter.line(
+        fmt::format("recovered: generation {}, rank(s) [{}] taken by spares, resuming from step {} ({:.1f} "
+                    "s after the error)",
+                    resume->recovered.generation, fmt::join(resume->recovered.replaced, ", "), resume->recovered.step,
+                    resume->recovered.seconds));
+
+  auto save = [&](int64_t completed) {
+    if (completed == savedStep) return;  // a committed step folder is never replaced
+    savedStep = completed;
+    auto start = std::chrono::steady_clock::now();
+    checkpointer->save(completed, stateOf(model, optimizer, layout, completed));
+    const double blocked = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    reporter.line(fmt::format("checkpoint step {}: training blocked {:.1f} ms (writing continues in the background)",
+                              completed, blocked * 1e3));
+  };
+
+  const auto& dp = groups.dpCp();
+  const double flopsPerToken = examples::trainingFlopsPerToken(options.model, options.sequence);
+  const double peak = peakFlops(device);
+  double windowSeconds = 0;
+  int64_t windowSteps = 0;
+  // A step whose loss and gradient norm the host reads while the next step runs on the device.
+  struct Queued {
+    int64_t step;
+    examples::StepLoss loss;
+    optim::StepNorm gradNorm;
+  };
+  std::optional<Queued> queued;
+  int64_t skipped = 0;  // updates not taken for a norm that was not finite (the optimizer logs each)
+  auto report = [&](Queued& done) {
+    const double meanLoss = done.loss.get(), gradNorm = done.gradNorm.get();
+    if (!std::isfinite(gradNorm)) ++skipped;
+    if (reporter.lossLog.is_open())
+      reporter.lossLog << fmt::format("{} {:.17g} {:.17g}\n", done.step, meanLoss, gradNorm) << std::flush;
+    if ((done.step + 1) % options.logInterval != 0 && done.step + 1 != lastStep)
+      return reporter.progress(done.step + 1, lastStep, meanLoss);
+    const moe::MoELayer* layer = model.firstMoeLayer();  // its stats: of the latest forward
+    const moe::MoEStats stats = layer ? layer->stats() : moe::MoEStats{};
+    const double tokensPerSecond = batches.tokensPerStep() * windowSteps / windowSeconds;
+    reporter.line(fmt::format(
+        "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms{} | grad norm {:.3f} | imbalance {:.2f} | "
+        "dropped {}{}",
+        done.step + 1, meanLoss, tokensPerSecond, 1e3 * windowSeconds / windowSteps,
+        device.is_cuda() ? throughput(tokensPerSecond, flopsPerToken, peak, runtime.world().size()) : "", gradNorm,
+        stats.imbalance, stats.droppedSlots, skipped > 0 ? fmt::format(" | skipped updates {}", skipped) : ""));
+    windowSeconds = 0;
+    windowSteps = 0;
+  };
+  examples::StepProfile profile(options.profile);
+  const int64_t profileFrom = step + 10, profileTo = step + 15;
+  for (; step < lastStep; ++step) {
+    if (profile.enabled() && step == profileFrom) profile.start();
+    if (profile.enabled() && step == profileTo) profile.stop(rank);
+    examples::StepRange range(profile.enabled() && step >= profileFrom && step < profileTo);
+    auto start = std::chrono::steady_clock::now();
+    // Micro-batch m of every dp rank together is the same slice of the global batch in
+    // any layout (rows [m B / M, (m + 1) B / M)), so the MoE losses, which are not
+    // linear in the batch, see the same tokens whatever dp is.
+    std::vector<examples::TokenBatch> microBatches;
+    for (int m = 0; m < options.microBatches; ++m)
+      microBatches.push_back(
+          batches.batch(step, m * dp->size() + dp->rank(), options.microBatches * dp->size(), device));
+    // The data-parallel mean of the loss (every rank's batch is the same size).
+    examples::StepLoss loss = model.forwardBackward(microBatches);
+    optim::StepNorm gradNorm = optimizer.launchStep(schedule.at(step), {.maxGradNorm = options.clip});
+    optimizer.zeroGrad();
+    if (queued) report(*queued);  // the step before, done or nearly so on the device
+    queued.emplace(Queued{step, std::move(loss), std::move(gradNorm)});
+    if (recovery.enabled()) recovery.afterStep(step + 1, recoveryState(model, optimizer));
+    windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++windowSteps;
+    if (recovery.enabled()) {  // each step reported once its snapshot is taken, so a recovery loses no line
+      report(*queued);
+      queued.reset();
+      if (resume && step == resume->recovered.step)
+        reporter.line(
+            fmt::format("recovery: step {} done {:.1f} s after the error was caught", step + 1,
+                        std::chrono::duration<double>(std::chrono::steady_clock::now() - resume->caught).count()));
+    }
+
+    const bool last = step + 1 == lastStep;
+    if (checkpointer && options.checkpointInterval > 0 && (step + 1) % options.checkpointInterval == 0 && !last)
+      save(step + 1);
+    if (agreeToStop(runtime)) {
+      report(*queued);
+      queued.reset();
+      reporter.line(fmt::format("signal {} received: saving step {} and stopping", stopSignal.load(), step + 1));
+      ++step;
+      break;
+    }
+  }
+  if (queued) report(*queued);
+  profile.stop(rank);
+  if (checkpointer) {
+    save(step);
+    auto result = checkpointer->wait(Deadline::afterSeconds(env::kCheckpointTimeout.seconds() + 10));
+    reporter.line(
+        result.ok
+            ? fmt::format("checkpoint step {} committed in {:.2f} s: {}", result.step, result.totalSeconds, result.path)
+            : fmt::format("checkpoint step {} failed ({}): {}", result.step, result.errorKind, result.error));
+  }
+  if (options.printDigest) reporter.line(examples::parameterDigest(model.parameters(), runtime.cpuWorld()));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -147,163 +344,25 @@ int main(int argc, char** argv) {
   examples::addTrainFlags(app, options);
   if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
-    auto runtime = init({.backend = options.backend});
-    auto groups = parallel::ProcessGroups::create(
-        runtime->worldPtr(),
-        parallel::LayoutOptions{.tp = options.tp, .pp = options.pp, .ep = options.ep, .etp = options.tp},
-        {.localSize = runtime->info().localSize});
-    const auto& layout = groups.layout();
-    const int rank = runtime->world().rank();
-    const c10::Device device = runtime->device();
-    if (options.model.dtype == at::kBFloat16 && !device.is_cuda())
-      log::warn("train", "bf16 on CPU is slow; float32 or float64 are the CPU dtypes");
-
-    if (const int parts = options.microBatches * groups.dpCp()->size(); options.globalBatch % parts != 0)
-      throw ConfigError(fmt::format("--batch {} does not split into {} micro-batches on each of {} data-parallel ranks",
-                                    options.globalBatch, options.microBatches, groups.dpCp()->size()),
-                        {.rank = rank, .expected = fmt::format("--batch a multiple of {}", parts)});
-    examples::StagedModel model(options.model, groups,
-                                {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
-    // The tied embedding's gradients are summed across stages after the backward: reduced at the step.
-    std::set<std::string> reduceAtStep;
-    if (options.model.tiedEmbedding) reduceAtStep.insert("embed.weight");
-    optim::DistributedOptimizer optimizer(model.parameters(), groups,
-                                          {.adamw = {.weightDecay = 0.01},
-                                           .overlapGradReduce = options.gradOverlap,
-                                           .reduceInParamDtype = options.gradReduceBf16,
-                                           .reduceAtStep = reduceAtStep});
-    const optim::LrSchedule schedule{
-        .peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup, .totalSteps = options.steps};
-    schedule.validate();
-    examples::Batches batches(examples::generateCorpus(options.model.seed, 1 << 20), options.sequence,
-                              options.globalBatch, options.model.seed);
-
-    std::unique_ptr<checkpoint::Checkpointer> checkpointer;
-    if (!options.checkpointDir.empty()) {
-      checkpointer = checkpoint::Checkpointer::create({.dir = options.checkpointDir, .keep = options.keep},
-                                                      runtime->store(), rank, runtime->world().size());
-      // Pinned staging memory now, not inside the first save (which training waits for).
-      checkpointer->reserve(stateOf(model, optimizer, layout, 0));
+    auto runtime = init({.backend = options.backend, .spares = options.spares});
+    launch::Recovery recovery(*runtime, {.snapshotEvery = options.snapshotEvery});
+    std::optional<Resume> resume;
+    if (runtime->isSpare()) {  // waits for a rank to replace, or the job's end
+      auto turn = recovery.awaitTurn();
+      if (!turn) return 0;
+      resume = Resume{
+          *turn, std::chrono::steady_clock::now() - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                        std::chrono::duration<double>(turn->seconds))};
     }
-    int64_t step = 0;
-    int64_t savedStep = -1;  // the step the folder already holds from this run (or the load)
-    if (!options.resume.empty()) {
-      if (!checkpointer) throw ConfigError("--resume needs --ckpt-dir", {.rank = rank, .expected = "--ckpt-dir DIR"});
-      checkpoint::StateDict targets = stateOf(model, optimizer, layout, 0);
-      checkpoint::LoadOptions load;
-      if (options.resume != "latest") load.step = std::stoll(options.resume);
-      load.allowMissing = true;  // an imported checkpoint holds weights only
-      auto loaded = checkpointer->load(targets, load);
-      const bool weightsOnly = restartIfWeightsOnly(loaded, optimizer, rank);
-      if (!weightsOnly) optimizer.afterLoad();
-      // An imported checkpoint has no data position: it goes on from the step it was saved as.
-      step = loaded.dataPosition.empty() ? loaded.step : std::stoll(loaded.dataPosition);
-      savedStep = step;
-      if (rank == 0) {
-        log::info("train", "resumed from {} (step {}, saved as {}) in {:.2f} s", loaded.path, step,
-                  loaded.layout ? loaded.layout->text() : "?", loaded.seconds);
-      }
-    }
-
-    const int64_t lastStep = options.stopAfter > 0 ? std::min(options.steps, options.stopAfter) : options.steps;
-    std::signal(SIGTERM, onStopSignal);
-    std::signal(SIGINT, onStopSignal);
-    // A bar only for a person at a terminal; elsewhere the step lines at the log interval are the plain lines.
-    Reporter reporter{.leader = rank == 0,
-                      .bar = ProgressBar({.stream = stdout, .plainInterval = {}, .enabled = rank == 0})};
-    if (rank == 0 && !options.lossLog.empty()) reporter.lossLog.open(options.lossLog, std::ios::app);
-    reporter.line(
-        fmt::format("train_moe: {} ranks (tp {} pp {} ep {} dp {} expert-dp {}), {} on {}, steps {}..{} of {}",
-                    runtime->world().size(), layout.tp(), layout.pp(), layout.ep(), layout.dp(), layout.edp(),
-                    c10::toString(options.model.dtype), device.str(), step, lastStep, options.steps));
-
-    auto save = [&](int64_t completed) {
-      if (completed == savedStep) return;  // a committed step folder is never replaced
-      savedStep = completed;
-      auto start = std::chrono::steady_clock::now();
-      checkpointer->save(completed, stateOf(model, optimizer, layout, completed));
-      const double blocked = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      reporter.line(fmt::format("checkpoint step {}: training blocked {:.1f} ms (writing continues in the background)",
-                                completed, blocked * 1e3));
-    };
-
-    const auto& dp = groups.dpCp();
-    const double flopsPerToken = examples::trainingFlopsPerToken(options.model, options.sequence);
-    const double peak = peakFlops(device);
-    double windowSeconds = 0;
-    int64_t windowSteps = 0;
-    // A step whose loss and gradient norm the host reads while the next step runs on the device.
-    struct Queued {
-      int64_t step;
-      examples::StepLoss loss;
-      optim::StepNorm gradNorm;
-    };
-    std::optional<Queued> queued;
-    int64_t skipped = 0;  // updates not taken for a norm that was not finite (the optimizer logs each)
-    auto report = [&](Queued& done) {
-      const double meanLoss = done.loss.get(), gradNorm = done.gradNorm.get();
-      if (!std::isfinite(gradNorm)) ++skipped;
-      if (reporter.lossLog.is_open())
-        reporter.lossLog << fmt::format("{} {:.17g} {:.17g}\n", done.step, meanLoss, gradNorm);
-      if ((done.step + 1) % options.logInterval != 0 && done.step + 1 != lastStep)
-        return reporter.progress(done.step + 1, lastStep, meanLoss);
-      const moe::MoELayer* layer = model.firstMoeLayer();  // its stats: of the latest forward
-      const moe::MoEStats stats = layer ? layer->stats() : moe::MoEStats{};
-      const double tokensPerSecond = batches.tokensPerStep() * windowSteps / windowSeconds;
-      reporter.line(fmt::format(
-          "step {:>5} | loss {:.4f} | {:>8.0f} tok/s | step {:>7.1f} ms{} | grad norm {:.3f} | imbalance {:.2f} | "
-          "dropped {}{}",
-          done.step + 1, meanLoss, tokensPerSecond, 1e3 * windowSeconds / windowSteps,
-          device.is_cuda() ? throughput(tokensPerSecond, flopsPerToken, peak, runtime->world().size()) : "", gradNorm,
-          stats.imbalance, stats.droppedSlots, skipped > 0 ? fmt::format(" | skipped updates {}", skipped) : ""));
-      windowSeconds = 0;
-      windowSteps = 0;
-    };
-    examples::StepProfile profile(options.profile);
-    const int64_t profileFrom = step + 10, profileTo = step + 15;
-    for (; step < lastStep; ++step) {
-      if (profile.enabled() && step == profileFrom) profile.start();
-      if (profile.enabled() && step == profileTo) profile.stop(rank);
-      examples::StepRange range(profile.enabled() && step >= profileFrom && step < profileTo);
-      auto start = std::chrono::steady_clock::now();
-      // Micro-batch m of every dp rank together is the same slice of the global batch in
-      // any layout (rows [m B / M, (m + 1) B / M)), so the MoE losses, which are not
-      // linear in the batch, see the same tokens whatever dp is.
-      std::vector<examples::TokenBatch> microBatches;
-      for (int m = 0; m < options.microBatches; ++m)
-        microBatches.push_back(
-            batches.batch(step, m * dp->size() + dp->rank(), options.microBatches * dp->size(), device));
-      // The data-parallel mean of the loss (every rank's batch is the same size).
-      examples::StepLoss loss = model.forwardBackward(microBatches);
-      optim::StepNorm gradNorm = optimizer.launchStep(schedule.at(step), {.maxGradNorm = options.clip});
-      optimizer.zeroGrad();
-      if (queued) report(*queued);  // the step before, done or nearly so on the device
-      queued.emplace(Queued{step, std::move(loss), std::move(gradNorm)});
-      windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      ++windowSteps;
-
-      const bool last = step + 1 == lastStep;
-      if (checkpointer && options.checkpointInterval > 0 && (step + 1) % options.checkpointInterval == 0 && !last)
-        save(step + 1);
-      if (agreeToStop(*runtime)) {
-        report(*queued);
-        queued.reset();
-        reporter.line(fmt::format("signal {} received: saving step {} and stopping", stopSignal.load(), step + 1));
-        ++step;
+    for (;;) {
+      try {
+        train(*runtime, options, recovery, resume);
         break;
+      } catch (const Error&) {
+        const auto caught = std::chrono::steady_clock::now();
+        resume = Resume{recovery.recover(std::current_exception()), caught};  // rethrows what it cannot recover
       }
     }
-    if (queued) report(*queued);
-    profile.stop(rank);
-    if (checkpointer) {
-      save(step);
-      auto result = checkpointer->wait(Deadline::afterSeconds(env::kCheckpointTimeout.seconds() + 10));
-      reporter.line(
-          result.ok ? fmt::format("checkpoint step {} committed in {:.2f} s: {}", result.step, result.totalSeconds,
-                                  result.path)
-                    : fmt::format("checkpoint step {} failed ({}): {}", result.step, result.errorKind, result.error));
-    }
-    if (options.printDigest) reporter.line(examples::parameterDigest(model.parameters(), runtime->cpuWorld()));
     runtime->shutdown();
     return 0;
   });

@@ -28,6 +28,14 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
       ->check(positive)
       ->group("Layout");
   cli::addBackend(app, o.backend)->group("Layout");
+  app.add_option("--spares", o.spares,
+                 "processes of the job that wait to take a lost rank's place (the launcher's last ranks; needs "
+                 "a job started without MPI and bulkhead-store)")
+      ->check(count)
+      ->group("Recovery");
+  app.add_option("--snapshot-every", o.snapshotEvery, "steps between the in-memory snapshots a recovery resumes from")
+      ->check(positive)
+      ->group("Recovery");
   // Model.
   app.add_option("--layers", m.layers, "transformer layers")->check(positive)->group("Model");
   app.add_option("--hidden", m.hidden, "model width")->check(positive)->group("Model");
