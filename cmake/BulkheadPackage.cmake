@@ -37,7 +37,7 @@ set(BULKHEAD_PUBLIC_HEADERS
   checkpoint/dtype.h checkpoint/fault.h checkpoint/folder.h checkpoint/fs.h checkpoint/hdf5.h checkpoint/inspect.h
   checkpoint/key_map.h checkpoint/manifest.h checkpoint/parallel_for.h checkpoint/rank_file.h checkpoint/reader.h
   checkpoint/safetensors.h checkpoint/staging.h checkpoint/state_dict.h checkpoint/tensor_reader.h
-  launch/bootstrap.h launch/cli.h launch/init.h launch/rendezvous.h launch/world.h)
+  launch/bootstrap.h launch/cli.h launch/init.h launch/recovery.h launch/rendezvous.h launch/snapshot.h launch/world.h)
 foreach(header ${BULKHEAD_PUBLIC_HEADERS})
   get_filename_component(folder ${header} DIRECTORY)
   install(FILES ${PROJECT_SOURCE_DIR}/${header} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/bulkhead/${folder})
