@@ -5,7 +5,8 @@
 // names) in host memory after a step: its own last two snapshots, and the
 // last two of one other rank, its ward, which it holds for it. Rank r's holder
 // is r + localSize (mod size) when the world spans more than one node, so the
-// copy lives on another node, else r + 1 (mod size). Two copies of each, so
+// copy lives on another node (where the nodes hold equal numbers of ranks),
+// else r + 1 (mod size). Two copies of each, so
 // that a fault during an exchange still leaves one step every rank has.
 //
 // A snapshot is packed into one byte buffer: a header (step, a signature of
