@@ -36,10 +36,12 @@ class StoreAdapter : public ::gloo::rendezvous::Store {
 
   void wait(const std::vector<std::string>& keys) override { wait(keys, remainingMillis(deadline_)); }
 
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+  // Gloo passes its context's timeout, which connect() shortens for the pairs'
+  // first connects; the rendezvous keeps the whole deadline.
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& /*timeout*/) override {
     std::vector<std::string> prefixed;
     for (const auto& key : keys) prefixed.push_back(prefix_ + key);
-    store_->wait(prefixed, deadline_.earliest(Deadline::after(timeout)));
+    store_->wait(prefixed, deadline_);
   }
 
  private:
@@ -77,7 +79,9 @@ ContextFactory ContextFactory::child(const std::string& suffix) const {
 std::shared_ptr<::gloo::Context> ContextFactory::connect(int rank, int size, Deadline deadline,
                                                          const ErrorContext& context) const {
   auto glooContext = std::make_shared<::gloo::rendezvous::Context>(rank, size);
-  glooContext->setTimeout(remainingMillis(deadline));
+  // A pair's first connect waits five times the context's timeout (gloo/transport/tcp/pair.h): a
+  // fifth of what is left keeps a peer that died mid-connect from holding this rank past the deadline.
+  glooContext->setTimeout(std::max(std::chrono::milliseconds(1), remainingMillis(deadline) / 5));
   StoreAdapter adapter(store_, prefix_, deadline);
   try {
     auto device = device_;

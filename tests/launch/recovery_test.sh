@@ -23,8 +23,12 @@ set -u
 mode=$1 bin=$2
 out=$(mktemp -d)
 pids=() store= watchdog=
+stop_watchdog() {
+  [ -n "$watchdog" ] && pkill -P "$watchdog" 2>/dev/null && kill "$watchdog" 2>/dev/null
+  watchdog=
+}
 cleanup() {
-  [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
+  stop_watchdog
   for p in "${pids[@]}" $store; do kill -KILL "$p" 2>/dev/null; done
   [ -n "${KEEP:-}" ] || rm -rf "$out"
 }
@@ -52,7 +56,8 @@ start() {
       BULKHEAD_RUN_ID="$run" "$bin/train_moe" "${args[@]}" --loss-log "$out/$run.loss" >"$out/$run.$i.log" 2>&1 &
     pids+=($!)
   done
-  (sleep 240 && echo "watchdog: killing run $run" && kill -KILL "${pids[@]}") &
+  # Its output goes nowhere, so that it never holds the test's output open.
+  bash -c 'sleep 240 && kill -KILL "$@"' _ "${pids[@]}" >/dev/null 2>&1 &
   watchdog=$!
 }
 # finish <run>: waits for every process; codes[i] its exit code.
@@ -62,8 +67,7 @@ finish() {
     wait "$p"
     codes+=($?)
   done
-  kill "$watchdog" 2>/dev/null
-  watchdog=
+  stop_watchdog
   echo "$1: exit codes ${codes[*]}"
 }
 # lines <run>: steps rank 0 has logged.
