@@ -39,13 +39,11 @@ ranks=8 spares=1 steps=24
 case $mode in two | during) spares=2 ;; esac
 args=(--backend gloo --dtype float64 --pp 2 --ep 2 --microbatches 2 --layers 4 --hidden 32 --heads 4 --ffn 32
   --experts 4 --topk 2 --seq 16 --batch 8 --steps $steps --log-interval 4 --spares $spares)
-export BULKHEAD_STORE_TOKEN=recovery-token BULKHEAD_COLLECTIVE_TIMEOUT=${BULKHEAD_COLLECTIVE_TIMEOUT:-6}
-"$bin/bulkhead-store" --host 127.0.0.1 --port 0 >"$out/store.log" 2>&1 &
-store=$!
-for _ in $(seq 100); do grep -q "^bulkhead-store listening on" "$out/store.log" && break; sleep 0.1; done
-BULKHEAD_STORE_ADDR=$(sed -n 's/^bulkhead-store listening on //p' "$out/store.log")
-[ -n "$BULKHEAD_STORE_ADDR" ] || fail "bulkhead-store did not start"
-export BULKHEAD_STORE_ADDR
+# A generation that does not come up (a rank lost while it does) is given up after the init deadline.
+export BULKHEAD_STORE_TOKEN=recovery-token BULKHEAD_COLLECTIVE_TIMEOUT=${BULKHEAD_COLLECTIVE_TIMEOUT:-6} \
+  BULKHEAD_INIT_TIMEOUT=${BULKHEAD_INIT_TIMEOUT:-30}
+. "$(dirname "$0")/outside_store.sh"
+start_outside_store "$bin" "$out/store.log"
 
 # start <run>: ranks + spares processes of train_moe, pids in pids[], logs <run>.<i>.log.
 start() {

@@ -22,6 +22,7 @@
 # usage: store_launch_test.sh <collectives|train|faults|outside> <bin dir> <mpirun>
 set -u
 mode=$1 bin=$2 mpirun=$3
+. "$(dirname "$0")/outside_store.sh"
 out=$(mktemp -d)
 store=
 trap '[ -n "$store" ] && kill "$store" 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$out"' EXIT
@@ -131,12 +132,7 @@ faults)
   ;;
 outside)
   export BULKHEAD_STORE_TOKEN=outside-token TOKEN=outside-token
-  "$bin/bulkhead-store" --host 127.0.0.1 --port 0 >"$out/store.log" 2>&1 &
-  store=$!
-  for _ in $(seq 100); do grep -q "^bulkhead-store listening on" "$out/store.log" && break; sleep 0.1; done
-  BULKHEAD_STORE_ADDR=$(sed -n 's/^bulkhead-store listening on //p' "$out/store.log")
-  [ -n "$BULKHEAD_STORE_ADDR" ] || fail "bulkhead-store did not start"
-  export BULKHEAD_STORE_ADDR
+  start_outside_store "$bin" "$out/store.log"
   for run in first second; do
     export BULKHEAD_RUN_ID=$run
     loop "coll_$run" 4 "0 1 2 3" -- "$bin/bulkhead-collectives" --iters 2 --sizes 4K,1M
@@ -170,11 +166,8 @@ outside)
 
   # The store killed mid-training: the collectives need no store, so training
   # goes on to its end; each rank says once that the store process is gone.
-  "$bin/bulkhead-store" --host 127.0.0.1 --port 0 >"$out/store2.log" 2>&1 &
-  store=$!
-  for _ in $(seq 100); do grep -q "^bulkhead-store listening on" "$out/store2.log" && break; sleep 0.1; done
-  BULKHEAD_STORE_ADDR=$(sed -n 's/^bulkhead-store listening on //p' "$out/store2.log")
-  export BULKHEAD_STORE_ADDR BULKHEAD_RUN_ID=fourth
+  start_outside_store "$bin" "$out/store2.log"
+  export BULKHEAD_RUN_ID=fourth
   "$mpirun" --oversubscribe -np 4 "$bin/train_moe" --steps 150 --log-interval 50 >"$out/train.log" 2>&1 &
   job=$!
   for _ in $(seq 300); do grep -q "step .* | loss" "$out/train.log" && break; sleep 0.1; done
