@@ -43,15 +43,22 @@ Backend parseBackend(std::string_view text) {
 
 namespace {
 
-// NCCL needs a GPU of its own for every rank of a node.
-bool enoughGpus(const std::optional<launch::WorldInfo>& found) {
-  int localRanks = found && found->localSize > 0 ? found->localSize : 1;
-  return nccl::available() && localRanks <= nccl::deviceCount();
+// The ranks of this node that train at once: its processes, less the spares
+// when the job has one node (a spare takes a lost rank's GPU).
+int trainingLocalRanks(const std::optional<launch::WorldInfo>& found, int spares) {
+  if (!found || found->localSize <= 0) return 1;
+  return found->localSize == found->size ? found->localSize - spares : found->localSize;
 }
 
-Backend resolve(Backend wanted, const std::optional<launch::WorldInfo>& found, launch::Bootstrap bootstrap) {
+// NCCL needs a GPU of its own for every rank of a node.
+bool enoughGpus(const std::optional<launch::WorldInfo>& found, int spares) {
+  return nccl::available() && trainingLocalRanks(found, spares) <= nccl::deviceCount();
+}
+
+Backend resolve(Backend wanted, const std::optional<launch::WorldInfo>& found, launch::Bootstrap bootstrap,
+                int spares) {
   if (wanted == Backend::Auto) {
-    if (enoughGpus(found)) return Backend::Nccl;
+    if (enoughGpus(found, spares)) return Backend::Nccl;
     return bootstrap == launch::Bootstrap::Mpi ? Backend::Mpi : Backend::Gloo;
   }
   if (wanted == Backend::Mpi && bootstrap == launch::Bootstrap::Store)
@@ -59,10 +66,10 @@ Backend resolve(Backend wanted, const std::optional<launch::WorldInfo>& found, l
                                   "starts through the store ({} launcher); use BULKHEAD_BACKEND=gloo (or auto)",
                                   found ? launch::toString(found->source) : "no"),
                       {.rank = found ? found->rank : -1, .expected = "an MPI launcher for the mpi backend"});
-  if (wanted == Backend::Nccl && nccl::available() && !enoughGpus(found))
+  if (wanted == Backend::Nccl && nccl::available() && !enoughGpus(found, spares))
     throw ConfigError(fmt::format("{} ranks share this node's {} GPUs, but the nccl backend needs one GPU per rank; "
                                   "start at most {} ranks per node, or use BULKHEAD_BACKEND=mpi",
-                                  found->localSize, nccl::deviceCount(), nccl::deviceCount()),
+                                  trainingLocalRanks(found, spares), nccl::deviceCount(), nccl::deviceCount()),
                       {.rank = found->rank, .expected = "one GPU per rank"});
   return wanted;  // nccl without a GPU fails in nccl::initWorld with a ConfigError that says why
 }
@@ -189,6 +196,8 @@ void Runtime::startGeneration(int generation, int rank, Deadline deadline) {
   if (monitor_) monitor_->stop();
   world_.reset();
   cpuWorld_.reset();
+  // A spare takes the lost rank's GPU: on one node, the one of that rank's index.
+  if (spare_ && info_.localSize == info_.size) info_.localRank = rank;
   generation_ = generation;
   spare_ = false;
   info_.rank = rank;
@@ -257,7 +266,8 @@ std::unique_ptr<Runtime> init(InitOptions options) {
   Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
   std::optional<launch::WorldInfo> found = launch::findWorld();
   launch::Bootstrap bootstrap = launch::resolveBootstrap(found);
-  Backend backend = resolve(options.backend.value_or(parseBackend(env::kBackend.text())), found, bootstrap);
+  Backend backend =
+      resolve(options.backend.value_or(parseBackend(env::kBackend.text())), found, bootstrap, options.spares);
   launch::WorldInfo info = found.value_or(launch::WorldInfo{.source = launch::WorldSource::Generic});
   if (found) log::setRank(info.rank, info.size);
   checkSpares(options.spares, bootstrap, info);
