@@ -147,7 +147,6 @@ void Snapshots::unpack(const at::Tensor& packed, const NamedTensors& state, int 
                                   "run the same model, flags and layout",
                                   header.step, header.bytes, header.signature, layout.bytes, layout.signature),
                       {.rank = rank, .expected = "the same tensors as the rank's snapshot"});
-  at::NoGradGuard noGrad;
   for (size_t i = 0; i < state.size(); ++i) {
     const at::Tensor& tensor = state[i].second;
     tensor.detach().copy_(sliceOf(packed, layout.offsets[i], tensor));
