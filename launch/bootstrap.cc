@@ -30,13 +30,6 @@ struct Arrival {
   std::string process;  // host:pid:nonce, unique per process
 };
 
-std::string processId() {
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  std::random_device entropy;
-  return fmt::format("{}:{}:{:08x}", host, ::getpid(), entropy());
-}
-
 std::string describe(const Arrival& a) {
   return fmt::format("{} (pid {})", a.process.substr(0, a.process.find(':')),
                      a.process.substr(a.process.find(':') + 1, a.process.rfind(':') - a.process.find(':') - 1));
@@ -152,6 +145,13 @@ Deadline withGrace(Deadline deadline) {
 }
 
 }  // namespace
+
+std::string processId() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  std::random_device entropy;
+  return fmt::format("{}:{}:{:08x}", host, ::getpid(), entropy());
+}
 
 const char* toString(Bootstrap bootstrap) { return bootstrap == Bootstrap::Mpi ? "mpi" : "store"; }
 

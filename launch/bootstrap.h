@@ -14,6 +14,7 @@
 // set, or no launcher's at all (a single process), and store otherwise.
 
 #include <optional>
+#include <string>
 
 #include "launch/rendezvous.h"
 #include "launch/world.h"
@@ -21,6 +22,9 @@
 namespace bulkhead::launch {
 
 enum class Bootstrap { Mpi, Store };
+
+// "host:pid:nonce": a name for this process no other process of the job has.
+std::string processId();
 const char* toString(Bootstrap bootstrap);
 
 // Reads BULKHEAD_BOOTSTRAP; ConfigError for a value it does not know, or for

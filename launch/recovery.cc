@@ -3,17 +3,16 @@
 #include <ATen/ops/empty.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <limits>
 #include <map>
-#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
 
+#include "launch/bootstrap.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/fatal_exit.h"
@@ -37,13 +36,6 @@ constexpr double kJobSilentSeconds = 10;
 constexpr double kLeaderMargin = 2;
 
 double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-std::string processName() {
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  std::random_device entropy;
-  return fmt::format("{}:{}:{:08x}", host, ::getpid(), entropy());
-}
 
 std::shared_ptr<Store> generationStore(const std::shared_ptr<Store>& job, int generation) {
   if (generation == 0) return job;
@@ -229,7 +221,7 @@ std::vector<int> claimSpares(Store& job, int generation, size_t needed, int size
 }  // namespace
 
 Recovery::Recovery(Runtime& runtime, RecoveryOptions options)
-    : runtime_(runtime), options_(options), process_(processName()) {
+    : runtime_(runtime), options_(options), process_(processId()) {
   if (options_.snapshotEvery < 1)
     throw ConfigError(fmt::format("a snapshot every {} steps: use 1 or more", options_.snapshotEvery),
                       {.rank = runtime.info().rank, .expected = "snapshotEvery >= 1"});
