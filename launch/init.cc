@@ -202,8 +202,7 @@ void Runtime::startGeneration(int generation, int rank, Deadline deadline) {
   spare_ = false;
   info_.rank = rank;
   log::setRank(rank, info_.size);
-  store_ = generation == 0 ? rendezvous_.store
-                           : std::make_shared<PrefixStore>(rendezvous_.store, fmt::format("gen/{}/", generation));
+  store_ = launch::generationStore(rendezvous_.store, generation);
   MonitorOptions monitorOptions = MonitorOptions::fromEnvironment();
   if (rendezvous_.outside) monitorOptions.storeHostRank = -1;  // no rank hosts the store
   monitor_ = std::make_shared<Monitor>(store_, rank, monitorOptions);

@@ -23,6 +23,11 @@
 
 namespace bulkhead::launch {
 
+std::shared_ptr<Store> generationStore(const std::shared_ptr<Store>& job, int generation) {
+  if (generation == 0) return job;
+  return std::make_shared<PrefixStore>(job, fmt::format("gen/{}/", generation));
+}
+
 std::string spareTurnKey(int launcherRank) { return fmt::format("spare/{}/turn", launcherRank); }
 
 namespace {
@@ -36,11 +41,6 @@ constexpr double kJobSilentSeconds = 10;
 constexpr double kLeaderMargin = 2;
 
 double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-std::shared_ptr<Store> generationStore(const std::shared_ptr<Store>& job, int generation) {
-  if (generation == 0) return job;
-  return std::make_shared<PrefixStore>(job, fmt::format("gen/{}/", generation));
-}
 
 std::string recoveryKey(int generation, const std::string& what) {
   return fmt::format("recovery/{}/{}", generation, what);

@@ -61,6 +61,8 @@ inline constexpr const char* kSparePrefix = "spare/";  // a spare's heartbeats: 
 inline constexpr const char* kSpareDone = "done";
 // "" while the spare waits; "gen <g>" once a recovery gave it a turn; "done" at the job's end.
 std::string spareTurnKey(int launcherRank);
+// A generation's view of the job's store: the whole store for generation 0, keys under "gen/<g>/" after.
+std::shared_ptr<Store> generationStore(const std::shared_ptr<Store>& job, int generation);
 
 struct RecoveryOptions {
   // A snapshot after every this many steps (afterStep).
