@@ -41,11 +41,10 @@ const parallel::ProcessGroups& checkedGroups(const MoEOptions& options, const pa
                     groups.expertTp()->name(), fmt::join(groups.expertTp()->members(), ",")),
         {.rank = groups.world()->rank(), .group = groups.tp()->name(), .expected = "etp == tp"});
   }
-  if (options.staticShapes && (options.router.capacityFactor <= 0 || layout.ep() > 1)) {
-    throw ConfigError(fmt::format("MoE layer {}: static shapes need a capacity factor and ep 1, not capacity {} at "
-                                  "ep {}",
-                                  options.name, options.router.capacityFactor, layout.ep()),
-                      {.rank = groups.world()->rank(), .expected = "router.capacityFactor > 0 and ep 1"});
+  if (options.staticShapes && options.router.capacityFactor <= 0) {
+    throw ConfigError(fmt::format("MoE layer {}: static shapes need a capacity factor, not {}", options.name,
+                                  options.router.capacityFactor),
+                      {.rank = groups.world()->rank(), .expected = "router.capacityFactor > 0"});
   }
   if (options.router.numExperts % layout.ep() != 0) {
     throw ConfigError(fmt::format("MoE layer {}: {} experts do not divide over ep {}", options.name,
@@ -119,7 +118,8 @@ MoELayer::MoELayer(MoEOptions options, const parallel::ProcessGroups& groups, co
                 .seed = options_.seed,
                 .groupedMm = options_.groupedMm,
                 .timeout = options_.timeout},
-               dispatcher_.firstExpert(), dispatcher_.localExperts(), groups.expertTp(), tensorOptions) {
+               dispatcher_.firstExpert(), dispatcher_.localExperts(), groups.expertTp(), tensorOptions),
+      staticExchange_(groups.ep(), dispatcher_.localExperts(), options_.timeout, options_.name) {
   if (options_.sharedExpertHidden > 0) {
     const int64_t hidden = options_.hidden, shared = options_.sharedExpertHidden;
     sharedW13_ = replicatedWeight(options_.seed, 102, {2, shared, hidden}, options_.initStd, tensorOptions);
@@ -178,11 +178,18 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
   std::optional<StaticPlan> fixed;
   at::Tensor expertOutput;
   if (options_.staticShapes) {
-    const bool packed = options_.packedStaticRows && experts_.groupedFor(tokens);
-    fixed = staticDispatch(tokens, routing, options_.router.numExperts, staticCapacity(options_.router, tokens.size(0)),
-                           packed);
-    expertOutput = packed ? experts_.forward(fixed->expertInput, fixed->rowsPerExpert, fixed->rowEnds)
-                          : experts_.forwardPadded(fixed->expertInput, fixed->keptRows);
+    const int64_t capacity = staticCapacity(options_.router, tokens.size(0));
+    const bool exchanged = dispatcher_.localExperts() < options_.router.numExperts;  // ep > 1
+    staticExchange_.check(tokens, capacity, capturing);
+    const bool packed = options_.packedStaticRows && !exchanged && experts_.groupedFor(tokens);
+    fixed = staticDispatch(tokens, routing, options_.router.numExperts, capacity, packed);
+    if (packed)
+      expertOutput = experts_.forward(fixed->expertInput, fixed->rowsPerExpert, fixed->rowEnds);
+    else if (!exchanged)
+      expertOutput = experts_.forwardPadded(fixed->expertInput, fixed->keptRows);
+    else  // each expert's rows from every ep rank; after the exchange its kept rows are no longer a prefix
+      expertOutput = staticExchange_.fromExperts(
+          experts_.forwardPadded(staticExchange_.toExperts(fixed->expertInput, capacity)), capacity);
   } else if (droplessOnDevice(tokens) &&
              (fixed = droplessDispatch(tokens, routing, options_.router.numExperts, /*groupedExperts=*/true))) {
     expertOutput = experts_.forward(fixed->expertInput, {}, fixed->rowEnds);

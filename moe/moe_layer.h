@@ -40,6 +40,7 @@
 #include "moe/dispatcher.h"
 #include "moe/experts.h"
 #include "moe/router.h"
+#include "moe/static_exchange.h"
 #include "parallel/parameter.h"
 #include "parallel/process_groups.h"
 
@@ -66,10 +67,12 @@ struct MoEOptions {
   bool groupedMm = true;
   // Fixed shapes (moe/static_dispatch.h): every expert gets exactly its
   // capacity of rows and nothing is read back to the host, so a CUDA graph can
-  // capture the layer. Needs a capacity factor and ep 1 (ConfigError
-  // otherwise). Without it, a dropless layer (capacity 0) at ep 1 on a GPU
-  // with grouped products (bf16, at most 512 experts) keeps its counts on the
-  // device, with no exchange (moe/static_dispatch.h, droplessDispatch), and
+  // capture the layer. Needs a capacity factor (ConfigError otherwise). At
+  // ep > 1 every expert's capacity of rows travels, padding included, in
+  // all-to-alls of equal splits (moe/static_exchange.h): every rank of the
+  // ep group then needs the same number of tokens. Without it, a dropless
+  // layer (capacity 0) at ep 1 on a GPU with grouped products (bf16, at most
+  // 512 experts) keeps its counts on the device, with no exchange (moe/static_dispatch.h, droplessDispatch), and
   // can be captured; elsewhere the dispatcher reads its counts on the host,
   // and a forward under CUDA-graph capture is a ConfigError.
   bool staticShapes = false;
@@ -78,7 +81,8 @@ struct MoEOptions {
   // to the weight's .grad inside the GEMM (moe/batched_linear.h); true, where
   // grouped products apply, the kept rows packed for at::_grouped_mm, which
   // multiplies T x k rows instead of E x capacity but leaves autograd to add
-  // the weight gradients to held ones in a pass of their own.
+  // the weight gradients to held ones in a pass of their own. At ep 1 only:
+  // at ep > 1 the rows travel padded.
   bool packedStaticRows = false;
   // Each collective of the layer, forward and backward (dispatch, combine,
   // expert-tp, the aux-loss counts); unset: BULKHEAD_COLLECTIVE_TIMEOUT.
@@ -155,6 +159,7 @@ class MoELayer {
   Router router_;
   TokenDispatcher dispatcher_;
   GroupedExperts experts_;
+  StaticExchange staticExchange_;  // static shapes at ep > 1: the capacity-padded exchange
   at::Tensor sharedW13_, sharedW2_;          // [2, F_s, H] (W1 then W3), [H, F_s]
   std::optional<c10::Stream> sharedStream_;  // where the shared expert runs on a GPU
   at::Tensor lastLoads_, lastAux_, lastZ_;

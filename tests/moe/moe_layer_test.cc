@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -504,17 +505,69 @@ TEST_CASE("static shapes compute what the dispatcher computes with the same capa
   }
 }
 
-TEST_CASE("static shapes need a capacity factor and ep 1", "[moe][layer]") {
+TEST_CASE("static shapes need a capacity factor", "[moe][layer]") {
   auto local = parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{}, {.warmup = false});
   MoEOptions options = layerOptions(true, 0, false);
   options.staticShapes = true;
   CHECK_THROWS_AS(MoELayer(options, local, at::kDouble), ConfigError);
-  if (testing::world().size() >= 2) {
-    auto spread =
-        parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 2}, {.warmup = false});
-    options.router.capacityFactor = 1.0;
-    CHECK_THROWS_AS(MoELayer(options, spread, at::kDouble), ConfigError);
+}
+
+TEST_CASE("static shapes at ep > 1 exchange padded rows and compute what the dispatcher computes", "[moe][layer]") {
+  REQUIRE(testing::world().size() == kShards);
+  const std::vector<parallel::LayoutOptions> layouts{
+      {.ep = 2}, {.ep = 4}, {.ep = 8}, {.tp = 2, .ep = 2, .etp = 2}, {.tp = 2, .ep = 4, .etp = 2}};
+  for (const auto& layoutOptions : layouts) {
+    auto groups = parallel::ProcessGroups::create(testing::worldPtr(), layoutOptions, {.warmup = false});
+    for (double capacity : {0.5, 1.25}) {
+      MoEOptions options = layerOptions(true, capacity, true);
+      options.router.expertBias = false;
+      MoELayer dispatched(options, groups, at::kDouble);
+      options.staticShapes = true;
+      MoELayer fixed(options, groups, at::kDouble);
+      // Every rank of a tp group holds the same tokens, each dp rank its own.
+      const int dpRank = groups.dp()->rank();
+      for (int round = 0; round < 2; ++round) {
+        at::Tensor tokens = gaussian(300 + 10 * round + dpRank, {kTokens, kHidden});
+        at::Tensor projection = gaussian(400 + 10 * round + dpRank, {kTokens, kHidden});
+        auto ours = stepOf(fixed, tokens, projection);
+        auto theirs = stepOf(dispatched, tokens, projection);
+        REQUIRE(ours.size() == theirs.size());
+        for (size_t i = 0; i < ours.size(); ++i) {
+          INFO(fmt::format("rank {} layout {} capacity {} round {} tensor {}", testing::world().rank(),
+                           groups.layout().describe(), capacity, round, i));
+          CHECK(ours[i].abs().max().item<double>() > 0);
+          CHECK(at::allclose(ours[i], theirs[i], 1e-12, 1e-12));
+        }
+        CHECK(fixed.stats().droppedSlots == dispatched.stats().droppedSlots);
+        if (capacity == 0.5) CHECK(fixed.stats().droppedSlots > 0);
+      }
+    }
   }
+}
+
+TEST_CASE("static shapes at ep > 1 refuse ranks of unequal batches on every rank of the group, then go on",
+          "[moe][layer]") {
+  auto groups =
+      parallel::ProcessGroups::create(testing::worldPtr(), parallel::LayoutOptions{.ep = 4}, {.warmup = false});
+  MoEOptions options = layerOptions(true, 1.0, false);
+  options.router.expertBias = false;
+  options.staticShapes = true;
+  MoELayer layer(options, groups, at::kDouble);
+  const int me = testing::world().rank();
+  const auto& members = groups.ep()->members();
+  const bool withShort = std::find(members.begin(), members.end(), kEmptyShard) != members.end();
+  try {
+    layer.forward(gaussian(500 + me, {me == kEmptyShard ? kTokens / 2 : kTokens, kHidden}));
+    CHECK_FALSE(withShort);
+  } catch (const ConfigError& error) {
+    const std::string text = error.what();
+    INFO(text);
+    CHECK(withShort);
+    CHECK(text.find(fmt::format("rank {}: {} tokens", kEmptyShard, kTokens / 2)) != std::string::npos);
+    CHECK(text.find("give every rank batches of one size") != std::string::npos);
+  }
+  MoEOutput out = layer.forward(gaussian(600 + me, {kTokens, kHidden}));
+  CHECK(out.output.sizes().vec() == std::vector<int64_t>{kTokens, kHidden});
 }
 
 }  // namespace bulkhead::moe
