@@ -159,7 +159,7 @@ class MoELayer {
   Router router_;
   TokenDispatcher dispatcher_;
   GroupedExperts experts_;
-  StaticExchange staticExchange_;  // static shapes at ep > 1: the capacity-padded exchange
+  StaticExchange staticExchange_;            // static shapes at ep > 1: the capacity-padded exchange
   at::Tensor sharedW13_, sharedW2_;          // [2, F_s, H] (W1 then W3), [H, F_s]
   std::optional<c10::Stream> sharedStream_;  // where the shared expert runs on a GPU
   at::Tensor lastLoads_, lastAux_, lastZ_;
