@@ -11,9 +11,11 @@
 //                                   [--shared-ffn 0] [--shared-in-line] [--shared-rounds 0]
 //                                   [--profile trace.json] [--step-only] [--graph]
 //
-// --graph (one rank): the step captured once in a CUDA graph and each timed
-// step one replay; with --capacity the layer has static shapes, dropless it
-// groups its slots on the device (bf16 at ep 1 reads nothing back to the host).
+// --graph: the step captured once in a CUDA graph and each timed step one
+// replay (EAGER_STEP_MS: the same layer's eager step); with --capacity the
+// layer has static shapes (at ep > 1 its capacity-padded exchanges are
+// captured too), dropless at one rank it groups its slots on the device (bf16
+// at ep 1 reads nothing back to the host).
 //
 // --step-only: print STEP_MS, PEAK_ALLOCATED_MB and where one step's memory
 // goes (MEMORY_MB, each rank), write the profile if asked, and stop: for quick
@@ -187,8 +189,8 @@ int main(int argc, char** argv) {
         .overlapSharedExpert = !options.sharedInLine,
         .staticShapes = options.graph && options.capacity > 0,
         .packedStaticRows = options.packed};
-    if (options.graph && ranks > 1)
-      throw ConfigError("--graph needs one rank: the captured layer keeps its counts on the device at ep 1 only");
+    if (options.graph && ranks > 1 && options.capacity <= 0)
+      throw ConfigError("--graph at ep > 1 needs --capacity: dropless dispatch there reads its counts on the host");
     moe::MoELayer layer(layerOptions, groups, tensorOptions);
 
     at::manual_seed(1000 + me);
@@ -205,9 +207,13 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 3; ++i) eagerStep();
     // --graph: the same step captured once, each timed step one replay.
     std::optional<CapturedGraph> graph;
-    if (options.graph) graph.emplace(runtime->device(), eagerStep, GraphOptions{.name = "moe-bench"});
+    if (options.graph)  // the captured exchanges checked across ranks at capture
+      graph.emplace(runtime->device(), eagerStep,
+                    GraphOptions{.name = "moe-bench", .store = runtime->store(), .comms = {runtime->worldPtr()}});
     std::function<void()> step = eagerStep;
     if (graph) step = [&] { graph->launch(); };
+    // The same layer's eager step, beside the replays.
+    const double eagerStepMs = graph ? medianMs(options.iterations, eagerStep) : 0;
     if (options.sharedRounds > 0) {
       if (options.sharedFfn <= 0) throw ConfigError("--shared-rounds needs --shared-ffn");
       moe::MoEOptions otherOptions = layerOptions;  // the shared expert the other way
@@ -372,7 +378,7 @@ int main(int argc, char** argv) {
     at::Tensor floorGrad = at::randn({productRows, options.hidden}, tensorOptions);
     // Padded, the activation skips each expert's rows after its kept ones, as in the step.
     const at::Tensor floorKept =
-        padded && tensorOptions.device().is_cuda()
+        padded && tensorOptions.device().is_cuda() && ranks == 1  // at ep > 1 the kept rows are no prefix
             ? at::tensor(plan.tokensPerLocalExpert, at::kLong).clamp_max(capacity).to(tensorOptions.device(), at::kInt)
             : at::Tensor();
     auto products = [&] {
@@ -409,6 +415,7 @@ int main(int argc, char** argv) {
       fmt::print("STEP_TFLOPS {:.1f}\n", stepFlops / stepMs / 1e9);
       fmt::print("PRODUCTS_TFLOPS {:.1f}\n", productFlops / floorMs / 1e9);
       fmt::print("STEP_MS {:.3f}\n", stepMs);
+      if (graph) fmt::print("EAGER_STEP_MS {:.3f}\n", eagerStepMs);
       fmt::print("PEAK_ALLOCATED_MB {:.1f}\n", peakMb);
       fmt::print("ROWS_SENT {}\n", sent);
       fmt::print("DISPATCH_COMBINE_MS {:.3f}\n", oursMs);

@@ -200,11 +200,7 @@ at::Tensor MoELayer::routed(const at::Tensor& tokens, Routing& routing, bool cap
   }
   router_.addLosses(routing);  // launched while the experts run (see Router::select)
   if (options_.globalAuxLoss && options_.router.auxLossCoeff != 0) {
-    if (capturing && dpCp_->size() > 1)
-      throw ConfigError(fmt::format("MoE layer {}: the global aux loss sums counts over {} with an all-reduce, "
-                                    "which a CUDA graph of this layer does not capture; set globalAuxLoss = false",
-                                    options_.name, dpCp_->name()),
-                        {.rank = worldRank_, .group = dpCp_->name(), .expected = "globalAuxLoss off when capturing"});
+    // Under capture the all-reduce goes into the graph (the nccl backend's captured path).
     // Slot counts and the token count, summed over every replica's batch.
     at::Tensor counts =
         at::cat({routing.tokensPerExpert, at::full({1}, tokens.size(0), routing.tokensPerExpert.options())});

@@ -92,7 +92,8 @@ MoETransformer::MoETransformer(const ModelConfig& config, const parallel::Proces
                             .globalAuxLoss = true,
                             .sharedExpertHidden = config.sharedFfn,
                             .initStd = projectionStd,
-                            .seed = layerSeed};
+                            .seed = layerSeed,
+                            .staticShapes = config.staticShapes};
     moe_.push_back(std::make_unique<moe::MoELayer>(options, groups, at::TensorOptions(config.dtype).device(device)));
   }
   if (part_.last) finalNorm_ = normWeight("final_norm.weight");

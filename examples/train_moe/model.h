@@ -44,6 +44,9 @@ struct ModelConfig {
   // layer of its own.
   bool tiedEmbedding = false;
   bool oncePerRank = true;
+  // The MoE layers' fixed shapes (moe::MoEOptions::staticShapes; needs a
+  // capacity), for a step captured in a CUDA graph.
+  bool staticShapes = false;
   uint64_t seed = 1;
   at::ScalarType dtype = at::kFloat;
 };

@@ -54,7 +54,7 @@ double StepLoss::get() {
   return *value_;
 }
 
-StepLoss StagedModel::forwardBackward(const std::vector<TokenBatch>& microBatches) {
+at::Tensor StagedModel::forwardBackwardLocal(const std::vector<TokenBatch>& microBatches) {
   if (static_cast<int>(microBatches.size()) != options_.microBatches)
     throw ConfigError(fmt::format("{} micro-batches for a schedule of {}", microBatches.size(), options_.microBatches),
                       {.rank = groups_.world()->rank()});
@@ -71,11 +71,14 @@ StepLoss StagedModel::forwardBackward(const std::vector<TokenBatch>& microBatche
   // The loss lives on the last stage (the same on every tp rank there): one
   // contribution per data-parallel replica, summed over the world.
   const bool counts = groups_.pp()->rank() == groups_.pp()->size() - 1 && groups_.tp()->rank() == 0;
-  at::Tensor loss = counts ? result.losses.mean().reshape({1})
-                           : at::zeros({1}, at::TensorOptions(at::kDouble).device(groups_.world()->device()));
+  return counts ? result.losses.mean().reshape({1})
+                : at::zeros({1}, at::TensorOptions(at::kDouble).device(groups_.world()->device()));
+}
+
+StepLoss StagedModel::reduceLoss(const at::Tensor& contribution) const {
   const Deadline deadline = parallel::collectiveDeadline(std::nullopt);
-  WorkPtr work = groups_.world()->allReduce(loss, {.deadline = deadline});
-  return StepLoss(std::move(work), loss, groups_.dpCp()->size(), deadline);
+  WorkPtr work = groups_.world()->allReduce(contribution, {.deadline = deadline});
+  return StepLoss(std::move(work), contribution, groups_.dpCp()->size(), deadline);
 }
 
 void StagedModel::tieEmbeddingGradients() {

@@ -55,7 +55,15 @@ class StagedModel {
   // the mean over every data-parallel rank's tokens, on every rank, as a
   // StepLoss to read once the rest of the step is queued.
   // Collective over the world.
-  StepLoss forwardBackward(const std::vector<TokenBatch>& microBatches);
+  StepLoss forwardBackward(const std::vector<TokenBatch>& microBatches) {
+    return reduceLoss(forwardBackwardLocal(microBatches));
+  }
+  // Its two halves: the forward and backward, which return this rank's
+  // contribution to the loss ([1] float64 on the device, zero outside the last
+  // stage's tp rank 0) and need no host read at pp 1 (a CUDA graph captures
+  // them); and the sum of the contributions over the world.
+  at::Tensor forwardBackwardLocal(const std::vector<TokenBatch>& microBatches);
+  StepLoss reduceLoss(const at::Tensor& contribution) const;
 
   std::vector<parallel::Parameter> parameters() const;
   std::vector<parallel::ShardedTensor> buffers() const;

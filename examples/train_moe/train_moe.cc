@@ -27,6 +27,7 @@
 #include <string>
 
 #include "checkpoint/checkpointer.h"
+#include "examples/train_moe/captured_step.h"
 #include "examples/train_moe/data.h"
 #include "examples/train_moe/model.h"
 #include "examples/train_moe/staged_model.h"
@@ -174,14 +175,17 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     throw ConfigError(fmt::format("--batch {} does not split into {} micro-batches on each of {} data-parallel ranks",
                                   options.globalBatch, options.microBatches, groups.dpCp()->size()),
                       {.rank = rank, .expected = fmt::format("--batch a multiple of {}", parts)});
-  examples::StagedModel model(options.model, groups,
+  if (options.cudaGraph) examples::checkCapturable(groups, options.model.capacityFactor);
+  examples::ModelConfig config = options.model;
+  config.staticShapes = options.cudaGraph;
+  examples::StagedModel model(config, groups,
                               {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
   // The tied embedding's gradients are summed across stages after the backward: reduced at the step.
   std::set<std::string> reduceAtStep;
   if (options.model.tiedEmbedding) reduceAtStep.insert("embed.weight");
   optim::DistributedOptimizer optimizer(model.parameters(), groups,
                                         {.adamw = {.weightDecay = 0.01},
-                                         .overlapGradReduce = options.gradOverlap,
+                                         .overlapGradReduce = options.gradOverlap && !options.cudaGraph,
                                          .reduceInParamDtype = options.gradReduceBf16,
                                          .reduceAtStep = reduceAtStep});
   const optim::LrSchedule schedule{
@@ -281,6 +285,7 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     windowSeconds = 0;
     windowSteps = 0;
   };
+  std::unique_ptr<examples::CapturedStep> captured;  // with --cuda-graph, from the first step
   examples::StepProfile profile(options.profile);
   const int64_t profileFrom = step + 10, profileTo = step + 15;
   for (; step < lastStep; ++step) {
@@ -296,10 +301,12 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
       microBatches.push_back(
           batches.batch(step, m * dp->size() + dp->rank(), options.microBatches * dp->size(), device));
     // The data-parallel mean of the loss (every rank's batch is the same size).
-    examples::StepLoss loss = model.forwardBackward(microBatches);
+    if (options.cudaGraph && !captured)
+      captured = std::make_unique<examples::CapturedStep>(model, groups, runtime.store(), microBatches);
+    examples::StepLoss loss = captured ? captured->run(microBatches) : model.forwardBackward(microBatches);
     optim::StepNorm gradNorm = optimizer.launchStep(schedule.at(step), {.maxGradNorm = options.clip});
-    optimizer.zeroGrad();
-    if (queued) report(*queued);  // the step before, done or nearly so on the device
+    if (!captured) optimizer.zeroGrad();  // a graph's gradients stay: each replay writes them
+    if (queued) report(*queued);          // the step before, done or nearly so on the device
     queued.emplace(Queued{step, std::move(loss), std::move(gradNorm)});
     if (recovery.enabled()) recovery.afterStep(step + 1, recoveryState(model, optimizer));
     windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

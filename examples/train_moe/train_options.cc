@@ -82,6 +82,9 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
                "reduce-scatter bf16 gradients in bf16 (the default: half the bytes, each addition rounded) or in "
                "float32")
       ->group("Training");
+  app.add_flag("--cuda-graph", o.cudaGraph,
+               "capture each step's forward and backward in a CUDA graph and replay it (GPU, --capacity, pp 1)")
+      ->group("Training");
   app.add_option("--clip", o.clip, "global gradient-norm clip (0: none)")->check(count)->group("Training");
   app.add_option("--log-interval", o.logInterval, "steps between log lines")->check(positive)->group("Training");
   // Checkpoints.

@@ -4,8 +4,11 @@
 // TimeoutError; dropless at ep 1 in bf16 keeps its counts on the device (the
 // dispatcher's results bit for bit) and captures; a layer whose dispatch reads
 // counts on the host refuses capture, saying to set a capacity.
-// With two GPUs: NCCL all-reduces captured in a graph replay on both ranks,
-// and a rank that captured one more fails at capture on both.
+// With two GPUs or more: the layer at ep over every GPU, and at tp 2, its
+// exchanges and all-reduces captured, replays to its eager results 1,000
+// times; NCCL all-reduces captured in a graph replay on every rank; a rank
+// that captured other collectives (one more, another capacity, a layer
+// skipped) fails at capture on every rank.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -280,6 +283,91 @@ TEST_CASE("capturing a layer whose dispatch reads counts on the host is a Config
   }
   // The stream is out of capture: eager work goes on.
   CHECK(layer.forward(input).output.sizes() == input.sizes());
+}
+
+TEST_CASE("static shapes at ep > 1 and tp > 1, exchanges captured, replay to their eager results, 1,000 times") {
+  const int n = gpuWorld().size();
+  if (n < 2) {
+    WARN("one GPU: a layer spread over ep or tp needs two");
+    return;
+  }
+  // ep over every GPU, and tp 2 (expert tp 2) with ep over the rest.
+  std::vector<parallel::LayoutOptions> layouts{{.ep = n}};
+  if (n % 2 == 0) layouts.push_back({.tp = 2, .ep = n / 2, .etp = 2});
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  for (const auto& layoutOptions : layouts) {
+    auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), layoutOptions);
+    const auto& layout = groups.layout();
+    INFO(fmt::format("rank {} of {}: {}", gpuWorld().rank(), n, layout.describe()));
+    moe::MoELayer captured(staticOptions(), groups, options), eager(staticOptions(), groups, options);
+    at::manual_seed(4343 + groups.dp()->rank());  // the same tokens on every rank of a tp group
+    Step graphStep{captured, at::randn({kTokens, kHidden}, options).requires_grad_(true),
+                   at::randn({kTokens, kHidden}, options)};
+    Step eagerStep{eager, at::empty({kTokens, kHidden}, options).requires_grad_(true), graphStep.projection};
+    CapturedGraph graph(gpu(), [&] { graphStep(); },
+                        {.name = fmt::format("moe-tp{}-ep{}", layout.tp(), layout.ep()),
+                         .store = gpuStore(),
+                         .comms = {gpuWorldPtr(), groups.ep(), groups.tp(), groups.expertTp()}});
+    int differ = 0;
+    for (int replay = 0; replay < 1000; ++replay) {
+      at::Tensor next = at::randn({kTokens, kHidden}, options) + (replay % 4) * at::randn({1, kHidden}, options);
+      {
+        c10::NoGradGuard noGrad;
+        graphStep.input.copy_(next);
+        eagerStep.input.copy_(next);
+      }
+      graph.replay(Deadline::afterSeconds(20));
+      eagerStep();
+      const bool full = replay % 100 == 0;
+      auto ours = full ? graphStep.results() : std::vector<at::Tensor>{graphStep.output};
+      auto theirs = full ? eagerStep.results() : std::vector<at::Tensor>{eagerStep.output};
+      for (size_t i = 0; i < ours.size(); ++i) {
+        if (withinRounding(ours[i], theirs[i])) continue;
+        if (++differ <= 5) FAIL_CHECK(fmt::format("replay {}: tensor {} differs from the eager step's", replay, i));
+      }
+    }
+    CHECK(differ == 0);
+    CHECK(captured.stats().droppedSlots == eager.stats().droppedSlots);
+    CHECK(captured.stats().droppedSlots > 0);  // the skewed inputs overflowed some expert's capacity
+  }
+}
+
+TEST_CASE("a rank that captured other exchanges (another capacity, a skipped layer) fails at capture on every rank") {
+  const int me = gpuWorld().rank(), n = gpuWorld().size();
+  if (n < 2) {
+    WARN("one GPU: the cross-rank capture check needs two ranks");
+    return;
+  }
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  const bool odd = me == n - 1;
+  for (const std::string name : {"capacity-differs", "layer-skipped"}) {
+    // Fresh groups: captured calls that never run leave NCCL's state of them unlike their peers'.
+    auto groups = parallel::ProcessGroups::create(gpuWorldPtr(), parallel::LayoutOptions{.ep = n}, {.warmup = false});
+    moe::MoEOptions layerOptions = staticOptions();
+    if (name == "capacity-differs" && odd) layerOptions.router.capacityFactor = 2.0;
+    moe::MoELayer layer(layerOptions, groups, options);
+    at::Tensor input = at::randn({kTokens, kHidden}, options);
+    try {
+      CapturedGraph graph(gpu(),
+                          [&] {
+                            c10::NoGradGuard noGrad;
+                            layer.forward(input);
+                            if (name == "layer-skipped" && !odd) layer.forward(input);  // the last rank skips it
+                          },
+                          {.name = name, .warmupRuns = 0, .store = gpuStore(), .comms = {gpuWorldPtr(), groups.ep()}});
+      FAIL_CHECK(name << ": the capture passed");
+    } catch (const DesyncError& error) {
+      const std::string text = error.what();
+      INFO(text);
+      CHECK(text.find(fmt::format("checked region '{}'", name)) != std::string::npos);
+      CHECK(text.find(fmt::format("group {} ", groups.ep()->name())) != std::string::npos);
+      CHECK(text.find("diverged at collective") != std::string::npos);
+      CHECK(text.find("all_to_all") != std::string::npos);
+      CHECK(text.find(fmt::format("rank {}", n - 1)) != std::string::npos);
+      CHECK(text.find("(seq ") != std::string::npos);
+    }
+    groups.ep()->abort("a capture check failed");
+  }
 }
 
 TEST_CASE("NCCL collectives captured in a graph replay on every rank; one captured more fails at capture") {

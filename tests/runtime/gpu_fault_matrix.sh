@@ -12,12 +12,15 @@
 #   - `latest` verifies and training resumes from it.
 # Skipped (exit 77) with fewer than 2 GPUs. Prints one RESULT line for
 # bench/run_fault_matrix.sh.
-# usage: gpu_fault_matrix.sh <mpirun|store> <stop|kill> <victim rank> <a2a|rs|ckpt|pp> <bin dir> <mpirun>
+# usage: gpu_fault_matrix.sh <mpirun|store> <stop|kill> <victim rank> <a2a|rs|ckpt|pp|graph> <bin dir> <mpirun>
 #   a2a   an expert-parallel all-to-all (ep group), rs a data-parallel
 #         reduce-scatter (dp-cp group), ckpt halfway through writing the rank's
 #         file of an asynchronous save, pp a pipeline send (pp 2, ep 2 from 4
 #         ranks, 1F1B over 4 micro-batches; not in the matrix yet: a survivor
-#         with no group holding the culprit names the live rank it waits on).
+#         with no group holding the culprit names the live rank it waits on), graph
+#         a data-parallel reduce-scatter of a step captured in a CUDA graph
+#         (--cuda-graph, capacity 1.25): the victim stops with its replay in
+#         flight, and its peers' next replays wait in captured exchanges.
 # A victim other than 0 stays other than 0 with fewer ranks (taken modulo the ranks, else the last rank).
 set -u
 launch=$1 fault=$2 victim=$3 moment=$4 bin=$5 mpirun=$6
@@ -53,7 +56,7 @@ within() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a <= b) }'; }
 
 case $moment in
 a2a) export BULKHEAD_FAULT="rank=$v,group=ep,op=all_to_all,seq=200,action=$fault" ;;
-rs) export BULKHEAD_FAULT="rank=$v,group=dp-cp,op=reduce_scatter,seq=150,action=$fault" ;;
+rs | graph) export BULKHEAD_FAULT="rank=$v,group=dp-cp,op=reduce_scatter,seq=150,action=$fault" ;;
 ckpt) export BULKHEAD_CHECKPOINT_FAULT="rank=$v,step=20,action=$fault" ;;
 pp) export BULKHEAD_FAULT="rank=$v,group=pp,op=send,seq=300,action=$fault" ;;
 *) fail "unknown moment $moment" ;;
@@ -62,6 +65,7 @@ export NCCL_NVLS_ENABLE=0 CI=1 BULKHEAD_BACKEND=$backend BULKHEAD_COLLECTIVE_TIM
   BULKHEAD_SHUTDOWN_TIMEOUT=$shutdown BULKHEAD_ABORT_GRACE=$grace
 layout=(--ep 2)
 [ "$moment" = pp ] && layout=(--pp 2 --ep $((ranks >= 4 ? 2 : 1)) --microbatches 4)
+[ "$moment" = graph ] && layout=(--ep 2 --capacity 1.25 --cuda-graph)
 model=(--dtype $dtype "${layout[@]}" --layers 2 --hidden 256 --heads 4 --ffn 256 --experts 8 --topk 2 --seq 128
   --batch $((4 * ranks)) --log-interval 10 --ckpt-dir "$ckpt" --ckpt-interval 5)
 
