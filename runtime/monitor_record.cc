@@ -36,6 +36,11 @@ std::string encode(const Fingerprint& fp) {
   std::string text = fmt::format("{} {} {} {} {} {}", static_cast<int>(fp.op), static_cast<int>(fp.dtype),
                                  static_cast<int>(fp.reduce), fp.root, fp.numel, fp.shape.size());
   for (int64_t d : fp.shape) text += fmt::format(" {}", d);
+  if (fp.op == OpType::AllToAll)  // rows to and from each rank, so peers can check each other's
+    for (const auto* splits : {&fp.sendSplits, &fp.recvSplits}) {
+      text += fmt::format(" {}", splits->size());
+      for (int64_t rows : *splits) text += fmt::format(" {}", rows);
+    }
   return text;
 }
 
@@ -52,6 +57,16 @@ Fingerprint decodeFingerprint(std::istringstream& in) {
     in >> d;
     fp.shape.push_back(d);
   }
+  if (fp.op == OpType::AllToAll)
+    for (auto* splits : {&fp.sendSplits, &fp.recvSplits}) {
+      size_t count = 0;
+      in >> count;
+      for (size_t i = 0; i < count && in; ++i) {
+        int64_t rows = 0;
+        in >> rows;
+        splits->push_back(rows);
+      }
+    }
   return fp;
 }
 

@@ -47,9 +47,10 @@ void checkCapturable(const parallel::ProcessGroups& groups, double capacityFacto
     throw ConfigError("--cuda-graph captures the step at pp 1: the pipeline's exchanges are not captured",
                       {.rank = rank, .expected = "--pp 1"});
   if (capacityFactor <= 0)
-    throw ConfigError("--cuda-graph needs --capacity: dropless dispatch sizes its exchanges from counts read on the "
-                      "host, which a CUDA graph cannot capture",
-                      {.rank = rank, .expected = "--capacity > 0 with --cuda-graph"});
+    throw ConfigError(
+        "--cuda-graph needs --capacity: dropless dispatch sizes its exchanges from counts read on the "
+        "host, which a CUDA graph cannot capture",
+        {.rank = rank, .expected = "--capacity > 0 with --cuda-graph"});
 }
 
 CapturedStep::CapturedStep(StagedModel& model, const parallel::ProcessGroups& groups, std::shared_ptr<Store> store,
@@ -71,9 +72,9 @@ CapturedStep::CapturedStep(StagedModel& model, const parallel::ProcessGroups& gr
 
 StepLoss CapturedStep::run(const std::vector<TokenBatch>& microBatches) {
   if (microBatches.size() != inputs_.size())
-    throw ConfigError(fmt::format("captured step: {} micro-batches for a graph of {}", microBatches.size(),
-                                  inputs_.size()),
-                      {.expected = "the captured number of micro-batches"});
+    throw ConfigError(
+        fmt::format("captured step: {} micro-batches for a graph of {}", microBatches.size(), inputs_.size()),
+        {.expected = "the captured number of micro-batches"});
   for (size_t m = 0; m < inputs_.size(); ++m) copyInto(inputs_[m], microBatches[m]);
   graph_->launch();
   // A copy: the next replay overwrites the graph's own before this step's loss is read.

@@ -3,11 +3,13 @@
 // at the region's end, before waiting on anything it issued inside it, naming
 // the position and both sides.
 //
-//   checked_region_fault <mismatch-op|mismatch-size|skip|extra> <odd-rank> <out-dir>
+//   checked_region_fault <mismatch-op|mismatch-size|skip|extra|splits> <odd-rank> <out-dir>
 //
 // mismatch-op, mismatch-size and skip come from BULKHEAD_FAULT (set by the
 // driver for seq 6 of the world on <odd-rank>); extra: <odd-rank> issues one
-// all-reduce more at the end of the region. Each rank writes
+// all-reduce more at the end of the region; splits: <odd-rank>'s all-to-all
+// (seq 7) sends and expects 9 rows a rank where the others send and expect 8
+// (rows of the same width: only the splits differ, as with another capacity). Each rank writes
 // <out-dir>/rank_<r>.txt: the seconds end() took, then the error's kind and
 // message.
 #include <ATen/ATen.h>
@@ -27,7 +29,7 @@ using namespace bulkhead;
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::fprintf(stderr, "usage: %s <mismatch-op|mismatch-size|skip|extra> <odd-rank> <out-dir>\n", argv[0]);
+    std::fprintf(stderr, "usage: %s <mismatch-op|mismatch-size|skip|extra|splits> <odd-rank> <out-dir>\n", argv[0]);
     return 2;
   }
   const std::string mode = argv[1], outDir = argv[3];
@@ -44,11 +46,12 @@ int main(int argc, char** argv) {
     std::vector<WorkPtr> pending;  // issued inside the region, waited on only after its end
     CheckedRegion region(runtime->store(), {runtime->worldPtr()},
                          {.name = "step", .deadline = Deadline::afterSeconds(20)});
-    pending.push_back(world.allReduce(at::randn({4096})));                                      // seq 4
-    pending.push_back(world.allGather(at::randn({256}), at::empty({256 * n})));                 // seq 5
-    pending.push_back(world.allReduce(at::randn({1024})));                                      // seq 6: the fault
-    pending.push_back(world.allToAll(at::randn({8 * n, 16}), at::empty({8 * n, 16}), {}, {}));  // seq 7
-    pending.push_back(world.allReduce(at::randn({32})));                                        // seq 8
+    pending.push_back(world.allReduce(at::randn({4096})));                       // seq 4
+    pending.push_back(world.allGather(at::randn({256}), at::empty({256 * n})));  // seq 5
+    pending.push_back(world.allReduce(at::randn({1024})));                       // seq 6: the fault
+    const int64_t rows = mode == "splits" && me == odd ? 9 : 8;
+    pending.push_back(world.allToAll(at::randn({rows * n, 16}), at::empty({rows * n, 16}), {}, {}));  // seq 7
+    pending.push_back(world.allReduce(at::randn({32})));                                              // seq 8
     if (mode == "extra" && me == odd) pending.push_back(world.allReduce(at::randn({32})));
 
     const auto start = std::chrono::steady_clock::now();

@@ -20,6 +20,8 @@ code=$?
 [ "$code" -ne 124 ] || fail "the job hung until timeout(1) killed it after 90 s"
 [ "$code" -ne 0 ] || fail "the job exited 0 after a desync"
 
+eights=$(printf '8,%.0s' $(seq "$ranks")) nines=$(printf '9,%.0s' $(seq "$ranks"))  # splits: rows to each rank
+eights=${eights%,} nines=${nines%,}
 # What each side issued at the first difference (position 3 = seq 6, or 6 for extra).
 others="ranks $(seq -s, 0 $((odd - 1)))"
 [ "$odd" -eq 1 ] && others="rank 0"
@@ -27,6 +29,7 @@ case $mode in
   mismatch-op)   want="collective 3 of the region: $others issued all_reduce float32 \[1024\] sum (seq 6); rank $odd issued broadcast float32 \[1024\] root 0 (seq 6)" ;;
   mismatch-size) want="collective 3 of the region: $others issued all_reduce float32 \[1024\] sum (seq 6); rank $odd issued all_reduce float32 \[1025\] sum (seq 6)" ;;
   skip)          want="collective 3 of the region: $others issued all_reduce float32 \[1024\] sum (seq 6); rank $odd issued all_to_all float32 \[$((8 * ranks)) x 16\]" ;;
+  splits)        want="collective 4 of the region: rank 0 sends 8 rows to rank $odd, which expects 9 from it (rank 0: all_to_all float32 \[$((8 * ranks)) x 16\] send \[$eights\] recv \[$eights\], seq 7; rank $odd: all_to_all float32 \[$((9 * ranks)) x 16\] send \[$nines\] recv \[$nines\], seq 7)" ;;
   extra)         want="collective 6 of the region: $others issued nothing there (no more than 5 collectives on this group in the region); rank $odd issued all_reduce float32 \[32\] sum (seq 9)" ;;
 esac
 for ((r = 0; r < ranks; r++)); do
