@@ -359,7 +359,7 @@ TEST_CASE("a rank that captured other exchanges (another capacity, a skipped lay
     } catch (const DesyncError& error) {
       const std::string text = error.what();
       INFO(text);
-      CHECK(text.find(fmt::format("checked region '{}'", name)) != std::string::npos);
+      CHECK(text.find(fmt::format("checked region 'graph-{}'", name)) != std::string::npos);
       CHECK(text.find(fmt::format("group {} ", groups.ep()->name())) != std::string::npos);
       CHECK(text.find("diverged at collective") != std::string::npos);
       CHECK(text.find("all_to_all") != std::string::npos);
