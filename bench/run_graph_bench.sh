@@ -40,6 +40,7 @@ train() {  # train <name> <flags...>: the tokens/s of steps 101-200; the loss lo
     { echo "train_moe $* failed:" >&2; echo "$log" | tail -20 >&2; exit 1; }
   grep -o '[0-9.]* tok/s' <<<"$log" | tail -1 | cut -d' ' -f1
 }
+last() { awk 'END { printf "%.4f", $2 }' "$work/$1"; }
 mean_diff() { paste -d' ' "$work/$1" "$work/$2" | awk '{ s += ($2 > $5 ? $2 - $5 : $5 - $2); n++ } END { printf "%.4f", s / n }'; }
 train_rows=()
 layouts=("--ep $ranks")
@@ -47,9 +48,10 @@ layouts=("--ep $ranks")
 for layout in "${layouts[@]}"; do
   read -ra flags <<<"$layout"
   eager=$(train eager "${flags[@]}")
+  fixed=$(train fixed "${flags[@]}" --static-shapes)
   graph=$(train graph "${flags[@]}" --cuda-graph)
   again=$(train again "${flags[@]}")  # the eager run's own spread
-  train_rows+=("| $layout | $eager | $graph | $(ratio "$graph" "$eager") | $(mean_diff eager graph) | $(mean_diff eager again) |")
+  train_rows+=("| $layout | $eager | $fixed | $graph | $(ratio "$graph" "$eager") | $(mean_diff fixed graph) | $(mean_diff eager fixed) | $(mean_diff eager again) | $(last eager) / $(last fixed) / $(last graph) |")
 done
 
 {
@@ -66,12 +68,13 @@ done
   echo
   echo "## train_moe (bf16, capacity 1.25, 200 steps; tokens/s over steps 101-200)"
   echo
-  echo "Eager: the dispatcher's capacity path with the gradient reduction overlapped. Captured: static shapes,"
-  echo "forward and backward replayed, gradients reduced at the optimizer step. Loss differences: mean |Δloss| over"
-  echo "the 200 steps, against the eager run, and between two eager runs (their own spread)."
+  echo "Eager: the dispatcher's capacity path with the gradient reduction overlapped. Static: the capacity-padded"
+  echo "exchanges (\`--static-shapes\`), eagerly. Captured (\`--cuda-graph\`): the static step's forward and backward"
+  echo "replayed, gradients reduced at the optimizer step. Loss differences: mean |Δloss| over the 200 steps between"
+  echo "two runs; eager vs eager is the run-to-run spread of one program."
   echo
-  echo "| layout | eager tok/s | captured tok/s | captured / eager | mean \\|Δloss\\| vs eager | eager vs eager |"
-  echo "|---|---:|---:|---:|---:|---:|"
+  echo "| layout | eager tok/s | static tok/s | captured tok/s | captured / eager | \\|Δloss\\| captured vs static | static vs eager | eager vs eager | loss at 200: eager / static / captured |"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|---|"
   printf '%s\n' "${train_rows[@]}"
 } >"$out"
 cat "$out"

@@ -177,7 +177,7 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
                       {.rank = rank, .expected = fmt::format("--batch a multiple of {}", parts)});
   if (options.cudaGraph) examples::checkCapturable(groups, options.model.capacityFactor);
   examples::ModelConfig config = options.model;
-  config.staticShapes = options.cudaGraph;
+  config.staticShapes = options.cudaGraph || options.staticShapes;
   examples::StagedModel model(config, groups,
                               {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
   // The tied embedding's gradients are summed across stages after the backward: reduced at the step.

@@ -85,6 +85,9 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   app.add_flag("--cuda-graph", o.cudaGraph,
                "capture each step's forward and backward in a CUDA graph and replay it (GPU, --capacity, pp 1)")
       ->group("Training");
+  app.add_flag("--static-shapes", o.staticShapes,
+               "the MoE layers' fixed shapes (capacity-padded exchanges, no counts read on the host), eagerly")
+      ->group("Training");
   app.add_option("--clip", o.clip, "global gradient-norm clip (0: none)")->check(count)->group("Training");
   app.add_option("--log-interval", o.logInterval, "steps between log lines")->check(positive)->group("Training");
   // Checkpoints.

@@ -44,6 +44,9 @@ struct TrainOptions {
   // Forward and backward captured in a CUDA graph and replayed each step
   // (examples/train_moe/captured_step.h): needs a GPU, --capacity and pp 1.
   bool cudaGraph = false;
+  // The MoE layers' fixed shapes without the capture (what --cuda-graph
+  // replays, run eagerly): needs --capacity.
+  bool staticShapes = false;
 };
 
 // train_moe's flags, writing into `options` (parse with cli::parse).
