@@ -30,7 +30,7 @@ set(BULKHEAD_PUBLIC_HEADERS
   parallel/pipeline_schedule.h parallel/process_groups.h parallel/shard_init.h parallel/tensor_parallel.h
   parallel/topology_checks.h parallel/vocab_parallel.h
   moe/all_to_all_autograd.h moe/dispatch_routes.h moe/dispatcher.h moe/experts.h moe/gather_sum.h moe/moe_layer.h
-  moe/router.h moe/router_scores.h moe/static_dispatch.h moe/swiglu.h
+  moe/router.h moe/router_scores.h moe/static_dispatch.h moe/static_exchange.h moe/swiglu.h
   optim/adamw.h optim/clip.h optim/distributed_optimizer.h optim/fused_update.h optim/grad_buckets.h optim/lr_schedule.h
   optim/shard_layout.h
   checkpoint/checkpointer.h checkpoint/checksum.h checkpoint/chunking.h checkpoint/commit.h checkpoint/convert.h
