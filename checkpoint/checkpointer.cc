@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <utility>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -163,14 +164,17 @@ std::unique_ptr<Checkpointer> Checkpointer::create(CheckpointOptions options, st
   double timeout = options.timeoutSeconds.value_or(env::kCheckpointTimeout.seconds());
   Deadline deadline = Deadline::afterSeconds(timeout);
   fs::makeDirectories(options.dir, rank);
-  // Checkpointers are created collectively, so the n-th one for a folder has
-  // the same n on every rank: it names their keys in the store.
+  // Checkpointers are created collectively, so the n-th one for a folder and
+  // a store has the same n on every rank: it names their keys in the store.
+  // Counted per store (its description names its key space), so that a
+  // process that joins a job later (a spare, in a recovery generation's
+  // store) counts as the ranks that were there before it.
   static std::mutex mutex;
-  static std::map<std::string, int> created;
+  static std::map<std::pair<std::string, std::string>, int> created;
   int instance;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    instance = created[options.dir]++;
+    instance = created[{store->describe(), options.dir}]++;
   }
   if (rank == 0) warnIfCramped();
   std::string prefix = fmt::format("ckpt/{}/{}/", hex64(Hash64().add(options.dir).value()), instance);

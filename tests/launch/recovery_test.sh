@@ -13,12 +13,15 @@
 #           both replaced, the rest as kill.
 #   during  with 2 spares, SIGKILL a rank, then another while the job recovers:
 #           the recovery leaves it out too, the rest as kill.
+#   ckpt    as kill, with checkpoints every 4 steps (and at the end) in both runs:
+#           the recovered run's latest (step 24) verifies and equals the clean
+#           run's key by key (the spare writes the lost rank's slices).
 #   spare   kill the spare first, then a rank: the job ends (no hang) on every
 #           rank, naming the lost rank and the silent spare.
 #   store   kill bulkhead-store, then a rank: every process ends non-zero
 #           within the bound, naming the store.
 # FAULT_RANK and FAULT_STEP pick the fault instead of $RANDOM.
-# usage: recovery_test.sh <clean|kill|stop|two|during|spare|store> <bin dir>
+# usage: recovery_test.sh <clean|kill|stop|two|during|ckpt|spare|store> <bin dir>
 set -u
 mode=$1 bin=$2
 out=$(mktemp -d)
@@ -39,6 +42,7 @@ ranks=8 spares=1 steps=24
 case $mode in two | during) spares=2 ;; esac
 args=(--backend gloo --dtype float64 --pp 2 --ep 2 --microbatches 2 --layers 4 --hidden 32 --heads 4 --ffn 32
   --experts 4 --topk 2 --seq 16 --batch 8 --steps $steps --log-interval 4 --spares $spares)
+[ "$mode" = ckpt ] && args+=(--ckpt-interval 4)
 # A generation that does not come up (a rank lost while it does) is given up after the init deadline.
 export BULKHEAD_STORE_TOKEN=recovery-token BULKHEAD_COLLECTIVE_TIMEOUT=${BULKHEAD_COLLECTIVE_TIMEOUT:-6} \
   BULKHEAD_INIT_TIMEOUT=${BULKHEAD_INIT_TIMEOUT:-30}
@@ -47,11 +51,12 @@ start_outside_store "$bin" "$out/store.log"
 
 # start <run>: ranks + spares processes of train_moe, pids in pids[], logs <run>.<i>.log.
 start() {
-  local run=$1 size=$((ranks + spares))
+  local run=$1 size=$((ranks + spares)) saves=()
+  [ "$mode" = ckpt ] && saves=(--ckpt-dir "$out/ckpt.$run")
   pids=()
   for ((i = 0; i < size; i++)); do
     env -u OMPI_COMM_WORLD_RANK RANK=$i WORLD_SIZE=$size LOCAL_RANK=$i LOCAL_WORLD_SIZE=$size \
-      BULKHEAD_RUN_ID="$run" "$bin/train_moe" "${args[@]}" --loss-log "$out/$run.loss" >"$out/$run.$i.log" 2>&1 &
+      BULKHEAD_RUN_ID="$run" "$bin/train_moe" "${args[@]}" ${saves[@]+"${saves[@]}"} --loss-log "$out/$run.loss" >"$out/$run.$i.log" 2>&1 &
     pids+=($!)
   done
   # Its output goes nowhere, so that it never holds the test's output open.
@@ -177,6 +182,15 @@ total=$(lines "$mode")
 [ "$total" -le $((steps + 1)) ] || fail "$mode: $total steps logged: more than one step was computed twice"
 same_losses "$mode"
 [ -n "$recovered_ms" ] || fail "$mode: no step was logged after the fault"
+if [ "$mode" = ckpt ]; then
+  "$bin/bulkhead-ckpt" verify "$out/ckpt.ckpt" --step latest >"$out/verify.log" 2>&1 ||
+    fail "ckpt: latest does not verify: $(tail -3 "$out/verify.log")"
+  latest=$("$bin/bulkhead-ckpt" list "$out/ckpt.ckpt" | awk '/\(latest\)/ {print $2}')
+  [ "$latest" = "$steps" ] || fail "ckpt: latest is step '$latest', not $steps"
+  "$bin/bulkhead-ckpt" diff "$out/ckpt.clean" "$out/ckpt.ckpt" >"$out/diff.log" 2>&1 ||
+    fail "ckpt: step $steps differs from the clean run's: $(grep -v ' equal$' "$out/diff.log" | tail -5)"
+  echo "ckpt: step $steps verifies and equals the clean run's: $(tail -1 "$out/diff.log")"
+fi
 echo "$mode: rank 0 had logged $before steps at the fault and $total in all; the next step was logged" \
   "$(((recovered_ms - fault_ms) / 1000)).$((((recovered_ms - fault_ms) % 1000) / 100)) s after the fault" \
   "(BULKHEAD_COLLECTIVE_TIMEOUT=$BULKHEAD_COLLECTIVE_TIMEOUT s of it to notice)"
