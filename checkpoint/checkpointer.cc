@@ -7,11 +7,11 @@
 #include <chrono>
 #include <cstring>
 #include <map>
-#include <utility>
 #include <mutex>
 #include <random>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "checkpoint/checksum.h"
 #include "checkpoint/dtype.h"
