@@ -1,6 +1,9 @@
 #include "launch/init.h"
 
 #include <fmt/format.h>
+#include <signal.h>
+
+#include <csignal>
 
 #include <thread>
 
@@ -261,7 +264,22 @@ void checkSpares(int spares, launch::Bootstrap bootstrap, const launch::WorldInf
 
 }  // namespace
 
+namespace {
+
+// A peer that is gone (killed, or replaced while this process was stopped)
+// closes its sockets; a write into one must fail as an error the backend
+// reports (EPIPE), not end this process with SIGPIPE. Bulkhead's own sockets
+// send with MSG_NOSIGNAL; Gloo's transport does not. A handler the program
+// installed itself is left as it is.
+void ignoreBrokenPipes() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) std::signal(SIGPIPE, SIG_IGN);
+}
+
+}  // namespace
+
 std::unique_ptr<Runtime> init(InitOptions options) {
+  ignoreBrokenPipes();
   Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
   std::optional<launch::WorldInfo> found = launch::findWorld();
   launch::Bootstrap bootstrap = launch::resolveBootstrap(found);
