@@ -262,10 +262,6 @@ void checkSpares(int spares, launch::Bootstrap bootstrap, const launch::WorldInf
                       context);
 }
 
-}  // namespace
-
-namespace {
-
 // A peer that is gone (killed, or replaced while this process was stopped)
 // closes its sockets; a write into one must fail as an error the backend
 // reports (EPIPE), not end this process with SIGPIPE. Bulkhead's own sockets

@@ -72,9 +72,10 @@ struct MoEOptions {
   // all-to-alls of equal splits (moe/static_exchange.h): every rank of the
   // ep group then needs the same number of tokens. Without it, a dropless
   // layer (capacity 0) at ep 1 on a GPU with grouped products (bf16, at most
-  // 512 experts) keeps its counts on the device, with no exchange (moe/static_dispatch.h, droplessDispatch), and
-  // can be captured; elsewhere the dispatcher reads its counts on the host,
-  // and a forward under CUDA-graph capture is a ConfigError.
+  // 512 experts) keeps its counts on the device, with no exchange
+  // (moe/static_dispatch.h, droplessDispatch), and can be captured; elsewhere
+  // the dispatcher reads its counts on the host, and a forward under
+  // CUDA-graph capture is a ConfigError.
   bool staticShapes = false;
   // Static shapes' expert rows: false (the default), every expert's capacity
   // of rows, zero-padded, through batched GEMMs that add each weight gradient

@@ -45,19 +45,22 @@ at::Tensor StaticExchange::swapBlocks(const at::Tensor& rows, int64_t a, int64_t
   return rows.view({a, b, capacity, hidden}).transpose(0, 1).reshape({a * b * capacity, hidden});
 }
 
+std::vector<int64_t> StaticExchange::splits(int64_t capacity) const {
+  return std::vector<int64_t>(static_cast<size_t>(ep_->size()), localExperts_ * capacity);
+}
+
 at::Tensor StaticExchange::toExperts(const at::Tensor& padded, int64_t capacity) const {
   const int64_t ep = ep_->size();
   if (ep == 1) return padded;
-  const std::vector<int64_t> splits(static_cast<size_t>(ep), localExperts_ * capacity);
   // Arrives as [source, local expert, C, H]; the experts take [local expert, source, C, H].
-  return swapBlocks(allToAll(ep_, padded, splits, splits, timeout_), ep, localExperts_, capacity);
+  return swapBlocks(allToAll(ep_, padded, splits(capacity), splits(capacity), timeout_), ep, localExperts_, capacity);
 }
 
 at::Tensor StaticExchange::fromExperts(const at::Tensor& expertOutput, int64_t capacity) const {
   const int64_t ep = ep_->size();
   if (ep == 1) return expertOutput;
-  const std::vector<int64_t> splits(static_cast<size_t>(ep), localExperts_ * capacity);
-  return allToAll(ep_, swapBlocks(expertOutput, localExperts_, ep, capacity), splits, splits, timeout_);
+  return allToAll(ep_, swapBlocks(expertOutput, localExperts_, ep, capacity), splits(capacity), splits(capacity),
+                  timeout_);
 }
 
 }  // namespace bulkhead::moe

@@ -13,7 +13,8 @@
 //   once per capacity a rank sees: one all-gather of (tokens, capacity) and
 //   one host read; a difference is a ConfigError on every rank naming each
 //   rank's tokens and capacity. Under capture nothing is checked there: the
-//   checked region around the capture compares the exchanges' shapes.
+//   checked region around the capture pairs the rows each rank sends with
+//   the rows its peer expects (runtime/checked_region.h).
 // - toExperts: this rank's experts' rows, [E_local * ep * C, H], local expert
 //   e's rows from source rank s at [(e * ep + s) * C, (e * ep + s + 1) * C):
 //   every local expert gets ep * C rows (forwardPadded's layout).
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "moe/all_to_all_autograd.h"
 #include "runtime/communicator.h"
@@ -43,6 +45,8 @@ class StaticExchange {
   at::Tensor fromExperts(const at::Tensor& expertOutput, int64_t capacity) const;
 
  private:
+  // E_local * C rows to and from every ep rank.
+  std::vector<int64_t> splits(int64_t capacity) const;
   // [a, b, C, H] rows -> [b, a, C, H] rows, flattened again.
   static at::Tensor swapBlocks(const at::Tensor& rows, int64_t a, int64_t b, int64_t capacity);
 

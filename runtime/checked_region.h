@@ -20,7 +20,8 @@
 //   waits for the other ranks' records and reads them, in one store request
 //   (Store::setAndGather), then checks every group that any of them recorded: the
 //   same number of collectives, and at each position fingerprints that match
-//   (Fingerprint::matches). The first group (by name) and position that differ
+//   (Fingerprint::matches) and, at an all-to-all, the rows each rank sends
+//   each peer equal to the rows that peer expects from it. The first group (by name) and position that differ
 //   raise DesyncError on every rank that read those records, with the same
 //   text on each: the position, the sequence numbers and which ranks issued
 //   what. Group names must not hold whitespace (ConfigError).

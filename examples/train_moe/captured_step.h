@@ -39,7 +39,8 @@ void checkCapturable(const parallel::ProcessGroups& groups, double capacityFacto
 
 class CapturedStep {
  public:
-  // Captures at once, from `first` (this rank's micro-batches of the first step).
+  // Captures at once, from `first` (this rank's micro-batches of the first
+  // step), on groups that passed checkCapturable.
   CapturedStep(StagedModel& model, const parallel::ProcessGroups& groups, std::shared_ptr<Store> store,
                const std::vector<TokenBatch>& first);
 
