@@ -35,6 +35,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kAttempts = 3;
+// How long a recovery waits for snapshots still on their way to the host.
+constexpr double kLandingSeconds = 10;
 // A spare ends once every rank of the job has been silent this long.
 constexpr double kJobSilentSeconds = 10;
 // The leader closes its wait this long before its deadline, so the plan is out before the others' reads end.
@@ -221,7 +223,10 @@ std::vector<int> claimSpares(Store& job, int generation, size_t needed, int size
 }  // namespace
 
 Recovery::Recovery(Runtime& runtime, RecoveryOptions options)
-    : runtime_(runtime), options_(options), process_(processId()) {
+    : runtime_(runtime),
+      options_(options),
+      process_(processId()),
+      snapshots_({.stageOnDevice = options.stageOnDevice}) {
   if (options_.snapshotEvery < 1)
     throw ConfigError(fmt::format("a snapshot every {} steps: use 1 or more", options_.snapshotEvery),
                       {.rank = runtime.info().rank, .expected = "snapshotEvery >= 1"});
@@ -284,6 +289,7 @@ Recovery::Plan Recovery::lead(int generation, int from, Deadline deadline) {
 Recovered Recovery::joinGeneration(int generation, int from, Deadline deadline) {
   auto& job = *runtime_.jobStore();
   const auto began = Clock::now();
+  snapshots_.settle(deadline.earliest(Deadline::afterSeconds(kLandingSeconds)));  // only landed copies count
   const Arrival me{runtime_.info().rank, process_, snapshots_.ownSteps(), snapshots_.wardSteps()};
   const int64_t slot = job.add(recoveryKey(generation, "arrivals"), 1, deadline);
   job.set(recoveryKey(generation, fmt::format("arrival/{}", slot)), encode(me), deadline);
@@ -312,8 +318,10 @@ Recovered Recovery::joinGeneration(int generation, int from, Deadline deadline) 
 void Recovery::snapshot(int64_t completedSteps, const NamedTensors& state) {
   if (!enabled()) return;
   snapshots_.take(runtime_.cpuWorld(), runtime_.info().localSize, completedSteps, state,
-                  Deadline::afterSeconds(env::kCollectiveTimeout.seconds()));
+                  Deadline::afterSeconds(env::kCollectiveTimeout.seconds()), deviceWorld());
 }
+
+Communicator* Recovery::deviceWorld() const { return runtime_.device().is_cpu() ? nullptr : &runtime_.world(); }
 
 void Recovery::afterStep(int64_t completedSteps, const NamedTensors& state) {
   if (completedSteps % options_.snapshotEvery == 0) snapshot(completedSteps, state);
@@ -459,7 +467,7 @@ void Recovery::restore(const NamedTensors& state) {
   world.sendRecv(std::move(ops), {.deadline = deadline})->wait();
   if (incoming.defined()) Snapshots::unpack(incoming, state, rank);
   snapshots_.forgetAfter(plan.step);
-  snapshots_.take(world, runtime_.info().localSize, plan.step, state, deadline);
+  snapshots_.take(world, runtime_.info().localSize, plan.step, state, deadline, deviceWorld());
   plan_.reset();
 }
 

@@ -23,7 +23,8 @@
 //
 // How it goes, with K spares (InitOptions::spares; a store outside the job):
 //  - After each step (every `snapshotEvery`), afterStep copies the rank's
-//    state to host memory and swaps copies with its buddies (snapshot.h).
+//    state to host memory and swaps copies with its buddies (snapshot.h); on
+//    a GPU through a device buffer, the download running behind the next steps.
 //  - A communication error (TimeoutError, DesyncError, CommError) reaches the
 //    trainer on every rank within its deadline. recover() aborts the
 //    generation's communicators (the fatal bound of runtime/fatal_exit.h is
@@ -67,6 +68,10 @@ std::shared_ptr<Store> generationStore(const std::shared_ptr<Store>& job, int ge
 struct RecoveryOptions {
   // A snapshot after every this many steps (afterStep).
   int64_t snapshotEvery = 1;
+  // GPU state through a device buffer, downloaded behind the training
+  // (SnapshotOptions::stageOnDevice); false saves that GPU memory, and each
+  // snapshot then holds its step up for the copy to the host.
+  bool stageOnDevice = true;
 };
 
 // What a recovery or a spare's turn did.
@@ -93,8 +98,11 @@ class Recovery {
   std::optional<Recovered> awaitTurn();
 
   // A snapshot of `state` after `completedSteps` steps, due or not (the
-  // trainer takes one before its first step). Collective over the CPU world.
+  // trainer takes one before its first step). Collective over the CPU world
+  // (and, with GPU state, the world).
   void snapshot(int64_t completedSteps, const NamedTensors& state);
+  // Whether a snapshot is due after `completedSteps` steps (never without spares).
+  bool due(int64_t completedSteps) const { return enabled() && completedSteps % options_.snapshotEvery == 0; }
   // After `completedSteps` steps: a snapshot of `state` when due. Collective
   // over the CPU world (a fault in it reaches recover() like any other).
   void afterStep(int64_t completedSteps, const NamedTensors& state);
@@ -117,6 +125,8 @@ class Recovery {
   Plan lead(int generation, int from, Deadline deadline);
   Recovered joinGeneration(int generation, int from, Deadline deadline);
   Recovered start(const Plan& plan, int generation, std::chrono::steady_clock::time_point since, Deadline deadline);
+  // The world a snapshot's GPU part travels over: the runtime's world on a GPU, else none.
+  Communicator* deviceWorld() const;
 
   Runtime& runtime_;
   RecoveryOptions options_;

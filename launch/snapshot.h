@@ -10,15 +10,29 @@
 // that a fault during an exchange still leaves one step every rank has.
 //
 // A snapshot is packed into one byte buffer: a header (step, a signature of
-// the tensors' names, dtypes and shapes, and the payload's size), then every
-// tensor, 64-byte aligned, in the order given. The order and shapes must be
-// the same each time on a rank, and the same on the process that takes its
-// place (the same model at the same rank); a signature that differs is a
-// ConfigError naming both.
+// the tensors' names, dtypes, devices and shapes, and the payload's size),
+// then the host tensors, then the GPU tensors, each 64-byte aligned and in the
+// order given within its part. The order and shapes must be the same each
+// time on a rank, and the same on the process that takes its place (the same
+// model at the same rank); a signature that differs is a ConfigError naming
+// both.
+//
+// GPU tensors do not hold the training up while they travel to the host: take()
+// copies them into a device buffer in the stream's order (a copy within the
+// GPU's memory), exchanges that buffer with the buddies over the device world
+// (NCCL: GPU to GPU), and downloads the own and the ward's buffers on a stream
+// of its own while the next steps run. A copy counts once it has landed on the
+// host; settle() waits for that. The price is one more copy of the state in
+// GPU memory (two with buddies); with `stageOnDevice` false, or where that
+// memory cannot be had, take() copies to the host in place and waits.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,27 +47,44 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 int holderOf(int rank, int size, int localSize);
 int wardOf(int rank, int size, int localSize);
 
-// The packed form of `state`: its size and signature.
+// The packed form of `state`: its size, the end of its host part, and its signature.
 struct PackedLayout {
   int64_t bytes = 0;       // header included
-  uint64_t signature = 0;  // of the names, dtypes and shapes, in order
+  int64_t hostBytes = 0;   // the header and the host tensors: [0, hostBytes); GPU tensors after
+  uint64_t signature = 0;  // of the names, dtypes, devices and shapes, in order
   std::vector<int64_t> offsets;
 };
 PackedLayout packedLayout(const NamedTensors& state);
 
+struct SnapshotOptions {
+  // GPU tensors through a device buffer, downloaded behind the training (above).
+  bool stageOnDevice = true;
+};
+
 class Snapshots {
  public:
-  // Copies `state` into host memory as the snapshot after `step` completed
-  // steps, then, over `cpuWorld` (its CPU world: rank r's holder and ward as
-  // above), sends it to the holder and receives the ward's, under the
-  // deadline. A failed exchange keeps this rank's own copy and drops the
-  // ward's half-received one.
-  void take(Communicator& cpuWorld, int localSize, int64_t step, const NamedTensors& state, Deadline deadline);
+  explicit Snapshots(SnapshotOptions options = {});
+  ~Snapshots();
+  Snapshots(const Snapshots&) = delete;
+  Snapshots& operator=(const Snapshots&) = delete;
 
-  // The steps this rank's own copies and its ward's hold (-1: none).
+  // Takes `state` as the snapshot after `step` completed steps, then sends it
+  // to the holder and receives the ward's, under the deadline: the host part
+  // over `cpuWorld`, the GPU part over `deviceWorld` where one is given (a
+  // world whose tensors live on the GPU, with the same ranks), else over
+  // `cpuWorld` too. A failed exchange keeps this rank's own copy and drops the
+  // ward's half-received one.
+  void take(Communicator& cpuWorld, int localSize, int64_t step, const NamedTensors& state, Deadline deadline,
+            Communicator* deviceWorld = nullptr);
+
+  // Waits until every copy on its way to the host has landed; one that has
+  // not by the deadline is dropped (its step no longer counts).
+  void settle(Deadline deadline);
+
+  // The steps this rank's own copies and its ward's hold, once landed (-1: none).
   std::vector<int64_t> ownSteps() const;
   std::vector<int64_t> wardSteps() const;
-  // The packed own copy or ward copy of `step`; an undefined tensor if none.
+  // The packed own copy or ward copy of `step`, once landed; an undefined tensor if none.
   at::Tensor own(int64_t step) const;
   at::Tensor ward(int64_t step) const;
 
@@ -71,14 +102,42 @@ class Snapshots {
  private:
   struct Copy {
     int64_t step = -1;
-    at::Tensor bytes;  // uint8 on the host (pinned where the state is on a GPU)
+    at::Tensor bytes;                     // uint8 on the host (pinned where part of it comes from a GPU)
+    std::shared_ptr<c10::Event> landing;  // its download, while one may be in flight
+    bool landed() const;
+  };
+  // A device buffer a copy's GPU part goes through; `read` once its download is done.
+  struct Staging {
+    at::Tensor bytes;
+    std::shared_ptr<c10::Event> read;
   };
   // The copy to overwrite: an empty one, else the older.
   static Copy& older(Copy (&copies)[2]);
+  // Waits for a copy's download; false (and the copy dropped) past the deadline.
+  static bool settleCopy(Copy& copy, Deadline deadline);
 
+  // Once per world: the ward's sizes, and which pairs send their GPU parts GPU to GPU.
+  void learnWard(Communicator& cpuWorld, Communicator* deviceWorld, int localSize, const PackedLayout& layout,
+                 c10::Device device, Deadline deadline);
+  bool stage(Staging& staging, int64_t bytes, c10::Device device);
+  // Copies the state into `own`: host tensors in place, GPU ones through the
+  // staging buffer where `staged` (downloaded later), else in place.
+  void pack(Copy& own, const PackedLayout& layout, int64_t step, const NamedTensors& state, bool staged);
+  // Downloads `from` into `to` from byte `offset` on, behind the current stream's work.
+  void download(Staging& from, Copy& to, int64_t offset);
+  void exchange(Communicator& cpuWorld, Communicator* deviceWorld, int localSize, Copy& own, const PackedLayout& layout,
+                int64_t step, Deadline deadline);
+
+  SnapshotOptions options_;
   Copy own_[2];
   Copy ward_[2];
-  int64_t wardBytes_ = -1;  // learned from the ward once per world
+  Staging ownStaging_, wardStaging_;
+  std::optional<c10::Stream> stream_;  // the downloads'
+  bool stagingFailed_ = false;         // the device memory could not be had: in place from then on
+  bool announced_ = false;             // the snapshots' size logged
+  int64_t wardBytes_ = -1;             // learned from the ward once per world
+  int64_t wardHostBytes_ = -1;
+  bool sendStaged_ = false, receiveStaged_ = false;  // to the holder, from the ward: over the device world
 };
 
 }  // namespace bulkhead::launch

@@ -308,10 +308,11 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     if (!captured) optimizer.zeroGrad();  // a graph's gradients stay: each replay writes them
     if (queued) report(*queued);          // the step before, done or nearly so on the device
     queued.emplace(Queued{step, std::move(loss), std::move(gradNorm)});
-    if (recovery.enabled()) recovery.afterStep(step + 1, recoveryState(model, optimizer));
+    const bool snapshot = recovery.due(step + 1);
+    if (snapshot) recovery.afterStep(step + 1, recoveryState(model, optimizer));
     windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     ++windowSteps;
-    if (recovery.enabled()) {  // each step reported once its snapshot is taken, so a recovery loses no line
+    if (snapshot) {  // each step up to a snapshot reported once it is taken, so a recovery loses no line
       report(*queued);
       queued.reset();
       if (resume && step == resume->recovered.step)
@@ -353,7 +354,8 @@ int main(int argc, char** argv) {
   if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
     auto runtime = init({.backend = options.backend, .spares = options.spares});
-    launch::Recovery recovery(*runtime, {.snapshotEvery = options.snapshotEvery});
+    launch::Recovery recovery(*runtime,
+                              {.snapshotEvery = options.snapshotEvery, .stageOnDevice = !options.snapshotInPlace});
     std::optional<Resume> resume;
     if (runtime->isSpare()) {  // waits for a rank to replace, or the job's end
       auto turn = recovery.awaitTurn();

@@ -36,6 +36,10 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   app.add_option("--snapshot-every", o.snapshotEvery, "steps between the in-memory snapshots a recovery resumes from")
       ->check(positive)
       ->group("Recovery");
+  app.add_flag("--snapshot-in-place", o.snapshotInPlace,
+               "copy GPU state to the host in place at each snapshot, without a device copy downloaded behind the "
+               "training: saves that GPU memory, holds each snapshot's step up")
+      ->group("Recovery");
   // Model.
   app.add_option("--layers", m.layers, "transformer layers")->check(positive)->group("Model");
   app.add_option("--hidden", m.hidden, "model width")->check(positive)->group("Model");

@@ -17,10 +17,11 @@ namespace bulkhead::examples {
 struct TrainOptions {
   std::optional<Backend> backend;  // unset: BULKHEAD_BACKEND
   int tp = 1, ep = 1, pp = 1;
-  int virtualStages = 1;      // model chunks per pipeline rank (interleaved 1F1B when > 1)
-  int microBatches = 1;       // per step, run through the pipeline schedule
-  int spares = 0;             // processes waiting to replace a lost rank (launch/recovery.h)
-  int64_t snapshotEvery = 1;  // steps between in-memory snapshots, with spares
+  int virtualStages = 1;         // model chunks per pipeline rank (interleaved 1F1B when > 1)
+  int microBatches = 1;          // per step, run through the pipeline schedule
+  int spares = 0;                // processes waiting to replace a lost rank (launch/recovery.h)
+  int64_t snapshotEvery = 1;     // steps between in-memory snapshots, with spares
+  bool snapshotInPlace = false;  // GPU state copied to the host in place, without the device copy
   ModelConfig model;
   int sequence = 64;
   int globalBatch = 16;   // sequences per step, over all data-parallel ranks
