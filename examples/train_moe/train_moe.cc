@@ -309,7 +309,11 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     if (queued) report(*queued);          // the step before, done or nearly so on the device
     queued.emplace(Queued{step, std::move(loss), std::move(gradNorm)});
     const bool snapshot = recovery.due(step + 1);
-    if (snapshot) recovery.afterStep(step + 1, recoveryState(model, optimizer));
+    if (snapshot) {  // the snapshot, and the step's wait for its loss, which it reports at once
+      recovery.afterStep(step + 1, recoveryState(model, optimizer));
+      queued->loss.get();
+      queued->gradNorm.get();
+    }
     windowSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     ++windowSteps;
     if (snapshot) {  // each step up to a snapshot reported once it is taken, so a recovery loses no line
