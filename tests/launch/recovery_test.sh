@@ -21,7 +21,10 @@
 #   store   kill bulkhead-store, then a rank: every process ends non-zero
 #           within the bound, naming the store.
 # FAULT_RANK and FAULT_STEP pick the fault instead of $RANDOM.
-# usage: recovery_test.sh <clean|kill|stop|two|during|ckpt|spare|store> <bin dir>
+# GPU=1: the nccl backend in bf16, one rank per GPU (every GPU, up to 8; ep 2, and pp 2 at 8) plus the
+# spares, which wait off the GPUs and take the lost rank's; losses then within 2% of the clean run's.
+# Skipped (77) with fewer than 2 GPUs.
+# usage: [GPU=1] recovery_test.sh <clean|kill|stop|two|during|ckpt|spare|store> <bin dir>
 set -u
 mode=$1 bin=$2
 out=$(mktemp -d)
@@ -42,6 +45,19 @@ ranks=8 spares=1 steps=24
 case $mode in two | during) spares=2 ;; esac
 args=(--backend gloo --dtype float64 --pp 2 --ep 2 --microbatches 2 --layers 4 --hidden 32 --heads 4 --ffn 32
   --experts 4 --topk 2 --seq 16 --batch 8 --steps $steps --log-interval 4 --spares $spares)
+tolerance=1e-12
+if [ "${GPU:-0}" = 1 ]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [ "${gpus:-0}" -lt 2 ]; then
+    echo "SKIPPED: recovery on GPUs needs at least 2 GPUs; nvidia-smi lists ${gpus:-0}"
+    exit 77
+  fi
+  ranks=$((gpus < 8 ? gpus : 8)) tolerance=2e-2
+  layout=(--ep 2)
+  [ "$ranks" -ge 8 ] && layout=(--pp 2 --ep 2 --microbatches 2)
+  args=(--backend nccl --dtype bfloat16 "${layout[@]}" --layers 4 --hidden 256 --heads 4 --ffn 256 --experts 8
+    --topk 2 --seq 128 --batch $((4 * ranks)) --steps $steps --log-interval 4 --spares $spares)
+fi
 [ "$mode" = ckpt ] && args+=(--ckpt-interval 4)
 # A generation that does not come up (a rank lost while it does) is given up after the init deadline.
 export BULKHEAD_STORE_TOKEN=recovery-token BULKHEAD_COLLECTIVE_TIMEOUT=${BULKHEAD_COLLECTIVE_TIMEOUT:-6} \
@@ -77,7 +93,7 @@ finish() {
 lines() { [ -f "$out/$1.loss" ] && wc -l <"$out/$1.loss" || echo 0; }
 # same_losses <run>: the last line of each step equals the clean run's.
 same_losses() {
-  python3 - "$out/clean.loss" "$out/$1.loss" "$steps" <<'EOF' || fail "$1: the losses differ from the clean run's"
+  python3 - "$out/clean.loss" "$out/$1.loss" "$steps" "$tolerance" <<'EOF' || fail "$1: the losses differ from the clean run's"
 import sys
 def last(path):
     rows = {}
@@ -85,11 +101,11 @@ def last(path):
         step, loss, norm = line.split()
         rows[int(step)] = (float(loss), float(norm))
     return rows
-clean, run, steps = last(sys.argv[1]), last(sys.argv[2]), int(sys.argv[3])
+clean, run, steps, tolerance = last(sys.argv[1]), last(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 assert sorted(run) == list(range(steps)), f"steps logged: {sorted(run)}"
 worst = max(abs(run[s][i] - clean[s][i]) / max(abs(clean[s][i]), 1e-300) for s in range(steps) for i in (0, 1))
-print(f"losses and gradient norms of {steps} steps equal the clean run's: worst relative difference {worst:.2e}")
-assert worst <= 1e-12
+print(f"losses and gradient norms of {steps} steps follow the clean run's: worst relative difference {worst:.2e}")
+assert worst <= tolerance
 EOF
 }
 
