@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "launch/snapshot.h"
+#include "tests/launch/snapshot_support.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/gpu_helpers.h"
 
@@ -27,18 +28,6 @@ NamedTensors stateOf(int rank, int step) {
           {"norm.weight", draw(rank, step + 200, {1000, 33}, at::kBFloat16).to(gpu())},
           {"scale", draw(rank, step + 300, {17}, at::kDouble)},
           {"moment", draw(rank, step + 400, {3 + rank, 5}, at::kDouble).to(gpu())}};
-}
-
-NamedTensors zerosLike(const NamedTensors& state) {
-  NamedTensors out;
-  for (const auto& [name, tensor] : state) out.emplace_back(name, at::zeros_like(tensor));
-  return out;
-}
-
-bool equal(const NamedTensors& a, const NamedTensors& b) {
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!at::equal(a[i].second.cpu(), b[i].second.cpu())) return false;
-  return a.size() == b.size();
 }
 
 std::vector<int64_t> sorted(std::vector<int64_t> steps) {
@@ -66,11 +55,11 @@ void takeWhileOverwriting(bool stageOnDevice) {
   for (int step : {3, 4}) {
     NamedTensors restored = zerosLike(live);
     Snapshots::unpack(snapshots.own(step), restored, rank);
-    CHECK(equal(restored, stateOf(rank, step)));
+    CHECK(equalStates(restored, stateOf(rank, step)));
     if (size == 1) continue;
     NamedTensors wards = zerosLike(stateOf(ward, step));
     Snapshots::unpack(snapshots.ward(step), wards, rank);
-    CHECK(equal(wards, stateOf(ward, step)));
+    CHECK(equalStates(wards, stateOf(ward, step)));
   }
 }
 

@@ -13,12 +13,15 @@
 #include "runtime/errors.h"
 #include "runtime/gloo/gloo_backend.h"
 #include "runtime/tcp_store.h"
+#include "tests/launch/snapshot_support.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"
 
 using namespace bulkhead;
 using launch::NamedTensors;
 using launch::Snapshots;
+using testing::equalStates;
+using testing::zerosLike;
 
 namespace {
 
@@ -28,18 +31,6 @@ NamedTensors stateOf(int rank, int step) {
           {"b", testing::draw(rank, step + 100, {7}, at::kFloat)},
           {"count", testing::draw(rank, step + 200, {2, 2}, at::kLong)},
           {"half", testing::draw(rank, step + 300, {9}, at::kBFloat16)}};
-}
-
-NamedTensors zerosLike(const NamedTensors& state) {
-  NamedTensors out;
-  for (const auto& [name, tensor] : state) out.emplace_back(name, at::zeros_like(tensor));
-  return out;
-}
-
-bool equal(const NamedTensors& a, const NamedTensors& b) {
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!at::equal(a[i].second, b[i].second)) return false;
-  return a.size() == b.size();
 }
 
 }  // namespace
@@ -72,7 +63,7 @@ TEST_CASE("a snapshot unpacks into the tensors it was taken of, and refuses othe
     CHECK(Snapshots::stepOf(snapshots.own(step)) == step);
     NamedTensors restored = zerosLike(stateOf(0, step));
     Snapshots::unpack(snapshots.own(step), restored, 0);
-    CHECK(equal(restored, stateOf(0, step)));
+    CHECK(equalStates(restored, stateOf(0, step)));
   }
   NamedTensors other = zerosLike(stateOf(1, 5));  // another shape: another rank's model
   CHECK_THROWS_AS(Snapshots::unpack(snapshots.own(5), other, 0), ConfigError);
@@ -110,7 +101,7 @@ TEST_CASE("each rank receives its ward's snapshot over Gloo") {
     for (int step : {1, 2}) {
       NamedTensors restored = zerosLike(stateOf(ward, step));
       Snapshots::unpack(snapshots[rank]->ward(step), restored, rank);
-      CHECK(equal(restored, stateOf(ward, step)));
+      CHECK(equalStates(restored, stateOf(ward, step)));
     }
   }
 }
