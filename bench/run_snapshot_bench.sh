@@ -5,7 +5,9 @@
 # the training), and in place every step, in alternating rounds. Each run's
 # step time is the mean over the steps after the first 60; each
 # configuration's cost is the median of its rounds beside the median of the
-# runs without spares.
+# runs without spares. Runs differ by more than a few percent on a shared
+# machine, so each run also reports its own cost: the training stream's time
+# in a snapshot (train_moe's "snapshots:" line), over N steps of that run.
 #   bench/run_snapshot_bench.sh [bin dir]     ROUNDS=3 STEPS=200 EVERY="1 2 4 8" IN_PLACE=1
 set -euo pipefail
 bin=${1:-build/bin}
@@ -48,31 +50,39 @@ run() {
     fail "$name did not train"
   }
   [ -z "$spare" ] || wait "$spare" || fail "the spare of $name ended badly: $(tail -2 "$out/spare.log")"
-  step_ms "$out/$name.log"
+  local ms stream
+  ms=$(step_ms "$out/$name.log")
+  stream=$(sed -n 's/.* \([0-9.]*\) ms each on the training stream.*/\1/p' "$out/$name.log" | tail -1)
+  echo "$ms ${stream:--}"
 }
 
 configs=(plain)
 for n in $every; do configs+=("every$n"); done
 [ "$in_place" = 1 ] && configs+=(inplace)
-declare -A times
+declare -A times own
 for ((r = 1; r <= rounds; r++)); do
   for c in "${configs[@]}"; do
     case $c in
-      plain) t=$(run plain) ;;
-      inplace) t=$(run inplace --spares 1 --snapshot-every 1 --snapshot-in-place) ;;
-      *) t=$(run "$c" --spares 1 --snapshot-every "${c#every}") ;;
+      plain) read -r t stream < <(run plain) ;;
+      inplace) read -r t stream < <(run inplace --spares 1 --snapshot-every 1 --snapshot-in-place) ;;
+      *) read -r t stream < <(run "$c" --spares 1 --snapshot-every "${c#every}") ;;
     esac
+    [ -n "$t" ] || fail "$c: no step time (round $r)"
     times[$c]="${times[$c]:-} $t"
-    echo "round $r: $c $t ms"
+    n=${c#every}
+    if [ "$stream" != - ] && [ "$n" != "$c" ]; then
+      own[$c]="${own[$c]:-} $(awk -v s="$stream" -v n="$n" -v t="$t" 'BEGIN { printf "%.3f", 100 * s / (n * t) }')"
+    fi
+    echo "round $r: $c $t ms a step, ${stream} ms a snapshot on the training stream"
   done
 done
 grep -ho "snapshots of .*" "$out"/every*.log 2>/dev/null | head -1 || true
 median() { tr ' ' '\n' | grep . | sort -g | awk '{ a[NR] = $1 } END { print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
 base=$(echo "${times[plain]}" | median)
 echo
-echo "| configuration | step ms, each round | median | cost beside no spares |"
-echo "|---|---|---:|---:|"
+echo "| configuration | step ms, each round | median | cost beside no spares | own cost, each round (% a step) |"
+echo "|---|---|---:|---:|---|"
 for c in "${configs[@]}"; do
   m=$(echo "${times[$c]}" | median)
-  echo "| $c |${times[$c]} | $m | $(awk -v m="$m" -v b="$base" 'BEGIN { printf "%+.2f%%", 100 * (m / b - 1) }') |"
+  echo "| $c |${times[$c]} | $m | $(awk -v m="$m" -v b="$base" 'BEGIN { printf "%+.2f%%", 100 * (m / b - 1) }') |${own[$c]:-} |"
 done

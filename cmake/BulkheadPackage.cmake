@@ -22,7 +22,7 @@ set(BULKHEAD_PUBLIC_HEADERS
   runtime/backoff.h runtime/checked_region.h runtime/communicator.h runtime/cpu_share.h runtime/cuda_graph.h
   runtime/deadline.h runtime/diagnosis.h runtime/dtype.h runtime/env.h runtime/errors.h runtime/fatal_exit.h
   runtime/fault.h runtime/fault_spec.h runtime/fd.h runtime/file_store.h runtime/gloo/gloo_backend.h
-  runtime/host_copy.h runtime/host_staged.h runtime/ledger.h runtime/log.h runtime/monitor.h
+  runtime/host_copy.h runtime/host_staged.h runtime/stream_timer.h runtime/ledger.h runtime/log.h runtime/monitor.h
   runtime/monitor_record.h runtime/mpi/mpi_backend.h
   runtime/nccl/nccl_backend.h runtime/node_relay.h runtime/op_checks.h runtime/prefix_store.h
   runtime/progress_bar.h runtime/socket.h runtime/store.h runtime/store_protocol.h runtime/tcp_store.h

@@ -118,6 +118,8 @@ class Recovery {
   void restore(const NamedTensors& state);
 
   const Snapshots& snapshots() const { return snapshots_; }
+  // What this process's snapshots have cost so far (Snapshots::cost).
+  SnapshotCost snapshotCost() { return snapshots_.cost(); }
 
  private:
   struct Plan;

@@ -5,6 +5,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "runtime/backoff.h"
@@ -191,6 +192,7 @@ void Snapshots::pack(Copy& own, const PackedLayout& layout, int64_t step, const 
 
 void Snapshots::take(Communicator& cpuWorld, int localSize, int64_t step, const NamedTensors& state, Deadline deadline,
                      Communicator* deviceWorld) {
+  const auto began = std::chrono::steady_clock::now();
   const PackedLayout layout = packedLayout(state);
   const c10::Device device = deviceOf(state);
   const int size = cpuWorld.size();
@@ -203,9 +205,40 @@ void Snapshots::take(Communicator& cpuWorld, int localSize, int64_t step, const 
               : staged        ? ", through a device copy"
                               : ", in place");
   announced_ = true;
-  Copy& own = older(own_);
-  pack(own, layout, step, state, staged);
-  if (size > 1) exchange(cpuWorld, deviceWorld, localSize, own, layout, step, deadline);
+  if (staged) {
+    foldTimers();
+    timers_.emplace_back(device);
+    timers_.back().start();
+  }
+  try {
+    Copy& own = older(own_);
+    pack(own, layout, step, state, staged);
+    if (size > 1) exchange(cpuWorld, deviceWorld, localSize, own, layout, step, deadline);
+  } catch (...) {
+    if (staged) timers_.pop_back();  // a span that never ends
+    throw;
+  }
+  if (staged) timers_.back().stop();
+  ++cost_.taken;
+  cost_.hostSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+}
+
+void Snapshots::foldTimers() {
+  constexpr size_t kPending = 8;  // spans older than this many snapshots are dropped unmeasured
+  while (!timers_.empty()) {
+    const std::optional<double> seconds = timers_.front().elapsed();
+    if (!seconds && timers_.size() < kPending) break;
+    if (seconds) {
+      ++cost_.timed;
+      cost_.streamSeconds += *seconds;
+    }
+    timers_.pop_front();
+  }
+}
+
+SnapshotCost Snapshots::cost() {
+  foldTimers();
+  return cost_;
 }
 
 }  // namespace bulkhead::launch

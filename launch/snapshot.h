@@ -31,6 +31,7 @@
 #include <c10/core/Stream.h>
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "runtime/communicator.h"
+#include "runtime/stream_timer.h"
 
 namespace bulkhead::launch {
 
@@ -55,6 +57,14 @@ struct PackedLayout {
   std::vector<int64_t> offsets;
 };
 PackedLayout packedLayout(const NamedTensors& state);
+
+// What the snapshots have cost a rank.
+struct SnapshotCost {
+  int64_t taken = 0;         // snapshots taken
+  double hostSeconds = 0;    // the host's time in take()
+  int64_t timed = 0;         // snapshots whose time on the training stream is known (GPU state, a CUDA build)
+  double streamSeconds = 0;  // theirs: the wait for the last download, the device copy and the swap
+};
 
 struct SnapshotOptions {
   // GPU tensors through a device buffer, downloaded behind the training (above).
@@ -87,6 +97,9 @@ class Snapshots {
   // The packed own copy or ward copy of `step`, once landed; an undefined tensor if none.
   at::Tensor own(int64_t step) const;
   at::Tensor ward(int64_t step) const;
+
+  // What the snapshots have cost so far, with the stream times measured since the last call.
+  SnapshotCost cost();
 
   // Drops the copies of steps after `step` (a recovery went back to it).
   void forgetAfter(int64_t step);
@@ -128,7 +141,11 @@ class Snapshots {
   void exchange(Communicator& cpuWorld, Communicator* deviceWorld, int localSize, Copy& own, const PackedLayout& layout,
                 int64_t step, Deadline deadline);
 
+  void foldTimers();
+
   SnapshotOptions options_;
+  SnapshotCost cost_;
+  std::deque<StreamTimer> timers_;  // the training stream's spans in snapshots, until measured
   Copy own_[2];
   Copy ward_[2];
   Staging ownStaging_, wardStaging_;

@@ -157,6 +157,18 @@ launch::NamedTensors recoveryState(const examples::StagedModel& model, optim::Di
   return state;
 }
 
+// What the snapshots cost this rank, per snapshot.
+std::string snapshotCostLine(const launch::SnapshotCost& cost, int64_t every) {
+  if (cost.taken == 0) return "snapshots: none taken";
+  std::string line = fmt::format("snapshots: {} taken, {}, {:.3f} ms each on the host", cost.taken,
+                                 every == 1 ? "one a step" : fmt::format("one every {} steps", every),
+                                 1e3 * cost.hostSeconds / static_cast<double>(cost.taken));
+  if (cost.timed > 0)
+    line += fmt::format(", {:.3f} ms each on the training stream ({} timed)",
+                        1e3 * cost.streamSeconds / static_cast<double>(cost.timed), cost.timed);
+  return line;
+}
+
 // Trains on the runtime's current worlds until the last step: one generation
 // of the job, or all of it when nothing fails.
 void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& recovery,
@@ -338,6 +350,7 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
   }
   if (queued) report(*queued);
   profile.stop(rank);
+  if (recovery.enabled()) reporter.line(snapshotCostLine(recovery.snapshotCost(), options.snapshotEvery));
   if (checkpointer) {
     save(step);
     auto result = checkpointer->wait(Deadline::afterSeconds(env::kCheckpointTimeout.seconds() + 10));

@@ -49,6 +49,10 @@ void takeWhileOverwriting(bool stageOnDevice) {
     }
   }
   snapshots.settle(Deadline::afterSeconds(30));
+  const launch::SnapshotCost cost = snapshots.cost();  // the device copy's spans are timed on the stream
+  CHECK(cost.taken == 4);
+  CHECK(cost.timed == (stageOnDevice ? 4 : 0));
+  CHECK((cost.streamSeconds > 0) == stageOnDevice);
   CHECK(sorted(snapshots.ownSteps()) == std::vector<int64_t>{3, 4});
   if (size > 1) CHECK(sorted(snapshots.wardSteps()) == std::vector<int64_t>{3, 4});
   const int ward = launch::wardOf(rank, size, size);

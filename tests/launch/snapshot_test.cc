@@ -58,6 +58,10 @@ TEST_CASE("a snapshot unpacks into the tensors it was taken of, and refuses othe
   Snapshots snapshots;
   for (int step : {3, 4, 5}) snapshots.take(*world, 1, step, stateOf(0, step), Deadline::afterSeconds(20));
   CHECK_FALSE(snapshots.own(3).defined());  // two steps are kept: 4 and 5
+  const launch::SnapshotCost cost = snapshots.cost();
+  CHECK(cost.taken == 3);
+  CHECK(cost.hostSeconds > 0);
+  CHECK(cost.timed == 0);  // CPU state: nothing on a stream
   for (int step : {4, 5}) {
     REQUIRE(snapshots.own(step).defined());
     CHECK(Snapshots::stepOf(snapshots.own(step)) == step);
