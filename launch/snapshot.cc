@@ -169,7 +169,7 @@ void Snapshots::download(Staging& from, Copy& to, int64_t offset) {
 }
 
 void Snapshots::pack(Copy& own, const PackedLayout& layout, int64_t step, const NamedTensors& state, bool staged) {
-  if (!settleCopy(own, Deadline::afterSeconds(kLandingSeconds))) own.bytes = at::Tensor();  // still written: a new one
+  if (!settleCopy(own, Deadline::afterSeconds(kLandingSeconds))) own = Copy{};  // still written: a new buffer
   own.step = -1;
   if (!own.bytes.defined() || own.bytes.numel() != layout.bytes)
     own.bytes =
@@ -291,7 +291,7 @@ void Snapshots::exchange(Communicator& cpuWorld, Communicator* deviceWorld, int 
     hostOps.push_back({.kind = PeerOp::Kind::Send, .tensor = own.bytes, .peer = holder, .label = label});
   }
   Copy& ward = older(ward_);
-  if (!settleCopy(ward, Deadline::afterSeconds(kLandingSeconds))) ward.bytes = at::Tensor();
+  if (!settleCopy(ward, Deadline::afterSeconds(kLandingSeconds))) ward = Copy{};  // still written: a new buffer
   ward.step = -1;
   if (!ward.bytes.defined() || ward.bytes.numel() != wardBytes_)
     ward.bytes = at::empty({wardBytes_}, at::TensorOptions().dtype(at::kByte).pinned_memory(receiveStaged_));
