@@ -324,7 +324,7 @@ void Recovery::snapshot(int64_t completedSteps, const NamedTensors& state) {
 Communicator* Recovery::deviceWorld() const { return runtime_.device().is_cpu() ? nullptr : &runtime_.world(); }
 
 void Recovery::afterStep(int64_t completedSteps, const NamedTensors& state) {
-  if (completedSteps % options_.snapshotEvery == 0) snapshot(completedSteps, state);
+  if (due(completedSteps)) snapshot(completedSteps, state);
 }
 
 }  // namespace bulkhead::launch
