@@ -126,6 +126,12 @@ bool Snapshots::settleCopy(Copy& copy, Deadline deadline) {
   return true;
 }
 
+void Snapshots::reserve(Copy (&copies)[2], int64_t bytes, bool pinned) {
+  for (Copy& copy : copies)
+    if (!copy.bytes.defined())
+      copy.bytes = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+}
+
 void Snapshots::settle(Deadline deadline) {
   for (Copy* copies : {own_, ward_})
     for (int i = 0; i < 2; ++i)
@@ -205,6 +211,10 @@ void Snapshots::take(Communicator& cpuWorld, int localSize, int64_t step, const 
               : staged        ? ", through a device copy"
                               : ", in place");
   announced_ = true;
+  const auto reserving = std::chrono::steady_clock::now();
+  reserve(own_, layout.bytes, layout.hostBytes < layout.bytes);
+  if (size > 1) reserve(ward_, wardBytes_, receiveStaged_);
+  cost_.setupSeconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - reserving).count();
   if (staged) {
     foldTimers();
     timers_.emplace_back(device);

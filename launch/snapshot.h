@@ -62,6 +62,7 @@ PackedLayout packedLayout(const NamedTensors& state);
 struct SnapshotCost {
   int64_t taken = 0;         // snapshots taken
   double hostSeconds = 0;    // the host's time in take()
+  double setupSeconds = 0;   // of it, allocating the host copies (at the first snapshot of a world, once)
   int64_t timed = 0;         // snapshots whose time on the training stream is known (GPU state, a CUDA build)
   double streamSeconds = 0;  // theirs: the wait for the last download, the device copy and the swap
 };
@@ -128,6 +129,9 @@ class Snapshots {
   static Copy& older(Copy (&copies)[2]);
   // Waits for a copy's download; false (and the copy dropped) past the deadline.
   static bool settleCopy(Copy& copy, Deadline deadline);
+  // Allocates both copies that have no buffer yet, so that the second snapshot does not pay for a pinned
+  // allocation of its own (about a second for a few GB) inside the training.
+  static void reserve(Copy (&copies)[2], int64_t bytes, bool pinned);
 
   // Once per world: the ward's sizes, and which pairs send their GPU parts GPU to GPU.
   void learnWard(Communicator& cpuWorld, Communicator* deviceWorld, int localSize, const PackedLayout& layout,

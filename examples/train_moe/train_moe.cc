@@ -162,7 +162,8 @@ std::string snapshotCostLine(const launch::SnapshotCost& cost, int64_t every) {
   if (cost.taken == 0) return "snapshots: none taken";
   std::string line = fmt::format("snapshots: {} taken, {}, {:.3f} ms each on the host", cost.taken,
                                  every == 1 ? "one a step" : fmt::format("one every {} steps", every),
-                                 1e3 * cost.hostSeconds / static_cast<double>(cost.taken));
+                                 1e3 * (cost.hostSeconds - cost.setupSeconds) / static_cast<double>(cost.taken));
+  line += fmt::format(" after {:.1f} ms allocating the copies", 1e3 * cost.setupSeconds);
   if (cost.timed > 0)
     line += fmt::format(", {:.3f} ms each on the training stream ({} timed)",
                         1e3 * cost.streamSeconds / static_cast<double>(cost.timed), cost.timed);

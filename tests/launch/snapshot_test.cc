@@ -61,6 +61,8 @@ TEST_CASE("a snapshot unpacks into the tensors it was taken of, and refuses othe
   const launch::SnapshotCost cost = snapshots.cost();
   CHECK(cost.taken == 3);
   CHECK(cost.hostSeconds > 0);
+  CHECK(cost.setupSeconds > 0);
+  CHECK(cost.setupSeconds < cost.hostSeconds);
   CHECK(cost.timed == 0);  // CPU state: nothing on a stream
   for (int step : {4, 5}) {
     REQUIRE(snapshots.own(step).defined());
