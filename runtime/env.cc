@@ -63,6 +63,12 @@ const Knob kNodeRelay{"BULKHEAD_NODE_RELAY", "1",
                       "relay the heartbeats of a node's ranks through its local rank 0, one store request per node"};
 const Knob kStrict{"BULKHEAD_STRICT", "0",
                    "check every collective's fingerprint across its group through the store before issuing it"};
+const Knob kPeerAllReduce{"BULKHEAD_PEER_ALL_REDUCE", "",
+                          "process groups (by kind: tp,expert-tp,... or all) whose sums of at most "
+                          "BULKHEAD_PEER_ALL_REDUCE_BYTES go through the "
+                          "GPUs' peer memory within a node instead of NCCL; empty: none"};
+const Knob kPeerAllReduceBytes{"BULKHEAD_PEER_ALL_REDUCE_BYTES", "1048576",
+                               "the largest all-reduce in bytes that goes through peer memory"};
 const Knob kLedgerDump{"BULKHEAD_LEDGER_DUMP", "",
                        "directory for per-rank ledger JSON and Chrome traces, written on a timeout and at shutdown"};
 const Knob kFault{"BULKHEAD_FAULT", "",
@@ -89,6 +95,8 @@ const std::vector<const Knob*>& all() {
                                                  &kHeartbeat,
                                                  &kNodeRelay,
                                                  &kStrict,
+                                                 &kPeerAllReduce,
+                                                 &kPeerAllReduceBytes,
                                                  &kLedgerDump,
                                                  &kFault,
                                                  &kCheckpointFault};

@@ -48,6 +48,8 @@ extern const Knob kRunId;
 extern const Knob kHeartbeat;
 extern const Knob kNodeRelay;
 extern const Knob kStrict;
+extern const Knob kPeerAllReduce;
+extern const Knob kPeerAllReduceBytes;
 extern const Knob kLedgerDump;
 extern const Knob kFault;
 extern const Knob kStoreMaxMessage;

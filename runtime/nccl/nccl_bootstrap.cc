@@ -164,7 +164,9 @@ CommunicatorPtr initWorld(Communicator& bootstrap, WorldOptions options) {
   int device = worldDevice(options, context);
   Deadline deadline = options.deadline.value_or(Deadline::afterSeconds(env::kInitTimeout.seconds()));
   ncclComm_t comm = bootstrapBounded(bootstrap, deadline, context, "the world");
-  return std::make_shared<NcclCommunicator>(comm, device, "world", bootstrap.members());
+  auto world = std::make_shared<NcclCommunicator>(comm, device, "world", bootstrap.members());
+  world->attachPeerMemory("world", deadline);
+  return world;
 }
 
 CommunicatorPtr initWorld(Store& store, int rank, int size, WorldOptions options) {
@@ -188,7 +190,9 @@ CommunicatorPtr initWorld(Store& store, int rank, int size, WorldOptions options
   ncclComm_t comm = initBounded(id, rank, size, deadline, context, "the world");
   std::vector<int> members(size);
   for (int r = 0; r < size; ++r) members[r] = r;
-  return std::make_shared<NcclCommunicator>(comm, device, "world", std::move(members));
+  auto world = std::make_shared<NcclCommunicator>(comm, device, "world", std::move(members));
+  world->attachPeerMemory("world", deadline);
+  return world;
 }
 
 }  // namespace bulkhead::nccl

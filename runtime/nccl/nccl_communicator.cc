@@ -297,6 +297,13 @@ WorkPtr NcclCommunicator::allReduce(at::Tensor tensor, ReduceOptions options) {
   checks::allReduceArgs(*this, kRules, tensor, options.op);
   auto op = prepare(OpType::AllReduce, tensor);
   op->fingerprint.reduce = options.op;
+  if (throughPeers(tensor, options.op)) {
+    op->peer = true;
+    return enqueue(op, options.deadline, options.stream, "the peer all-reduce", [&](cudaStream_t stream) {
+      issuePeerAllReduce(tensor, stream);
+      return ncclSuccess;
+    });
+  }
   return enqueue(op, options.deadline, options.stream, "ncclAllReduce", [&](cudaStream_t stream) {
     return ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), datatype(tensor.scalar_type()),
                          reduceOp(options.op), comm_, stream);

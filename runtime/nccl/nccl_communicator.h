@@ -49,6 +49,7 @@ struct NcclOp {
   bool faultsInjected = false;         // a grouped exchange's faults were applied member by member
   std::vector<Fingerprint> grouped;    // a grouped exchange's later members, numbered seq + 1, seq + 2, ...
   std::atomic<bool> timingOut{false};  // claimed by the one thread that explains its timeout
+  bool peer = false;                   // an all-reduce through peer memory (peer_all_reduce.h), not NCCL
 };
 
 // Ends an operation's ledger entries: one, or a grouped exchange's one a member.
@@ -87,6 +88,8 @@ ncclComm_t initBounded(const ncclUniqueId& id, int rank, int size, Deadline dead
 ncclComm_t bootstrapBounded(Communicator& bootstrap, Deadline deadline, const ErrorContext& context,
                             const std::string& what);
 
+class PeerAllReduce;  // peer_all_reduce.h
+
 class NcclCommunicator : public Communicator, public std::enable_shared_from_this<NcclCommunicator> {
  public:
   NcclCommunicator(ncclComm_t comm, int device, std::string name, std::vector<int> members);
@@ -121,6 +124,10 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   // Aborts the communicator because `op` ran out of time; every pending
   // operation (this one included) then fails with the TimeoutError.
   [[noreturn]] void timeout(NcclOp& op);
+  // Collective over this group, once, before its first operation: where
+  // BULKHEAD_PEER_ALL_REDUCE names `kind` and the group shares a node, its
+  // small sums go through peer memory from then on (nccl_peer.cc).
+  void attachPeerMemory(const std::string& kind, Deadline deadline);
 
  private:
   using Issue = std::function<ncclResult_t(cudaStream_t)>;
@@ -135,6 +142,12 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   // Under CUDA-graph capture: the call is recorded into the graph, not run.
   WorkPtr enqueueCaptured(const std::shared_ptr<NcclOp>& op, cudaStream_t stream, const char* call, const Issue& issue);
   cudaStream_t streamFor(StreamHandle handle) const;
+  // The peer path (nccl_peer.cc): whether a sum of `tensor` takes it, its
+  // launch, its abort, and the error of an operation whose kernel gave up.
+  bool throughPeers(const at::Tensor& tensor, ReduceOp op) const;
+  void issuePeerAllReduce(const at::Tensor& tensor, cudaStream_t stream);
+  void abortPeerMemory() noexcept;
+  std::exception_ptr peerFailure(const NcclOp& op) const;
   void ensureUsable() const;
   // Marks the communicator aborted and fails every pending operation (and the
   // one being enqueued) with `error`, which is raised as the process's fatal
@@ -156,7 +169,9 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   std::vector<int> members_;
   int rank_ = 0, size_ = 1;
   double defaultTimeout_;
-  int* scratch_ = nullptr;  // one device int for barriers
+  int* scratch_ = nullptr;               // one device int for barriers
+  std::shared_ptr<PeerAllReduce> peer_;  // small sums through peer memory, where attached
+  int64_t peerBytes_ = 0;
 
   std::mutex enqueueMutex_;  // NCCL calls on comm_ come one at a time
   mutable std::mutex pendingMutex_;

@@ -249,6 +249,11 @@ void NcclCommunicator::progress() {
 }
 
 void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
+  if (state == cudaSuccess && op.peer)
+    if (const std::exception_ptr gaveUp = peerFailure(op)) {  // its regions are out of step: the group ends
+      abortWith(gaveUp, "an all-reduce through peer memory gave up waiting for a peer");
+      return;
+    }
   // Let go of after the lock, and on the watchdog through letGoOf: a deleter
   // may be a cudaFree, which waits for the device.
   std::vector<at::Tensor> buffers;
@@ -334,6 +339,7 @@ void NcclCommunicator::abortWith(std::exception_ptr error, const std::string& re
     }
     pending_.clear();
   }
+  abortPeerMemory();  // its kernels stop waiting for peers
   fatal::raise(error, reason);
   if (!ncclAborted && !abortBounded(comm_, wait ? -1 : 0)) {
     if (wait)
@@ -448,6 +454,7 @@ CommunicatorPtr NcclCommunicator::split(int color, int key, const std::string& n
   auto group =
       std::make_shared<NcclCommunicator>(child, device_, fmt::format("{}[{}]", name, color), std::move(worldRanks));
   if (monitor()) monitor()->watch(group);
+  group->attachPeerMemory(name, deadline);
   return group;
 }
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Each injected fault on the group all[0] at seq 4 (an all-reduce), on rank 2:
+# Each injected fault on the group all[0] at seq 4 (an all-reduce; FAULT_SEQ=6 where
+# BULKHEAD_PEER_ALL_REDUCE sets the group up first, with two operations), on rank 2:
 # every surviving rank raises within the deadline (2 s) plus 2 s, and its
 # message names the group, the sequence number and rank 2 for what it did.
 # With strict=1, a mismatch is caught at the call itself, long before any
@@ -15,7 +16,7 @@ if [ "$backend" = nccl ]; then
     exit 77
   fi
 fi
-guilty=$((ranks > 2 ? 2 : 1))
+guilty=$((ranks > 2 ? 2 : 1)) seq=${FAULT_SEQ:-4}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 # A rank that exits abruptly must not take the job down before its peers
@@ -23,7 +24,7 @@ trap 'rm -rf "$out"' EXIT
 keep=()
 [ "$action" = exit ] && keep=(--mca orte_abort_on_non_zero_status 0)
 start=$(date +%s%N)
-BULKHEAD_FAULT="rank=$guilty,group=all[0],seq=4,action=$action" BULKHEAD_STRICT=$strict BULKHEAD_SHUTDOWN_TIMEOUT=3 \
+BULKHEAD_FAULT="rank=$guilty,group=all[0],seq=$seq,action=$action" BULKHEAD_STRICT=$strict BULKHEAD_SHUTDOWN_TIMEOUT=3 \
   timeout 90 "$mpirun" --oversubscribe "${keep[@]}" -np "$ranks" "$program" "$out" "$backend" >"$out/log" 2>&1
 code=$?
 elapsed_ms=$((($(date +%s%N) - start) / 1000000))
@@ -35,7 +36,7 @@ fail() { echo "FAIL: $*"; echo "--- job output:"; cat "$out/log"; exit 1; }
 echo "job exited with code $code after $elapsed_ms ms"
 
 case $action in
-  skip | delay:*) kind=TimeoutError want="rank $guilty last completed seq 3 and never issued seq 4" ;;
+  skip | delay:*) kind=TimeoutError want="rank $guilty last completed seq $((seq - 1)) and never issued seq $seq" ;;
   exit) kind=TimeoutError want="rank $guilty is dead" ;;
   mismatch-op) kind=DesyncError want="rank $guilty issued broadcast float32 \[4096\]" ;;
   mismatch-size) kind=DesyncError want="rank $guilty issued all_reduce float32 \[4097\]" ;;
@@ -50,7 +51,7 @@ for ((r = 0; r < ranks; r++)); do
   echo "rank $r: $waited s: $got $rest"
   [ "$got" = "$kind" ] || fail "rank $r got '$got', not $kind"
   echo "$rest" | grep -q "group all\[0\]" || fail "rank $r: the message does not name group all[0]"
-  echo "$rest" | grep -q "seq 4" || fail "rank $r: the message does not name seq 4"
+  echo "$rest" | grep -q "seq $seq" || fail "rank $r: the message does not name seq $seq"
   echo "$rest" | grep -q "$want" || fail "rank $r: the message does not say '$want'"
   awk -v w="$waited" -v l="$limit" 'BEGIN { exit !(w <= l) }' || fail "rank $r took $waited s, over $limit s"
 done
