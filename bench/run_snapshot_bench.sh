@@ -5,9 +5,11 @@
 # the training), and in place every step, in alternating rounds. Each run's
 # step time is the mean over the steps after the first 60; each
 # configuration's cost is the median of its rounds beside the median of the
-# runs without spares. Runs differ by more than a few percent on a shared
-# machine, so each run also reports its own cost: the training stream's time
-# in a snapshot (train_moe's "snapshots:" line), over N steps of that run.
+# runs without spares. "spare" has the spare but takes no snapshot after the
+# first: what recovery's machinery costs without snapshots. Runs differ by
+# more than a few percent on a shared machine, so each run also reports its
+# own cost: the training stream's time in a snapshot (train_moe's
+# "snapshots:" line), over N steps of that run.
 #   bench/run_snapshot_bench.sh [bin dir]     ROUNDS=3 STEPS=200 EVERY="1 2 4 8" IN_PLACE=1
 set -euo pipefail
 bin=${1:-build/bin}
@@ -56,7 +58,7 @@ run() {
   echo "$ms ${stream:--}"
 }
 
-configs=(plain)
+configs=(plain spare)
 for n in $every; do configs+=("every$n"); done
 [ "$in_place" = 1 ] && configs+=(inplace)
 declare -A times own
@@ -64,6 +66,7 @@ for ((r = 1; r <= rounds; r++)); do
   for c in "${configs[@]}"; do
     case $c in
       plain) read -r t stream < <(run plain) ;;
+      spare) read -r t stream < <(run spare --spares 1 --snapshot-every 1000000) ;;
       inplace) read -r t stream < <(run inplace --spares 1 --snapshot-every 1 --snapshot-in-place) ;;
       *) read -r t stream < <(run "$c" --spares 1 --snapshot-every "${c#every}") ;;
     esac
