@@ -141,6 +141,7 @@ void NcclCommunicator::ensureUsable() const {
 }
 
 std::shared_ptr<NcclOp> NcclCommunicator::prepare(OpType type, const at::Tensor& input, const at::Tensor& output) {
+  checkPeerMemory();
   ensureUsable();
   auto check = [&](const at::Tensor& t) {
     if (t.defined() && t.is_cuda() && t.get_device() != device_)
@@ -300,7 +301,7 @@ WorkPtr NcclCommunicator::allReduce(at::Tensor tensor, ReduceOptions options) {
   if (throughPeers(tensor, options.op)) {
     op->peer = true;
     return enqueue(op, options.deadline, options.stream, "the peer all-reduce", [&](cudaStream_t stream) {
-      issuePeerAllReduce(tensor, stream);
+      issuePeerAllReduce(tensor, stream, op->deadline);
       return ncclSuccess;
     });
   }

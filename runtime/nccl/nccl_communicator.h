@@ -145,9 +145,14 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   // The peer path (nccl_peer.cc): whether a sum of `tensor` takes it, its
   // launch, its abort, and the error of an operation whose kernel gave up.
   bool throughPeers(const at::Tensor& tensor, ReduceOp op) const;
-  void issuePeerAllReduce(const at::Tensor& tensor, cudaStream_t stream);
+  void issuePeerAllReduce(const at::Tensor& tensor, cudaStream_t stream, Deadline deadline);
+  // Aborts the group where a kernel gave up (a graph replay's, which no operation settles).
+  void checkPeerMemory();
+  // Ends every rank's use of the peer memory before the communicator is finalized (collective).
+  void closePeerMemory(Deadline deadline);
   void abortPeerMemory() noexcept;
-  std::exception_ptr peerFailure(const NcclOp& op) const;
+  // The TimeoutError naming the peer a kernel gave up on, for operation `seq` (0: a replay's); null if none did.
+  std::exception_ptr peerFailure(uint64_t seq) const;
   void ensureUsable() const;
   // Marks the communicator aborted and fails every pending operation (and the
   // one being enqueued) with `error`, which is raised as the process's fatal

@@ -199,7 +199,8 @@ void NcclCommunicator::shutdown() {
       drained = pending_.empty();
     }
     if (drained) {
-      finalizeAndDestroy(deadline);
+      closePeerMemory(deadline);  // a timed-out barrier there aborts the communicator
+      if (!aborted_) finalizeAndDestroy(deadline);
     } else {
       log::error("comm", "{} is being destroyed with operations that did not finish in {} s; aborting it",
                  checks::describeGroup(*this), env::kShutdownTimeout.seconds());
@@ -250,7 +251,7 @@ void NcclCommunicator::progress() {
 
 void NcclCommunicator::settle(NcclOp& op, cudaError_t state) {
   if (state == cudaSuccess && op.peer)
-    if (const std::exception_ptr gaveUp = peerFailure(op)) {  // its regions are out of step: the group ends
+    if (const std::exception_ptr gaveUp = peerFailure(op.seq)) {  // its regions are out of step: the group ends
       abortWith(gaveUp, "an all-reduce through peer memory gave up waiting for a peer");
       return;
     }

@@ -4,15 +4,16 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 
 #include "runtime/backoff.h"
 #include "runtime/cuda_device.h"
+#include "runtime/dtype.h"
 #include "runtime/log.h"
 #include "runtime/nccl/nccl_check.h"
 #include "runtime/nccl/peer_reduce_kernels.h"
-#include "runtime/dtype.h"
 
 namespace bulkhead::nccl {
 namespace {
@@ -21,7 +22,8 @@ namespace {
 struct Card {
   uint64_t host = 0;  // a hash of the host's name: the group must share one
   int32_t device = -1;
-  int32_t ready = 0;  // its region was exported
+  int32_t ready = 0;                  // its region was exported and the kernel runs on its GPU
+  int64_t capacity = 0, oneShot = 0;  // the options, which must agree
   cudaIpcMemHandle_t handle{};
 };
 
@@ -75,13 +77,17 @@ struct PeerAllReduce::Resources {
   int device = -1;
   int rank = 0;
   peer::Regions regions;
-  std::vector<char*> opened;     // peers' regions, closed at the end
-  char* own = nullptr;           // this rank's region
-  char* counters = nullptr;      // device: the call number and the blocks done
+  std::vector<char*> opened;         // peers' regions, closed at the end
+  char* own = nullptr;               // this rank's region
+  char* counters = nullptr;          // device: the call number and the blocks done
   peer::Verdict* verdict = nullptr;  // mapped host memory
   peer::Verdict* deviceVerdict = nullptr;
   cudaEvent_t last = nullptr;  // after the last call
   void* lastStream = nullptr;
+  unsigned long long lastCapture = 0;  // the capture of the last captured call
+  bool exported = false;               // peers were given this region's handle
+  bool launched = false;               // a kernel was enqueued or captured
+  bool closed = false;                 // close() ended every peer's use of it
 
   // The counters, the verdict and the event; false if any could not be had.
   bool finish(Deadline deadline) {
@@ -103,14 +109,21 @@ struct PeerAllReduce::Resources {
     return true;
   }
 
+  // Frees what no kernel and no peer can still use. After close() that is all
+  // of it; a rank that never launched frees its counters and closes the
+  // regions it mapped, and its own region too if no peer was shown it. Anything
+  // else is left to the process's end: a kernel (this rank's, or a peer's
+  // reading this region) may still run, and freeing an exported region before
+  // its importers close it is undefined.
   ~Resources() {
     const cuda::DeviceGuard guard(device);
     if (verdict) verdict->abort = 1;  // no kernel of this rank waits on past the end
+    if (!closed && launched) return;
     for (char* region : opened) cudaIpcCloseMemHandle(region);
     if (last) cudaEventDestroy(last);
     if (counters) cudaFree(counters);
-    if (own) cudaFree(own);
     if (verdict) cudaFreeHost(verdict);
+    if (own && (closed || !exported)) cudaFree(own);
   }
 };
 
@@ -127,18 +140,26 @@ std::unique_ptr<PeerAllReduce> PeerAllReduce::create(Communicator& group, int de
   auto resources = std::make_unique<Resources>();
   resources->device = device;
   resources->rank = rank;
-  Card mine{.host = hostHash(), .device = device};
+  Card mine{.host = hostHash(), .device = device, .capacity = options.capacityBytes, .oneShot = options.oneShotBytes};
   const cudaError_t allocated =
       cudaMalloc(reinterpret_cast<void**>(&resources->own), peer::regionBytes(options.capacityBytes));
-  if (allocated == cudaSuccess && cudaMemset(resources->own, 0, peer::kFlagBytes) == cudaSuccess &&
+  if (allocated == cudaSuccess && peer::kernelRunsHere() &&
+      cudaMemset(resources->own, 0, peer::kFlagBytes) == cudaSuccess &&
       cudaIpcGetMemHandle(&mine.handle, resources->own) == cudaSuccess)
     mine.ready = 1;
   cudaGetLastError();  // what failed is told below, on every rank
   const std::vector<Card> cards = gatherCards(group, mine, deadline);
   for (int p = 0; p < size; ++p) {
     if (cards[p].host != mine.host) return refuse(fmt::format("rank {} runs on another node", p));
-    if (!cards[p].ready) return refuse(fmt::format("rank {} could not export peer memory", p));
+    if (!cards[p].ready)
+      return refuse(fmt::format("rank {} could not export peer memory, or its GPU cannot run the kernel", p));
+    if (cards[p].capacity != mine.capacity || cards[p].oneShot != mine.oneShot)
+      return refuse(
+          fmt::format("rank {} sums up to {} bytes, one-shot up to {}, where this rank does {} and {}: set "
+                      "BULKHEAD_PEER_ALL_REDUCE_BYTES alike on every rank",
+                      p, cards[p].capacity, cards[p].oneShot, mine.capacity, mine.oneShot));
   }
+  resources->exported = true;
   bool ready = true;
   for (int p = 0; p < size && ready; ++p) {
     if (p == rank) {
@@ -168,11 +189,11 @@ bool PeerAllReduce::fits(const at::Tensor& tensor) const {
          dtypeOf(tensor.scalar_type()).has_value() && tensor.nbytes() <= static_cast<size_t>(options_.capacityBytes);
 }
 
-void PeerAllReduce::enqueue(const at::Tensor& tensor, void* stream) {
+void PeerAllReduce::enqueue(const at::Tensor& tensor, void* stream, std::optional<double> giveUpSeconds) {
   const ErrorContext context{.rank = rank_, .group = group_, .expected = "a sum through peer memory"};
-  if (aborted_ || gaveUp())
-    throw CommError(fmt::format("the peer all-reduce of {} was aborted or gave up waiting for a peer; its calls are "
-                                "out of step: restart the job from its last checkpoint",
+  if (aborted_ || closed() || gaveUp())
+    throw CommError(fmt::format("the peer all-reduce of {} was aborted, closed or gave up waiting for a peer; its "
+                                "calls are out of step: restart the job from its last checkpoint",
                                 group_),
                     context);
   if (!fits(tensor))
@@ -182,33 +203,57 @@ void PeerAllReduce::enqueue(const at::Tensor& tensor, void* stream) {
                                   resources_->device, options_.capacityBytes),
                       context);
   const cuda::DeviceGuard guard(resources_->device);
+  Resources& r = *resources_;
   auto* cudaStream = static_cast<cudaStream_t>(stream);
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  check(cudaStreamIsCapturing(cudaStream, &capturing), "cudaStreamIsCapturing", context);
-  const bool captured = capturing != cudaStreamCaptureStatusNone;
-  if (!captured && calls_ > 0 && stream != resources_->lastStream)
-    check(cudaStreamWaitEvent(cudaStream, resources_->last, 0), "cudaStreamWaitEvent", context);
-  auto* counters = reinterpret_cast<uint64_t*>(resources_->counters);
-  peer::launchPeerAllReduce(
-      resources_->regions,
-      {.dtype = *dtypeOf(tensor.scalar_type()),
-       .rank = rank_,
-       .size = size_,
-       .tensor = tensor.data_ptr(),
-       .numel = tensor.numel(),
-       .capacity = options_.capacityBytes,
-       .twoShot = static_cast<int64_t>(tensor.nbytes()) > options_.oneShotBytes,
-       .sequence = counters,
-       .blocksDone = reinterpret_cast<unsigned int*>(counters + 1),
-       .verdict = resources_->deviceVerdict,
-       .giveUpNanoseconds = static_cast<uint64_t>(options_.giveUpSeconds * 1e9),
-       .stream = stream});
-  if (!captured) {
-    check(cudaEventRecord(resources_->last, cudaStream), "cudaEventRecord", context);
-    resources_->lastStream = stream;
-  }
+  unsigned long long capture = 0;
+  check(cudaStreamGetCaptureInfo(cudaStream, &capturing, &capture), "cudaStreamGetCaptureInfo", context);
+  if (capturing == cudaStreamCaptureStatusNone) capture = 0;
+  // Calls share the call counter: each runs after the last. Across streams the
+  // event orders them, eager after eager or within one capture; a replay and
+  // eager calls on other streams are the caller's to order.
+  if (r.launched && stream != r.lastStream && capture == r.lastCapture)
+    check(cudaStreamWaitEvent(cudaStream, r.last, 0), "cudaStreamWaitEvent", context);
+  auto* counters = reinterpret_cast<uint64_t*>(r.counters);
+  const double seconds = giveUpSeconds.value_or(options_.giveUpSeconds);
+  r.launched = true;
+  peer::launchPeerAllReduce(r.regions, {.dtype = *dtypeOf(tensor.scalar_type()),
+                                        .rank = rank_,
+                                        .size = size_,
+                                        .tensor = tensor.data_ptr(),
+                                        .numel = tensor.numel(),
+                                        .capacity = options_.capacityBytes,
+                                        .twoShot = static_cast<int64_t>(tensor.nbytes()) > options_.oneShotBytes,
+                                        .sequence = counters,
+                                        .blocksDone = reinterpret_cast<unsigned int*>(counters + 1),
+                                        .verdict = r.deviceVerdict,
+                                        .giveUpNanoseconds = static_cast<uint64_t>(std::max(seconds, 0.0) * 1e9),
+                                        .stream = stream});
+  check(cudaEventRecord(r.last, cudaStream), "cudaEventRecord", context);
+  r.lastStream = stream;
+  r.lastCapture = capture;
   ++calls_;
 }
+
+bool PeerAllReduce::close(const std::function<bool(Deadline)>& barrier, Deadline deadline) {
+  Resources& r = *resources_;
+  if (r.closed) return true;
+  const cuda::DeviceGuard guard(r.device);
+  // This rank's last call on the device, then every rank's: no kernel reads any region after the barrier.
+  Backoff backoff;
+  for (cudaError_t state; r.launched && r.lastCapture == 0 && (state = cudaEventQuery(r.last)) != cudaSuccess;) {
+    if (state != cudaErrorNotReady || deadline.expired()) return false;
+    backoff.pause(deadline);
+  }
+  if (aborted_ || gaveUp() || !barrier(deadline)) return false;
+  for (char* region : r.opened) cudaIpcCloseMemHandle(region);
+  r.opened.clear();
+  if (!barrier(deadline)) return false;  // every peer's mapping of this region is closed
+  r.closed = true;
+  return true;
+}
+
+bool PeerAllReduce::closed() const { return resources_->closed; }
 
 std::optional<PeerGaveUp> PeerAllReduce::gaveUp() const {
   const unsigned long long verdict = reinterpret_cast<volatile peer::Verdict*>(resources_->verdict)->gaveUp;

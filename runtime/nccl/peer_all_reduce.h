@@ -9,12 +9,15 @@
 // Each call uses regions of its own, chosen by its call number, which only
 // grows and lives on the device: a call never shares flags or data with the
 // calls before it whatever their shapes, and replays of a captured graph need
-// no host work. A kernel waits for a peer at most `giveUpSeconds`, and at once
-// gives up when abort() is called; gaveUp() then names the peer and the call.
+// no host work. A kernel waits for a peer at most `giveUpSeconds`, and gaveUp()
+// then names the peer and the call; after abort() a waiting kernel stops at once
+// (naming nobody: the caller knows why it aborted).
 // Collective library headers are not needed: this is CUDA memory and one kernel.
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -58,10 +61,21 @@ class PeerAllReduce {
   bool fits(const at::Tensor& tensor) const;
   // Enqueues the sum of `tensor` over the group, in place, on `stream` (a
   // cudaStream_t; null: the legacy default stream). Every rank must call it
-  // with the same shape and dtype, in the same order. Calls on other streams
-  // than the last one wait for the last one. Raises CommError once a kernel
-  // gave up or abort() was called: the regions' calls are out of step then.
-  void enqueue(const at::Tensor& tensor, void* stream);
+  // with the same element count and dtype, in the same order. A call on
+  // another stream than the last waits for the last, eagerly or within one
+  // capture; a graph's replay and eager calls on other streams are the
+  // caller's to order. Its kernel waits for a peer at most `giveUpSeconds`
+  // (unset: the options'). Raises CommError once a kernel gave up, or after
+  // abort() or close(): the regions' calls are out of step then.
+  void enqueue(const at::Tensor& tensor, void* stream, std::optional<double> giveUpSeconds = std::nullopt);
+  // Collective: ends every rank's use of every region, through `barrier` (a
+  // barrier over the group that says whether every rank came by the
+  // deadline), so that the memory is freed with this object. False where it
+  // could not (a call did not end, a peer did not come): the memory is then
+  // left to the process's end, as it is for an object destroyed unclosed once
+  // it has launched, since a peer may still read it.
+  bool close(const std::function<bool(Deadline)>& barrier, Deadline deadline);
+  bool closed() const;
   // The first call a kernel of this rank gave up on, once it has; reads host memory, never waits.
   std::optional<PeerGaveUp> gaveUp() const;
   // Makes every waiting kernel of this rank give up now, and refuses later calls.
@@ -78,7 +92,7 @@ class PeerAllReduce {
   int rank_, size_;
   std::string group_;
   int64_t calls_ = 0;
-  bool aborted_ = false;
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace bulkhead::nccl

@@ -51,12 +51,15 @@ struct LaunchArgs {
   int64_t numel = 0;
   int64_t capacity = 0;  // bytes of one data or result area
   bool twoShot = false;
-  uint64_t* sequence = nullptr;      // device: the last call number this rank completed
+  uint64_t* sequence = nullptr;        // device: the last call number this rank completed
   unsigned int* blocksDone = nullptr;  // device: blocks of the running call that ended
-  Verdict* verdict = nullptr;        // mapped host memory, as the device sees it
-  uint64_t giveUpNanoseconds = 0;    // how long a block waits for a peer before it gives up
-  void* stream = nullptr;            // cudaStream_t
+  Verdict* verdict = nullptr;          // mapped host memory, as the device sees it
+  uint64_t giveUpNanoseconds = 0;      // how long a block waits for a peer before it gives up
+  void* stream = nullptr;              // cudaStream_t
 };
+
+// Whether the kernel was built for the current device's architecture.
+bool kernelRunsHere();
 
 // Enqueues one all-reduce (sum) on the stream. Raises ConfigError where the
 // kernel cannot run on this GPU, Error on any other launch failure.
