@@ -19,12 +19,15 @@
 
 #include "bench/bench_check.h"
 #include "bench/raw_nccl.h"
+#include "bench/stream_timing.h"
 #include "launch/cli.h"
 #include "launch/init.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 
 using namespace bulkhead;
+using bench::median;
+using bench::timeLoop;
 
 namespace {
 
@@ -38,33 +41,11 @@ void addFlags(CLI::App& app, Options& options) {
   app.add_option("--out", options.out, "also write the table to this file");
 }
 
-// Times `iterations` back-to-back launches on `stream` with events; returns
-// microseconds per launch.
-double timeLoop(cudaStream_t stream, int iterations, const std::function<void()>& launch) {
-  cudaEvent_t start, stop;
-  BENCH_CHECK(cudaEventCreate(&start));
-  BENCH_CHECK(cudaEventCreate(&stop));
-  BENCH_CHECK(cudaEventRecord(start, stream));
-  for (int i = 0; i < iterations; ++i) launch();
-  BENCH_CHECK(cudaEventRecord(stop, stream));
-  BENCH_CHECK(cudaEventSynchronize(stop));
-  float ms = 0;
-  BENCH_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return ms * 1000.0 / iterations;
-}
-
 // Host clock around single operations, each waited to completion.
 double timeEach(int iterations, const std::function<void()>& launchAndWait) {
   auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < iterations; ++i) launchAndWait();
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / iterations;
-}
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
 }
 
 struct Row {

@@ -21,12 +21,15 @@
 
 #include "bench/bench_check.h"
 #include "bench/raw_nccl.h"
+#include "bench/stream_timing.h"
 #include "launch/cli.h"
 #include "launch/init.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 
 using namespace bulkhead;
+using bench::median;
+using bench::timeLoop;
 
 namespace {
 
@@ -34,27 +37,6 @@ struct Options {
   int64_t maxBytes = int64_t{64} << 20;
   std::string out;
 };
-
-// Microseconds a launch, over `iterations` back-to-back launches on `stream`.
-double timeLoop(cudaStream_t stream, int iterations, const std::function<void()>& launch) {
-  cudaEvent_t start, stop;
-  BENCH_CHECK(cudaEventCreate(&start));
-  BENCH_CHECK(cudaEventCreate(&stop));
-  BENCH_CHECK(cudaEventRecord(start, stream));
-  for (int i = 0; i < iterations; ++i) launch();
-  BENCH_CHECK(cudaEventRecord(stop, stream));
-  BENCH_CHECK(cudaEventSynchronize(stop));
-  float ms = 0;
-  BENCH_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return ms * 1000.0 / iterations;
-}
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
 
 // Medians of 7 alternating rounds, one value a launcher.
 std::vector<double> alternate(int iterations, const std::vector<std::function<double(int)>>& timers) {
@@ -98,8 +80,9 @@ std::string table(const std::vector<Row>& rows, int n, const std::string& gpu, d
     text += fmt::format("| {} | {:.2f} | {:.2f} | {:.2f} | {:.3f} | {:.2f} | {:.2f} |\n", row.bytes, row.raw, row.nccl,
                         row.peer, row.peer / row.raw, factor * row.bytes / row.raw / 1e3,
                         factor * row.bytes / row.peer / 1e3);
-  text += fmt::format("\nOne 8 KiB all-reduce at a time, waited on the host: NCCL {:.2f} us, peer {:.2f} us ({:.3f}).\n",
-                      rawOnce, peerOnce, peerOnce / rawOnce);
+  text +=
+      fmt::format("\nOne 8 KiB all-reduce at a time, waited on the host: NCCL {:.2f} us, peer {:.2f} us ({:.3f}).\n",
+                  rawOnce, peerOnce, peerOnce / rawOnce);
   return text;
 }
 
@@ -132,10 +115,11 @@ int main(int argc, char** argv) {
       checkSum(*peerGroup, elements, device);
       at::Tensor x = buffer.narrow(0, 0, elements);
       const int iterations = static_cast<int>(std::clamp<int64_t>((int64_t{4} << 30) / bytes, 20, 2000));
-      const std::vector<double> us = alternate(
-          iterations, {[&](int k) { return timeLoop(stream, k, [&] { raw.allReduceSum(x, stream); }); },
-                       [&](int k) { return timeLoop(stream, k, [&] { world.allReduce(x, {.stream = stream}); }); },
-                       [&](int k) { return timeLoop(stream, k, [&] { peerGroup->allReduce(x, {.stream = stream}); }); }});
+      const std::vector<double> us =
+          alternate(iterations,
+                    {[&](int k) { return timeLoop(stream, k, [&] { raw.allReduceSum(x, stream); }); },
+                     [&](int k) { return timeLoop(stream, k, [&] { world.allReduce(x, {.stream = stream}); }); },
+                     [&](int k) { return timeLoop(stream, k, [&] { peerGroup->allReduce(x, {.stream = stream}); }); }});
       rows.push_back({bytes, us[0], us[1], us[2]});
     }
 
@@ -148,12 +132,12 @@ int main(int argc, char** argv) {
         return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / k;
       };
     };
-    const std::vector<double> waited = alternate(
-        500, {once([&] {
-                raw.allReduceSum(small, stream);
-                BENCH_CHECK(cudaStreamSynchronize(stream));
-              }),
-              once([&] { peerGroup->allReduce(small, {.stream = stream})->wait(); })});
+    const std::vector<double> waited =
+        alternate(500, {once([&] {
+                          raw.allReduceSum(small, stream);
+                          BENCH_CHECK(cudaStreamSynchronize(stream));
+                        }),
+                        once([&] { peerGroup->allReduce(small, {.stream = stream})->wait(); })});
     BENCH_CHECK(cudaStreamSynchronize(stream));
     if (world.rank() != 0) return 0;
     cudaDeviceProp props;
