@@ -74,3 +74,16 @@ endif()
 if(NOT BULKHEAD_WITH_GLOO)
   message(STATUS "Bulkhead: no Gloo found: jobs need mpirun (install libgloo-dev for the gloo backend)")
 endif()
+
+# CUDA for Bulkhead's own kernels (runtime's peer all-reduce, moe's kernels), where libtorch has CUDA:
+# nvcc from the toolkit found above, and Hopper (H100, H200) where no architecture is set or libtorch's
+# CMake files left it OFF. A macro, so that the architectures are set in the caller's directory.
+macro(bulkhead_enable_cuda)
+  if(NOT CMAKE_CUDA_COMPILER AND CUDAToolkit_NVCC_EXECUTABLE)
+    set(CMAKE_CUDA_COMPILER ${CUDAToolkit_NVCC_EXECUTABLE})
+  endif()
+  if(NOT CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "OFF")
+    set(CMAKE_CUDA_ARCHITECTURES 90)
+  endif()
+  enable_language(CUDA)
+endmacro()
