@@ -157,13 +157,7 @@ int main(int argc, char** argv) {
           "Added latency at 8 B, one all-reduce at a time waited on the host: {:.2f} us ({:.2f} vs {:.2f} us).\n",
           worstLarge[0], worstLarge[1], smallest.bulkheadUs - smallest.rawUs, smallest.bulkheadUs, smallest.rawUs,
           ourLatency - rawLatency, ourLatency, rawLatency);
-      std::fputs(text.c_str(), stdout);
-      if (!options.out.empty()) {
-        std::FILE* file = std::fopen(options.out.c_str(), "w");
-        if (!file) throw IoError(fmt::format("cannot write {}", options.out));
-        std::fputs(text.c_str(), file);
-        std::fclose(file);
-      }
+      bench::report(text, options.out);
     }
     return 0;
   });

@@ -143,13 +143,7 @@ int main(int argc, char** argv) {
     cudaDeviceProp props;
     BENCH_CHECK(cudaGetDeviceProperties(&props, device.index()));
     const std::string text = table(rows, n, props.name, waited[0], waited[1]);
-    std::fputs(text.c_str(), stdout);
-    if (!options.out.empty()) {
-      std::FILE* file = std::fopen(options.out.c_str(), "w");
-      if (!file) throw IoError(fmt::format("cannot write {}", options.out));
-      std::fputs(text.c_str(), file);
-      std::fclose(file);
-    }
+    bench::report(text, options.out);
     return 0;
   });
 }

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_check.h"
 #include "launch/cli.h"
 #include "launch/init.h"
 #include "runtime/checked_region.h"
@@ -116,13 +117,7 @@ int main(int argc, char** argv) {
     }
     table += regionTable(*runtime);
     if (world.rank() == 0) {
-      std::fputs(table.c_str(), stdout);
-      if (!out.empty()) {
-        std::FILE* file = std::fopen(out.c_str(), "w");
-        if (!file) throw IoError(fmt::format("cannot write {}", out));
-        std::fputs(table.c_str(), file);
-        std::fclose(file);
-      }
+      bench::report(table, out);
     }
     return 0;
   });
