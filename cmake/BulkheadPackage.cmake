@@ -13,7 +13,7 @@ install(TARGETS bulkhead bulkhead_runtime bulkhead_parallel bulkhead_moe bulkhea
 # The public API: the headers a trainer may include, each of which compiles on
 # its own (tests/package checks both). Every other header is internal to its
 # library (a backend's error conversion, a kernel's launcher, a save's steps)
-# and is not installed: runtime/nccl/nccl_communicator.h, nccl_check.h,
+# and is not installed: runtime/nccl/nccl_communicator.h, nccl_check.h, peer_all_reduce.h, peer_reduce_kernels.h,
 # runtime/mpi/mpi_check.h, runtime/gloo/gloo_check.h, gloo_context.h, gloo_communicator.h,
 # runtime/cuda_device.h, parallel/layout_grid.h, tensor_parallel_detail.h,
 # moe/kernel_support.h, moe/router_noise.h, moe/cuda/*, optim/parameter_checks.h,
