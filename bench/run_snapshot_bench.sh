@@ -9,7 +9,8 @@
 # first: what recovery's machinery costs without snapshots. Runs differ by
 # more than a few percent on a shared machine, so each run also reports its
 # own cost: the training stream's time in a snapshot (train_moe's
-# "snapshots:" line), over N steps of that run.
+# "snapshots:" line), over N steps of that run; the host's time in each is
+# printed beside it.
 #   bench/run_snapshot_bench.sh [bin dir]     ROUNDS=3 STEPS=200 EVERY="1 2 4 8" IN_PLACE=1
 set -euo pipefail
 bin=${1:-build/bin}
@@ -52,10 +53,11 @@ run() {
     fail "$name did not train"
   }
   [ -z "$spare" ] || wait "$spare" || fail "the spare of $name ended badly: $(tail -2 "$out/spare.log")"
-  local ms stream
+  local ms stream host
   ms=$(step_ms "$out/$name.log")
   stream=$(sed -n 's/.* \([0-9.]*\) ms each on the training stream.*/\1/p' "$out/$name.log" | tail -1)
-  echo "$ms ${stream:--}"
+  host=$(sed -n 's/.* \([0-9.]*\) ms each on the host.*/\1/p' "$out/$name.log" | tail -1)
+  echo "$ms ${stream:--} ${host:--}"
 }
 
 configs=(plain spare)
@@ -65,10 +67,10 @@ declare -A times own
 for ((r = 1; r <= rounds; r++)); do
   for c in "${configs[@]}"; do
     case $c in
-      plain) read -r t stream < <(run plain) ;;
-      spare) read -r t stream < <(run spare --spares 1 --snapshot-every 1000000) ;;
-      inplace) read -r t stream < <(run inplace --spares 1 --snapshot-every 1 --snapshot-in-place) ;;
-      *) read -r t stream < <(run "$c" --spares 1 --snapshot-every "${c#every}") ;;
+      plain) read -r t stream host < <(run plain) ;;
+      spare) read -r t stream host < <(run spare --spares 1 --snapshot-every 1000000) ;;
+      inplace) read -r t stream host < <(run inplace --spares 1 --snapshot-every 1 --snapshot-in-place) ;;
+      *) read -r t stream host < <(run "$c" --spares 1 --snapshot-every "${c#every}") ;;
     esac
     [ -n "$t" ] || fail "$c: no step time (round $r)"
     times[$c]="${times[$c]:-} $t"
@@ -76,7 +78,7 @@ for ((r = 1; r <= rounds; r++)); do
     if [ "$stream" != - ] && [ "$n" != "$c" ]; then
       own[$c]="${own[$c]:-} $(awk -v s="$stream" -v n="$n" -v t="$t" 'BEGIN { printf "%.3f", 100 * s / (n * t) }')"
     fi
-    echo "round $r: $c $t ms a step, ${stream} ms a snapshot on the training stream"
+    echo "round $r: $c $t ms a step, ${stream} ms a snapshot on the training stream, ${host} ms on the host"
   done
 done
 grep -ho "snapshots of .*" "$out"/every*.log 2>/dev/null | head -1 || true
