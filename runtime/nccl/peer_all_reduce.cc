@@ -11,6 +11,7 @@
 #include "runtime/backoff.h"
 #include "runtime/cuda_device.h"
 #include "runtime/dtype.h"
+#include "runtime/fatal_exit.h"
 #include "runtime/log.h"
 #include "runtime/nccl/nccl_check.h"
 #include "runtime/nccl/peer_reduce_kernels.h"
@@ -118,7 +119,8 @@ struct PeerAllReduce::Resources {
   ~Resources() {
     const cuda::DeviceGuard guard(device);
     if (verdict) verdict->abort = 1;  // no kernel of this rank waits on past the end
-    if (!closed && launched) return;
+    // cudaFree waits for the whole device, which a process ending after a fatal error may not get back.
+    if ((!closed && launched) || fatal::ending()) return;
     for (char* region : opened) cudaIpcCloseMemHandle(region);
     if (last) cudaEventDestroy(last);
     if (counters) cudaFree(counters);
