@@ -7,8 +7,8 @@
 #   kill    SIGKILL a random rank at a random step: every other process ends 0,
 #           the spare took the rank, and the losses equal the clean run's
 #           (1e-12 relative) with at most one step computed twice.
-#   stop    SIGSTOP a random rank at a random step, SIGCONT it once the job
-#           recovered: it exits non-zero saying it was replaced; the rest as kill.
+#   stop    SIGSTOP a random rank at a random step, SIGCONT it once a spare took
+#           its place: it exits non-zero saying it was replaced; the rest as kill.
 #   two     with 2 spares, SIGKILL two ranks at once (not each other's holder):
 #           both replaced, the rest as kill.
 #   during  with 2 spares, SIGKILL a rank, then another while the job recovers:
@@ -162,6 +162,13 @@ for _ in $(seq 2400); do
   sleep 0.05
 done
 if [ "$mode" = stop ]; then
+  # The step under way may still be logged (the stopped rank had done its part of it): the stopped
+  # rank is continued only once a spare has taken its place.
+  for _ in $(seq 1200); do
+    grep -Eq "took rank $victim in generation|is up in .* as rank $victim:" "$out/stop.$ranks.log" && break
+    others_alive || break
+    sleep 0.05
+  done
   sleep 2
   kill -CONT "${pids[$victim]}"
 fi
