@@ -1,0 +1,1 @@
+// The translation unit the precompiled headers are built with (cmake/BulkheadPch.cmake).
