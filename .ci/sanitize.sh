@@ -7,10 +7,13 @@
 #   .ci/sanitize.sh thread    the store, store server, client, node relay, monitor and ledger tests under
 #                             ThreadSanitizer
 # Any report fails the run. BULKHEAD_BUILD_DIR (default build) names the main build; this one is <it>-<kind>.
+# --build-only builds and runs nothing (.ci/run builds both while the main suite runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . cmake/torch-prefix.sh
-kind=${1:?usage: .ci/sanitize.sh address|thread}
+kind=${1:?usage: .ci/sanitize.sh address|thread [--build-only]}
+build_only=0
+[ "${2:-}" = --build-only ] && build_only=1
 build=${BULKHEAD_BUILD_DIR:-build}-$kind
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 prefix=$(torch_cmake_prefix)
@@ -21,6 +24,7 @@ case "$kind" in
   address)
     cmake --build "$build" -j "$(nproc)" --target bulkhead_runtime_unit_tests bulkhead_parallel_unit_tests \
       bulkhead_launch_unit_tests bulkhead_checkpoint_unit_tests bulkhead_checkpoint_mpi_tests
+    [ $build_only = 1 ] && exit 0
     # Leaks at exit are libtorch's and Open MPI's, not reports about Bulkhead's memory use.
     export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1
     export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
@@ -33,11 +37,12 @@ case "$kind" in
     ;;
   thread)
     cmake --build "$build" -j "$(nproc)" --target bulkhead_runtime_unit_tests
+    [ $build_only = 1 ] && exit 0
     export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/.ci/tsan.supp"
     "$bin/bulkhead_runtime_unit_tests" "[store],*server*,*client*,*relay*,*ledger*,*thread*"
     ;;
   *)
-    echo "usage: .ci/sanitize.sh address|thread" >&2
+    echo "usage: .ci/sanitize.sh address|thread [--build-only]" >&2
     exit 2
     ;;
 esac
