@@ -9,6 +9,19 @@ bin=$1 version=$2
 shift 2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# Two halves of the binaries at once: each check starts a process that loads libtorch.
+if [ -z "${CLI_TEST_PART:-}" ] && [ $# -gt 1 ]; then
+  half=$((($# + 1) / 2))
+  CLI_TEST_PART=1 bash "$0" "$bin" "$version" "${@:1:half}" >"$work/first" 2>&1 &
+  first=$!
+  CLI_TEST_PART=2 bash "$0" "$bin" "$version" "${@:half+1}" >"$work/second" 2>&1
+  second=$?
+  wait "$first"
+  first=$?
+  cat "$work/first" "$work/second"
+  [ "$first" -eq 0 ] && [ "$second" -eq 0 ]
+  exit
+fi
 failures=0 checks=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 
