@@ -18,12 +18,13 @@ function(bulkhead_pch_targets out dir)
   set(${out} ${targets} PARENT_SCOPE)
 endfunction()
 
-# bulkhead_pch_uses_torch(<out> <target>): whether <target> links libtorch, itself or through a Bulkhead library.
+# bulkhead_pch_uses_torch(<out> <target>): whether <target> links a Bulkhead library, which brings libtorch and fmt
+# with the definitions the header was built with (a target with libtorch alone lacks FMT_HEADER_ONLY).
 function(bulkhead_pch_uses_torch out target)
   get_target_property(links ${target} LINK_LIBRARIES)
   set(${out} OFF PARENT_SCOPE)
   foreach(link IN LISTS links)
-    if(link MATCHES "^(torch|bulkhead(::|_)[a-z_]+)$")
+    if(link MATCHES "^bulkhead(::[a-z]+|_[a-z_]+)$" AND NOT link STREQUAL "bulkhead_warnings")
       set(${out} ON PARENT_SCOPE)
     endif()
   endforeach()
