@@ -1,6 +1,5 @@
 // Multi-rank checkpoint tests: run under mpirun (MPI backend). Every rank runs
 // every test case in the same order; the job fails if any rank fails.
-#define CATCH_CONFIG_RUNNER
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -8,6 +7,7 @@
 
 #include "tests/checkpoint/support.h"
 #include "tests/support/catch_compat.h"
+#include "tests/support/catch_session.h"
 
 namespace bulkhead::testing::ckpt {
 namespace {
@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
   return bulkhead::guardedMain([&] {
     using namespace bulkhead::testing::ckpt;
     instance = bulkhead::init({.backend = bulkhead::Backend::Mpi});
-    int failed = Catch::Session().run(argc, argv);
+    int failed = bulkhead::testing::runCatch(argc, argv);
     at::Tensor verdict = at::tensor({failed}, at::kInt);
     instance->world().allReduce(verdict, {.op = bulkhead::ReduceOp::Max})->wait();
     instance->shutdown();

@@ -3,7 +3,6 @@
 // kernels against the sort the CPU runs (route_gpu_test.cc adds the routing
 // kernels). Skipped (exit 77)
 // where libtorch has no CUDA or no GPU is present.
-#define CATCH_CONFIG_RUNNER
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
@@ -15,6 +14,7 @@
 #include "moe/dispatcher.h"
 #include "moe/gather_sum.h"
 #include "tests/support/catch_compat.h"
+#include "tests/support/catch_session.h"
 #include "tests/support/inputs.h"
 
 namespace bulkhead::moe {
@@ -178,5 +178,5 @@ int main(int argc, char** argv) {
     std::printf("SKIPPED: no CUDA GPU here (libtorch without CUDA, or no device); runs on the device machine\n");
     return 77;
   }
-  return Catch::Session().run(argc, argv);
+  return bulkhead::testing::runCatch(argc, argv);
 }

@@ -2,7 +2,6 @@
 // 127.0.0.1 (a free port), the port and a random token reach the other ranks
 // through the world communicator, and every rank runs the same mix of
 // operations against it. Run under mpirun with any number of ranks (CTest: 8).
-#define CATCH_CONFIG_RUNNER
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -13,6 +12,7 @@
 #include "runtime/prefix_store.h"
 #include "runtime/tcp_store.h"
 #include "tests/support/catch_compat.h"
+#include "tests/support/catch_session.h"
 
 using namespace bulkhead;
 
@@ -158,7 +158,7 @@ TEST_CASE("every rank runs 1,000 mixed operations on rank 0's store, and all ran
 int main(int argc, char** argv) {
   return guardedMain([&] {
     runtime = init({.backend = Backend::Mpi});
-    int failed = Catch::Session().run(argc, argv);
+    int failed = bulkhead::testing::runCatch(argc, argv);
     // Every rank's verdict: the job fails if any rank failed.
     at::Tensor verdict = at::tensor({failed}, at::kInt);
     runtime->world().allReduce(verdict, {.op = ReduceOp::Max})->wait();

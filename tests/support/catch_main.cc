@@ -1,5 +1,5 @@
 // Unit tests: one process, no MPI.
-#define CATCH_CONFIG_RUNNER
 #include "tests/support/catch_compat.h"
+#include "tests/support/catch_session.h"
 
-int main(int argc, char** argv) { return Catch::Session().run(argc, argv); }
+int main(int argc, char** argv) { return bulkhead::testing::runCatch(argc, argv); }

@@ -1,8 +1,8 @@
 // GPU tests: the nccl backend, one rank per GPU under mpirun, checked against
 // the mpi backend on the same seeded data. Exits 77 (CTest's "skipped") with a
 // clear message where no GPU or no CUDA libtorch is present.
-#define CATCH_CONFIG_RUNNER
 #include "tests/support/catch_compat.h"
+#include "tests/support/catch_session.h"
 #include "tests/support/gpu_helpers.h"
 
 #include <cstdio>
@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   }
   return bulkhead::guardedMain([&] {
     bulkhead::testing::runtime = bulkhead::init({.backend = bulkhead::Backend::Nccl});
-    int failed = Catch::Session().run(argc, argv);
+    int failed = bulkhead::testing::runCatch(argc, argv);
     at::Tensor verdict = at::tensor({failed}, at::kInt);
     bulkhead::testing::cpuWorld().allReduce(verdict, {.op = bulkhead::ReduceOp::Max})->wait();
     bulkhead::testing::runtime->shutdown();

@@ -2,8 +2,8 @@
 // every test case in the same order; a rank whose check fails reports it, and a
 // collective it then misses times out (BULKHEAD_COLLECTIVE_TIMEOUT) instead of
 // hanging the job.
-#define CATCH_CONFIG_RUNNER
 #include "tests/support/catch_compat.h"
+#include "tests/support/catch_session.h"
 #include "tests/support/mpi_helpers.h"
 
 #include <cstdlib>
@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
     const char* named = std::getenv("BULKHEAD_BACKEND");
     bulkhead::testing::runtime =
         bulkhead::init({.backend = named && *named ? bulkhead::parseBackend(named) : bulkhead::Backend::Mpi});
-    int failed = Catch::Session().run(argc, argv);
+    int failed = bulkhead::testing::runCatch(argc, argv);
     // Every rank's verdict: the job fails if any rank failed.
     at::Tensor verdict = at::tensor({failed}, at::kInt);
     bulkhead::testing::world().allReduce(verdict, {.op = bulkhead::ReduceOp::Max})->wait();
