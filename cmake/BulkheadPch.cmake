@@ -1,8 +1,9 @@
-# Precompiled headers: libtorch's <ATen/ATen.h> and fmt take most of the time a translation unit that includes
-# them compiles in (about 8 s of 10 on the 2-core CI machine). Two targets precompile them once, one for
-# position-independent code (the libraries) and one for the rest, and every C++ target that links libtorch
-# reuses the one its code matches. A target whose sources mostly do not include ATen sets BULKHEAD_PCH OFF:
-# loading the header costs a translation unit that does not need it about 3 s. BULKHEAD_PCH=OFF turns it off.
+# Precompiled headers: libtorch's <ATen/ATen.h> and fmt take about 8 s to parse on a 2-core machine, where
+# loading them precompiled takes under 3 (moe/moe_layer.cc compiles in 8.3 s instead of 13.4). Two targets
+# precompile them once, one for position-independent code (the libraries) and one for the rest, and every
+# C++ target that links a Bulkhead library reuses the one its code matches. A target whose sources mostly do
+# not include ATen sets BULKHEAD_PCH OFF: loading the header would cost each of them about 3 s.
+# -DBULKHEAD_PCH=OFF turns it off.
 option(BULKHEAD_PCH "Precompile libtorch's and fmt's headers for every target that uses them" ON)
 
 set(BULKHEAD_PCH_HEADERS "$<$<COMPILE_LANGUAGE:CXX>:<ATen/ATen.h$<ANGLE-R>>" "$<$<COMPILE_LANGUAGE:CXX>:<fmt/format.h$<ANGLE-R>>")
