@@ -1,7 +1,7 @@
 // Catch2's implementation (v2 is header-only) and its session, in this one file.
 #define CATCH_CONFIG_RUNNER
-#include "tests/support/catch_compat.h"
 #include "tests/support/catch_session.h"
+#include "tests/support/catch_compat.h"
 
 namespace bulkhead::testing {
 
