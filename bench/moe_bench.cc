@@ -58,7 +58,7 @@
 #include "moe/moe_layer.h"
 #include "moe/static_dispatch.h"
 #include "parallel/process_groups.h"
-#include "runtime/cuda_graph.h"
+#include "runtime/cuda/cuda_graph.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 

@@ -39,9 +39,9 @@
 
 #include "launch/bootstrap.h"
 #include "launch/cli.h"
-#include "runtime/monitor_record.h"
-#include "runtime/node_relay.h"
-#include "runtime/tcp_store.h"
+#include "runtime/diagnosis/monitor_record.h"
+#include "runtime/diagnosis/node_relay.h"
+#include "runtime/store/tcp_store.h"
 
 namespace {
 

@@ -2,7 +2,7 @@
 // cross-rank fingerprint check off and on, alternating, in one run, on the
 // backend init picks (mpi on CPUs, nccl on GPUs). Each call is waited on, so
 // the figures are per-call latencies as a training loop would see them.
-// Then the cost of a checked region's end (runtime/checked_region.h) for
+// Then the cost of a checked region's end (runtime/diagnosis/checked_region.h) for
 // regions of 1 to 256 collectives, beside one exchange through the same store.
 //
 //   mpirun -np 4 bulkhead-strict-bench [--out bench/results/strict.md]
@@ -18,7 +18,7 @@
 #include "bench/bench_check.h"
 #include "launch/cli.h"
 #include "launch/init.h"
-#include "runtime/checked_region.h"
+#include "runtime/diagnosis/checked_region.h"
 #include "runtime/errors.h"
 
 using namespace bulkhead;

@@ -20,9 +20,9 @@
 #include "checkpoint/manifest.h"
 #include "checkpoint/save_job.h"
 #include "runtime/cpu_share.h"
+#include "runtime/diagnosis/fatal_exit.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "runtime/fatal_exit.h"
 #include "runtime/log.h"
 
 namespace bulkhead::checkpoint {

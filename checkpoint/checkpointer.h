@@ -60,7 +60,7 @@
 
 #include "checkpoint/state_dict.h"
 #include "runtime/deadline.h"
-#include "runtime/store.h"
+#include "runtime/store/store.h"
 
 namespace bulkhead::checkpoint {
 

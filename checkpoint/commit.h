@@ -19,7 +19,7 @@
 
 #include "runtime/deadline.h"
 #include "runtime/errors.h"
-#include "runtime/store.h"
+#include "runtime/store/store.h"
 
 namespace bulkhead::checkpoint::commit {
 

@@ -5,9 +5,9 @@
 #include <limits>
 #include <utility>
 
+#include "runtime/diagnosis/fault_spec.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "runtime/fault_spec.h"
 
 namespace bulkhead::checkpoint::fault {
 namespace {

@@ -21,7 +21,7 @@
 #include "checkpoint/safetensors.h"
 #include "runtime/deadline.h"
 #include "runtime/errors.h"
-#include "runtime/file_store.h"
+#include "runtime/store/file_store.h"
 
 namespace bulkhead::checkpoint {
 namespace {

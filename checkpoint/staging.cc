@@ -16,7 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
-#include "runtime/cuda_device.h"
+#include "runtime/cuda/cuda_device.h"
 #endif
 
 namespace bulkhead::checkpoint {

@@ -15,17 +15,17 @@ install(TARGETS bulkhead bulkhead_runtime bulkhead_parallel bulkhead_moe bulkhea
 # library (a backend's error conversion, a kernel's launcher, a save's steps)
 # and is not installed: runtime/nccl/nccl_communicator.h, nccl_check.h, peer_all_reduce.h, peer_reduce_kernels.h,
 # runtime/mpi/mpi_check.h, runtime/gloo/gloo_check.h, gloo_context.h, gloo_communicator.h,
-# runtime/cuda_device.h, parallel/layout_grid.h, tensor_parallel_detail.h,
+# runtime/cuda/cuda_device.h, parallel/layout_grid.h, tensor_parallel_detail.h,
 # moe/kernel_support.h, moe/router_noise.h, moe/cuda/*, optim/parameter_checks.h,
 # checkpoint/save_job.h, box.h.
 set(BULKHEAD_PUBLIC_HEADERS
-  runtime/backoff.h runtime/checked_region.h runtime/communicator.h runtime/cpu_share.h runtime/cuda_graph.h
-  runtime/deadline.h runtime/diagnosis.h runtime/dtype.h runtime/env.h runtime/errors.h runtime/fatal_exit.h
-  runtime/fault.h runtime/fault_spec.h runtime/fd.h runtime/file_store.h runtime/gloo/gloo_backend.h
-  runtime/host_copy.h runtime/host_staged.h runtime/stream_timer.h runtime/ledger.h runtime/log.h runtime/monitor.h
-  runtime/monitor_record.h runtime/mpi/mpi_backend.h
-  runtime/nccl/nccl_backend.h runtime/node_relay.h runtime/op_checks.h runtime/prefix_store.h
-  runtime/progress_bar.h runtime/socket.h runtime/store.h runtime/store_protocol.h runtime/tcp_store.h
+  runtime/backoff.h runtime/diagnosis/checked_region.h runtime/communicator.h runtime/cpu_share.h runtime/cuda/cuda_graph.h
+  runtime/deadline.h runtime/diagnosis/diagnosis.h runtime/dtype.h runtime/env.h runtime/errors.h runtime/diagnosis/fatal_exit.h
+  runtime/diagnosis/fault.h runtime/diagnosis/fault_spec.h runtime/fd.h runtime/store/file_store.h runtime/gloo/gloo_backend.h
+  runtime/cuda/host_copy.h runtime/host_staged.h runtime/cuda/stream_timer.h runtime/diagnosis/ledger.h runtime/log.h runtime/diagnosis/monitor.h
+  runtime/diagnosis/monitor_record.h runtime/mpi/mpi_backend.h
+  runtime/nccl/nccl_backend.h runtime/diagnosis/node_relay.h runtime/diagnosis/op_checks.h runtime/store/prefix_store.h
+  runtime/progress_bar.h runtime/store/socket.h runtime/store/store.h runtime/store/store_protocol.h runtime/store/tcp_store.h
   parallel/grad_sync.h parallel/layout.h parallel/linear.h parallel/parameter.h parallel/pipeline.h
   parallel/pipeline_schedule.h parallel/process_groups.h parallel/shard_init.h parallel/tensor_parallel.h
   parallel/topology_checks.h parallel/vocab_parallel.h

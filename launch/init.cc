@@ -8,16 +8,16 @@
 #include <thread>
 
 #include "launch/recovery.h"
+#include "runtime/diagnosis/fatal_exit.h"
+#include "runtime/diagnosis/node_relay.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "runtime/fatal_exit.h"
 #include "runtime/gloo/gloo_backend.h"
 #include "runtime/host_staged.h"
 #include "runtime/log.h"
 #include "runtime/mpi/mpi_backend.h"
 #include "runtime/nccl/nccl_backend.h"
-#include "runtime/node_relay.h"
-#include "runtime/prefix_store.h"
+#include "runtime/store/prefix_store.h"
 
 namespace bulkhead {
 

@@ -19,7 +19,7 @@
 #include "launch/rendezvous.h"
 #include "launch/world.h"
 #include "runtime/communicator.h"
-#include "runtime/monitor.h"
+#include "runtime/diagnosis/monitor.h"
 
 namespace bulkhead {
 
@@ -91,7 +91,7 @@ class Runtime {
   // the store), then the backend's finalize.
   // With MPI, a process whose collective timed out exits here with code 3
   // (see runtime/mpi/mpi_backend.h).
-  // After a fatal error (runtime/fatal_exit.h) it waits on no peer: the
+  // After a fatal error (runtime/diagnosis/fatal_exit.h) it waits on no peer: the
   // communicators are aborted, and rank 0's store serves one abort grace
   // longer so that the others can still diagnose.
   // Rank 0 then tells the spares that the job is over.
@@ -122,7 +122,7 @@ std::unique_ptr<Runtime> init(InitOptions options = {});
 // Runs a program's body and turns a Bulkhead error into a logged message and
 // the error's exit code (2 config, 3 timeout, 4 desync, 5 comm, 6 io,
 // 7 checkpoint); any other exception exits with 1.
-// It turns on the bounded exit (runtime/fatal_exit.h): after a fatal
+// It turns on the bounded exit (runtime/diagnosis/fatal_exit.h): after a fatal
 // communication error it does not return but ends the process with that
 // error's code, an abort grace after the error (so that every rank logs its
 // own diagnosis first) and within BULKHEAD_SHUTDOWN_TIMEOUT +

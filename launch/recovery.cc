@@ -13,13 +13,13 @@
 #include <thread>
 
 #include "launch/bootstrap.h"
+#include "runtime/diagnosis/fatal_exit.h"
+#include "runtime/diagnosis/monitor.h"
+#include "runtime/diagnosis/monitor_record.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "runtime/fatal_exit.h"
 #include "runtime/log.h"
-#include "runtime/monitor.h"
-#include "runtime/monitor_record.h"
-#include "runtime/prefix_store.h"
+#include "runtime/store/prefix_store.h"
 
 namespace bulkhead::launch {
 

@@ -27,7 +27,7 @@
 //    a GPU through a device buffer, the download running behind the next steps.
 //  - A communication error (TimeoutError, DesyncError, CommError) reaches the
 //    trainer on every rank within its deadline. recover() aborts the
-//    generation's communicators (the fatal bound of runtime/fatal_exit.h is
+//    generation's communicators (the fatal bound of runtime/diagnosis/fatal_exit.h is
 //    deferred meanwhile) and joins the next generation's rendezvous in the
 //    store: the first to arrive leads. It waits for every rank, or until each
 //    missing one has been silent (no heartbeat) for the monitor's dead-after

@@ -12,7 +12,7 @@
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
-#include "runtime/prefix_store.h"
+#include "runtime/store/prefix_store.h"
 
 namespace bulkhead::launch {
 namespace {

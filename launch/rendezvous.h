@@ -10,7 +10,7 @@
 
 #include "launch/world.h"
 #include "runtime/communicator.h"
-#include "runtime/tcp_store.h"
+#include "runtime/store/tcp_store.h"
 
 namespace bulkhead::launch {
 

@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "runtime/communicator.h"
-#include "runtime/stream_timer.h"
+#include "runtime/cuda/stream_timer.h"
 
 namespace bulkhead::launch {
 

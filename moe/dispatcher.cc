@@ -15,8 +15,8 @@
 #include "moe/dispatch_routes.h"
 #include "moe/gather_sum.h"
 #include "parallel/tensor_parallel.h"
+#include "runtime/cuda/host_copy.h"
 #include "runtime/errors.h"
-#include "runtime/host_copy.h"
 
 namespace bulkhead::moe {
 namespace {

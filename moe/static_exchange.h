@@ -14,7 +14,7 @@
 //   one host read; a difference is a ConfigError on every rank naming each
 //   rank's tokens and capacity. Under capture nothing is checked there: the
 //   checked region around the capture pairs the rows each rank sends with
-//   the rows its peer expects (runtime/checked_region.h).
+//   the rows its peer expects (runtime/diagnosis/checked_region.h).
 // - toExperts: this rank's experts' rows, [E_local * ep * C, H], local expert
 //   e's rows from source rank s at [(e * ep + s) * C, (e * ep + s + 1) * C):
 //   every local expert gets ep * C rows (forwardPadded's layout).

@@ -20,8 +20,8 @@
 #include "optim/parameter_checks.h"
 #include "parallel/grad_sync.h"
 #include "parallel/tensor_parallel.h"
+#include "runtime/cuda/host_copy.h"
 #include "runtime/errors.h"
-#include "runtime/host_copy.h"
 #include "runtime/log.h"
 
 namespace bulkhead::optim {

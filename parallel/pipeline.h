@@ -40,7 +40,7 @@
 //   another shape or dtype than activationShape / activationDtype (or, on a
 //   GPU, than the run's first), is a DesyncError naming both stages and the
 //   micro-batch: raised where the header is read, or on a GPU by the sender,
-//   which then ends the job (runtime/fatal_exit.h).
+//   which then ends the job (runtime/diagnosis/fatal_exit.h).
 // - Every exchange is a communicator operation under the deadline (the
 //   ledger records each send and receive with its peer and label). One that
 //   times out raises TimeoutError naming this stage's messages in it (stage,

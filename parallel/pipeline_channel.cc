@@ -9,8 +9,8 @@
 
 #include <algorithm>
 
+#include "runtime/diagnosis/fatal_exit.h"
 #include "runtime/errors.h"
-#include "runtime/fatal_exit.h"
 
 namespace bulkhead::parallel::detail {
 namespace {

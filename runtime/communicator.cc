@@ -4,10 +4,10 @@
 
 #include <algorithm>
 
+#include "runtime/diagnosis/fault.h"
+#include "runtime/diagnosis/monitor.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "runtime/fault.h"
-#include "runtime/monitor.h"
 
 namespace bulkhead {
 

@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "runtime/deadline.h"
-#include "runtime/ledger.h"
+#include "runtime/diagnosis/ledger.h"
 
 namespace bulkhead {
 
@@ -89,7 +89,7 @@ class Work {
 
 using WorkPtr = std::shared_ptr<Work>;
 
-class Monitor;  // runtime/monitor.h
+class Monitor;  // runtime/diagnosis/monitor.h
 
 class Communicator {
  public:

@@ -28,8 +28,8 @@
 #include "examples/train_moe/data.h"
 #include "examples/train_moe/staged_model.h"
 #include "parallel/process_groups.h"
-#include "runtime/cuda_graph.h"
-#include "runtime/store.h"
+#include "runtime/cuda/cuda_graph.h"
+#include "runtime/store/store.h"
 
 namespace bulkhead::examples {
 

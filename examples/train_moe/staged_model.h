@@ -15,8 +15,8 @@
 #include "examples/train_moe/model.h"
 #include "parallel/pipeline.h"
 #include "runtime/communicator.h"
+#include "runtime/cuda/host_copy.h"
 #include "runtime/deadline.h"
-#include "runtime/host_copy.h"
 
 namespace bulkhead::examples {
 

@@ -19,7 +19,7 @@
 #include "launch/init.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
-#include "runtime/tcp_store.h"
+#include "runtime/store/tcp_store.h"
 
 using namespace bulkhead;
 

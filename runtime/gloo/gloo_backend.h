@@ -17,7 +17,7 @@
 #include <string>
 
 #include "runtime/communicator.h"
-#include "runtime/store.h"
+#include "runtime/store/store.h"
 
 namespace bulkhead::gloo {
 

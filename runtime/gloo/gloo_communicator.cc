@@ -16,18 +16,18 @@
 #include <map>
 #include <thread>
 
-#include "runtime/diagnosis.h"
+#include "runtime/diagnosis/diagnosis.h"
+#include "runtime/diagnosis/fatal_exit.h"
+#include "runtime/diagnosis/fault.h"
+#include "runtime/diagnosis/monitor.h"
+#include "runtime/diagnosis/op_checks.h"
 #include "runtime/env.h"
-#include "runtime/fatal_exit.h"
-#include "runtime/fault.h"
 #include "runtime/gloo/gloo_backend.h"
 #include "runtime/gloo/gloo_check.h"
 #include "runtime/gloo/gloo_communicator.h"
 #include "runtime/gloo/gloo_context.h"
 #include "runtime/gloo/gloo_state.h"
 #include "runtime/log.h"
-#include "runtime/monitor.h"
-#include "runtime/op_checks.h"
 
 namespace bulkhead::gloo {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "runtime/fatal_exit.h"
+#include "runtime/diagnosis/fatal_exit.h"
 #include "runtime/gloo/gloo_check.h"
 
 namespace bulkhead::gloo {

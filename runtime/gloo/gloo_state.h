@@ -22,8 +22,8 @@
 
 #include "runtime/communicator.h"
 #include "runtime/deadline.h"
+#include "runtime/diagnosis/ledger.h"
 #include "runtime/errors.h"
-#include "runtime/ledger.h"
 
 namespace bulkhead::gloo {
 
@@ -71,7 +71,7 @@ struct State {
   void settle(const OpPtr& op, std::exception_ptr error);
   // Under `mutex`: fails everything not settled and wakes every waiter. A
   // first abort with a non-zero `exitCode` raises the process's fatal error
-  // (runtime/fatal_exit.h); 0 for a communicator that is only being destroyed.
+  // (runtime/diagnosis/fatal_exit.h); 0 for a communicator that is only being destroyed.
   void abortLocked(const std::string& reason, int exitCode = 5);
 };
 

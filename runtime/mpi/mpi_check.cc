@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "runtime/ledger.h"
+#include "runtime/diagnosis/ledger.h"
 
 namespace bulkhead::mpi {
 

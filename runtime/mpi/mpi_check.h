@@ -6,8 +6,8 @@
 
 #include <mutex>
 
+#include "runtime/diagnosis/ledger.h"
 #include "runtime/errors.h"
-#include "runtime/ledger.h"
 
 namespace bulkhead::mpi {
 

@@ -16,15 +16,15 @@
 #include <tuple>
 
 #include "runtime/backoff.h"
-#include "runtime/diagnosis.h"
+#include "runtime/diagnosis/diagnosis.h"
+#include "runtime/diagnosis/fatal_exit.h"
+#include "runtime/diagnosis/fault.h"
+#include "runtime/diagnosis/monitor.h"
+#include "runtime/diagnosis/op_checks.h"
 #include "runtime/env.h"
-#include "runtime/fatal_exit.h"
-#include "runtime/fault.h"
 #include "runtime/log.h"
-#include "runtime/monitor.h"
 #include "runtime/mpi/mpi_backend.h"
 #include "runtime/mpi/mpi_check.h"
-#include "runtime/op_checks.h"
 
 namespace bulkhead::mpi {
 namespace {
@@ -392,7 +392,7 @@ class MpiCommunicator : public Communicator, public std::enable_shared_from_this
   }
 
   // Marks the communicator aborted (raising the process's fatal error with
-  // `exitCode`, runtime/fatal_exit.h) and abandons what is in flight.
+  // `exitCode`, runtime/diagnosis/fatal_exit.h) and abandons what is in flight.
   void markAborted(const std::string& reason, int exitCode = 5) {
     fatal::raise(exitCode, fmt::format("{} was aborted: {}", name_, reason));
     std::lock_guard<std::mutex> lock(mutex_);

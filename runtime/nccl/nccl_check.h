@@ -6,8 +6,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "runtime/diagnosis/ledger.h"
 #include "runtime/errors.h"
-#include "runtime/ledger.h"
 
 namespace bulkhead::nccl {
 

@@ -7,11 +7,11 @@
 #include <tuple>
 
 #include "runtime/backoff.h"
+#include "runtime/diagnosis/fault.h"
+#include "runtime/diagnosis/monitor.h"
+#include "runtime/diagnosis/op_checks.h"
 #include "runtime/env.h"
-#include "runtime/fault.h"
 #include "runtime/log.h"
-#include "runtime/monitor.h"
-#include "runtime/op_checks.h"
 
 #if BULKHEAD_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

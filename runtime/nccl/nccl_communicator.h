@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/cuda_device.h"
+#include "runtime/cuda/cuda_device.h"
 #include "runtime/nccl/nccl_backend.h"
 #include "runtime/nccl/nccl_check.h"
 
@@ -55,7 +55,7 @@ struct NcclOp {
 // Ends an operation's ledger entries: one, or a grouped exchange's one a member.
 void endInLedger(Ledger& ledger, const NcclOp& op, bool completed);
 
-using cuda::DeviceGuard;  // runtime/cuda_device.h
+using cuda::DeviceGuard;  // runtime/cuda/cuda_device.h
 
 // Polls a non-blocking communicator until its init, split or enqueue has
 // finished. False on expiry; CommError if NCCL reports an error.
@@ -156,7 +156,7 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   void ensureUsable() const;
   // Marks the communicator aborted and fails every pending operation (and the
   // one being enqueued) with `error`, which is raised as the process's fatal
-  // error (runtime/fatal_exit.h); runs ncclCommAbort unless `ncclAborted`
+  // error (runtime/diagnosis/fatal_exit.h); runs ncclCommAbort unless `ncclAborted`
   // says the NCCL communicator is already aborted (a timed-out split). Without
   // `wait` (a process that is ending) ncclCommAbort is started, not waited
   // for, and the operations' buffers are kept for it.

@@ -4,13 +4,13 @@
 #include <pthread.h>
 
 #include "runtime/backoff.h"
-#include "runtime/diagnosis.h"
+#include "runtime/diagnosis/diagnosis.h"
+#include "runtime/diagnosis/fatal_exit.h"
+#include "runtime/diagnosis/monitor.h"
+#include "runtime/diagnosis/op_checks.h"
 #include "runtime/env.h"
-#include "runtime/fatal_exit.h"
 #include "runtime/log.h"
-#include "runtime/monitor.h"
 #include "runtime/nccl/nccl_communicator.h"
-#include "runtime/op_checks.h"
 
 namespace bulkhead::nccl {
 

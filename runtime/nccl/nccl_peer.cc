@@ -6,10 +6,10 @@
 
 #include <sstream>
 
+#include "runtime/diagnosis/op_checks.h"
 #include "runtime/env.h"
 #include "runtime/log.h"
 #include "runtime/nccl/nccl_communicator.h"
-#include "runtime/op_checks.h"
 
 #if BULKHEAD_PEER_ALL_REDUCE
 #include "runtime/nccl/peer_all_reduce.h"

@@ -9,9 +9,9 @@
 #include <functional>
 
 #include "runtime/backoff.h"
-#include "runtime/cuda_device.h"
+#include "runtime/cuda/cuda_device.h"
+#include "runtime/diagnosis/fatal_exit.h"
 #include "runtime/dtype.h"
-#include "runtime/fatal_exit.h"
 #include "runtime/log.h"
 #include "runtime/nccl/nccl_check.h"
 #include "runtime/nccl/peer_reduce_kernels.h"

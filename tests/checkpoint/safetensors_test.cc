@@ -20,7 +20,7 @@
 #include "checkpoint/safetensors.h"
 #include "checkpoint/tensor_reader.h"
 #include "runtime/errors.h"
-#include "runtime/file_store.h"
+#include "runtime/store/file_store.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/temp_dir.h"
 

@@ -30,7 +30,7 @@
 #include "checkpoint/rank_file.h"
 #include "checkpoint/reader.h"
 #include "runtime/errors.h"
-#include "runtime/file_store.h"
+#include "runtime/store/file_store.h"
 #include "tests/checkpoint/model.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"

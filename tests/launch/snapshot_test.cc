@@ -12,7 +12,7 @@
 #include "launch/snapshot.h"
 #include "runtime/errors.h"
 #include "runtime/gloo/gloo_backend.h"
-#include "runtime/tcp_store.h"
+#include "runtime/store/tcp_store.h"
 #include "tests/launch/snapshot_support.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/inputs.h"

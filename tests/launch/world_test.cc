@@ -10,7 +10,7 @@
 #include "launch/bootstrap.h"
 #include "launch/world.h"
 #include "runtime/errors.h"
-#include "runtime/tcp_store.h"
+#include "runtime/store/tcp_store.h"
 #include "tests/support/catch_compat.h"
 
 using namespace bulkhead;

@@ -22,9 +22,9 @@
 #include "moe/moe_layer.h"
 #include "moe/static_dispatch.h"
 #include "parallel/process_groups.h"
-#include "runtime/cuda_graph.h"
+#include "runtime/cuda/cuda_graph.h"
+#include "runtime/diagnosis/fatal_exit.h"
 #include "runtime/errors.h"
-#include "runtime/fatal_exit.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/gpu_helpers.h"
 
@@ -75,7 +75,7 @@ bool withinRounding(const at::Tensor& ours, const at::Tensor& theirs) {
 
 // Discards a communicator a test broke on purpose (its ranks captured calls
 // that never run), and goes on: the abort is a fatal error that would end the
-// process, taken back as recovery takes one back (runtime/fatal_exit.h).
+// process, taken back as recovery takes one back (runtime/diagnosis/fatal_exit.h).
 void discard(const CommunicatorPtr& comm, const std::string& reason) {
   fatal::deferToRecovery(true);
   comm->abort(reason);

@@ -13,7 +13,7 @@ cmake --install "$build" --prefix "$scratch/prefix" >/dev/null
 include="$scratch/prefix/include/bulkhead"
 for internal in runtime/nccl/nccl_check.h runtime/nccl/nccl_communicator.h runtime/mpi/mpi_check.h \
     runtime/gloo/gloo_context.h parallel/layout_grid.h optim/parameter_checks.h checkpoint/save_job.h \
-    moe/kernel_support.h moe/router_noise.h runtime/tcp_store_loop.h runtime/gloo/gloo_state.h \
+    moe/kernel_support.h moe/router_noise.h runtime/store/tcp_store_loop.h runtime/gloo/gloo_state.h \
     runtime/nccl/peer_all_reduce.h runtime/nccl/peer_reduce_kernels.h; do
   if [ -e "$include/$internal" ]; then echo "FAIL: the internal header $internal is installed"; exit 1; fi
 done

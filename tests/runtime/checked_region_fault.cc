@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "launch/init.h"
-#include "runtime/checked_region.h"
+#include "runtime/diagnosis/checked_region.h"
 #include "runtime/errors.h"
 
 using namespace bulkhead;

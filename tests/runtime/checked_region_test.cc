@@ -4,7 +4,7 @@
 // (checked_region_fault.cc): a desync leaves collectives that never complete.
 #include <fmt/format.h>
 
-#include "runtime/checked_region.h"
+#include "runtime/diagnosis/checked_region.h"
 #include "runtime/errors.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/mpi_helpers.h"

@@ -1,4 +1,4 @@
-// The last resort of the bounded exit (runtime/fatal_exit.h), in a forked
+// The last resort of the bounded exit (runtime/diagnosis/fatal_exit.h), in a forked
 // child whose threads are all blocked for good: it ends with the fatal
 // error's code within BULKHEAD_SHUTDOWN_TIMEOUT + BULKHEAD_ABORT_GRACE + 2 s,
 // naming what it still waited for; without the bound nothing ends it.
@@ -15,8 +15,8 @@
 #include <string>
 #include <thread>
 
+#include "runtime/diagnosis/fatal_exit.h"
 #include "runtime/env.h"
-#include "runtime/fatal_exit.h"
 #include "tests/support/catch_compat.h"
 
 using namespace bulkhead;

@@ -1,4 +1,4 @@
-// Fault injection program (see runtime/fault.h). Every rank runs a fixed
+// Fault injection program (see runtime/diagnosis/fault.h). Every rank runs a fixed
 // sequence of collectives on the group "all[0]" (every rank, a fresh ledger),
 // each under a 2 s deadline, with BULKHEAD_FAULT naming one rank and sequence
 // number. Each rank writes <out-dir>/rank_<r>.txt: the seconds its failing

@@ -1,5 +1,5 @@
-// The one fault-spec parser (runtime/fault_spec.h) and the two specs built on
-// it: BULKHEAD_FAULT (runtime/fault.h) and BULKHEAD_CHECKPOINT_FAULT
+// The one fault-spec parser (runtime/diagnosis/fault_spec.h) and the two specs built on
+// it: BULKHEAD_FAULT (runtime/diagnosis/fault.h) and BULKHEAD_CHECKPOINT_FAULT
 // (checkpoint/fault.h). Every malformed spec is a ConfigError that names the
 // variable, quotes the text and shows the expected form.
 
@@ -8,9 +8,9 @@
 #include <random>
 #include <string>
 
+#include "runtime/diagnosis/fault.h"
+#include "runtime/diagnosis/fault_spec.h"
 #include "runtime/errors.h"
-#include "runtime/fault.h"
-#include "runtime/fault_spec.h"
 #include "tests/support/catch_compat.h"
 
 using namespace bulkhead;

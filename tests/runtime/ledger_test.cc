@@ -1,4 +1,4 @@
-#include "runtime/ledger.h"
+#include "runtime/diagnosis/ledger.h"
 #include "tests/support/catch_compat.h"
 
 using namespace bulkhead;

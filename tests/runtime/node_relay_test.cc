@@ -1,4 +1,4 @@
-// The node relay (runtime/node_relay.h): a real shared-memory segment shared
+// The node relay (runtime/diagnosis/node_relay.h): a real shared-memory segment shared
 // with a child process, and monitors of four simulated ranks of one node
 // publishing through a real TCP store.
 #include <fmt/format.h>
@@ -11,9 +11,9 @@
 #include <string>
 #include <thread>
 
-#include "runtime/monitor.h"
-#include "runtime/monitor_record.h"
-#include "runtime/node_relay.h"
+#include "runtime/diagnosis/monitor.h"
+#include "runtime/diagnosis/monitor_record.h"
+#include "runtime/diagnosis/node_relay.h"
 #include "tests/runtime/store_harness.h"
 
 using namespace bulkhead;

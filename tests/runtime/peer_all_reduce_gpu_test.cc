@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "runtime/cuda_graph.h"
+#include "runtime/cuda/cuda_graph.h"
 #include "runtime/errors.h"
 #include "runtime/nccl/peer_all_reduce.h"
 #include "tests/support/catch_compat.h"

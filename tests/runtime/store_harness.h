@@ -12,8 +12,8 @@
 #include <string>
 
 #include "runtime/errors.h"
-#include "runtime/file_store.h"
-#include "runtime/tcp_store.h"
+#include "runtime/store/file_store.h"
+#include "runtime/store/tcp_store.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/temp_dir.h"
 

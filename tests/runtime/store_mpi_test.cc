@@ -9,8 +9,8 @@
 
 #include "launch/init.h"
 #include "runtime/errors.h"
-#include "runtime/prefix_store.h"
-#include "runtime/tcp_store.h"
+#include "runtime/store/prefix_store.h"
+#include "runtime/store/tcp_store.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/catch_session.h"
 

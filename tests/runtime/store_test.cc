@@ -1,4 +1,4 @@
-// The Store contract (runtime/store.h), run against every implementation:
+// The Store contract (runtime/store/store.h), run against every implementation:
 // TcpStore (a server and clients in this process, on real sockets) and
 // FileStore (a fresh temporary directory, real files).
 #include <fmt/format.h>
@@ -7,7 +7,7 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/prefix_store.h"
+#include "runtime/store/prefix_store.h"
 #include "tests/runtime/store_harness.h"
 
 using namespace bulkhead;

@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/socket.h"
-#include "runtime/store_protocol.h"
+#include "runtime/store/socket.h"
+#include "runtime/store/store_protocol.h"
 #include "tests/runtime/store_harness.h"
 
 using namespace bulkhead;

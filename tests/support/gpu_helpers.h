@@ -5,7 +5,7 @@
 #include <memory>
 
 #include "runtime/communicator.h"
-#include "runtime/store.h"
+#include "runtime/store/store.h"
 #include "tests/support/inputs.h"
 
 namespace bulkhead::testing {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "runtime/communicator.h"
-#include "runtime/store.h"
+#include "runtime/store/store.h"
 #include "tests/support/inputs.h"
 
 namespace bulkhead::testing {
