@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "checkpoint/dtype.h"
@@ -63,6 +64,12 @@ std::string errorStack() {
   return fmt::format("{}", fmt::join(lines, "; "));
 }
 
+// The step folder a rank file lies in, for the hints that name it.
+std::string stepFolderOf(const std::string& file) {
+  size_t slash = file.rfind('/');
+  return slash == std::string::npos ? std::string(".") : file.substr(0, std::max<size_t>(slash, 1));
+}
+
 // The one conversion of an HDF5 return code into a Bulkhead error.
 template <typename T>
 T check(T rc, const char* call, const std::string& what, const Where& where, Mode mode) {
@@ -74,9 +81,9 @@ T check(T rc, const char* call, const std::string& what, const Where& where, Mod
                       "; check free space and permissions of the checkpoint folder. This save is abandoned; "
                       "the previous checkpoint and `latest` stay as they were",
                   {.rank = where.rank, .expected = "a writable checkpoint folder with room"});
-  throw CheckpointError(message +
-                            "; the file is damaged, truncated or was replaced: run `bulkhead-ckpt verify` on "
-                            "the checkpoint, restore the file from a copy, or load an older step",
+  throw CheckpointError(message + fmt::format("; the file is damaged, truncated or was replaced: run `bulkhead-ckpt "
+                                              "verify {}`, restore the file from a copy, or load an older step",
+                                              stepFolderOf(where.file)),
                         {.rank = where.rank, .expected = "an intact rank file written by this checkpoint"});
 }
 
@@ -239,9 +246,10 @@ size_t Dataset::readChunk(const std::vector<int64_t>& offsets, void* buffer, siz
   if (stored == 0 || stored > capacity)
     throw CheckpointError(
         fmt::format("{} for key '{}' in {}: the chunk is {} ({} bytes stored, {} expected); the file "
-                    "is damaged or was not written by this checkpoint: run `bulkhead-ckpt verify`, "
+                    "is damaged or was not written by this checkpoint: run `bulkhead-ckpt verify {}`, "
                     "restore the file, or load an older step",
-                    what, where_.key, where_.file, stored == 0 ? "missing" : "too large", stored, capacity),
+                    what, where_.key, where_.file, stored == 0 ? "missing" : "too large", stored, capacity,
+                    stepFolderOf(where_.file)),
         {.rank = where_.rank, .expected = "every chunk of the dataset, of its planned size"});
   uint32_t filters = 0;
   check(H5Dread_chunk(id_->get(), H5P_DEFAULT, at.data(), &filters, buffer), "H5Dread_chunk", what, where_, Mode::Read);

@@ -54,7 +54,21 @@ std::vector<StepInfo> listCheckpoints(const std::string& dir) {
   return steps;
 }
 
+std::optional<std::pair<std::string, int64_t>> asStepFolder(const std::string& dir) {
+  std::string path = dir;
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  size_t slash = path.rfind('/');
+  auto step = parseStepFolder(slash == std::string::npos ? path : path.substr(slash + 1));
+  if (!step || !fs::isDirectory(path) || fs::exists(fs::join(path, kLatestName))) return std::nullopt;
+  return std::pair{slash == std::string::npos ? std::string(".") : path.substr(0, std::max<size_t>(slash, 1)), *step};
+}
+
 std::string resolveStepFolder(const std::string& dir, const std::string& which) {
+  // A committed step folder stands for its own step; another step is looked up beside it.
+  if (auto stepFolder = asStepFolder(dir)) {
+    if (which == "latest" || which == std::to_string(stepFolder->second)) return dir;
+    return resolveStepFolder(stepFolder->first, which);
+  }
   int64_t step = 0;
   if (which == "latest") {
     auto latest = readLatest(dir, -1);

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checkpoint/manifest.h"
@@ -29,8 +31,14 @@ struct StepInfo {
 std::vector<StepInfo> listCheckpoints(const std::string& dir);
 
 // The folder of `which` ("latest" or a step number) in `dir`. CheckpointError
-// when there is no such committed step.
+// when there is no such committed step. `dir` may also be a step folder
+// (step_000200): "latest" and its own step then name it, and another step is
+// looked up in the folder that holds it.
 std::string resolveStepFolder(const std::string& dir, const std::string& which);
+
+// When `dir` is a step folder (a folder named as a committed step, holding no
+// `latest`): the checkpoint folder holding it and its step.
+std::optional<std::pair<std::string, int64_t>> asStepFolder(const std::string& dir);
 
 // A step folder's manifest, checksum verified. CheckpointError otherwise.
 Manifest readManifest(const std::string& stepFolder);

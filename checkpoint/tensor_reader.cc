@@ -26,7 +26,7 @@ at::Tensor WholeTensorReader::read(const std::string& key) {
   const int index = manifest_.findTensor(key);
   if (index < 0)
     throw CheckpointError(
-        fmt::format("{} has no tensor '{}'; `bulkhead-ckpt inspect` lists what it holds", folder_, key),
+        fmt::format("{} has no tensor '{}'; `bulkhead-ckpt inspect {}` lists what it holds", folder_, key, folder_),
         {.expected = "a key the manifest lists"});
   return read(index);
 }

@@ -88,8 +88,8 @@ bool restartIfWeightsOnly(const checkpoint::LoadResult& loaded, optim::Distribut
   }
   if (!model.empty())
     throw CheckpointError(fmt::format("{} does not hold {} of the model's tensors, '{}' the first; it was saved from "
-                                      "another model (compare `bulkhead-ckpt inspect` with this run's flags)",
-                                      loaded.path, model.size(), model.front()),
+                                      "another model (compare `bulkhead-ckpt inspect {}` with this run's flags)",
+                                      loaded.path, model.size(), model.front(), loaded.path),
                           {.rank = rank, .expected = "every model tensor in the checkpoint"});
   if (missingOptimizer.size() != optimizerKeys.size())
     throw CheckpointError(
@@ -196,11 +196,12 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
   // The tied embedding's gradients are summed across stages after the backward: reduced at the step.
   std::set<std::string> reduceAtStep;
   if (options.model.tiedEmbedding) reduceAtStep.insert("embed.weight");
-  optim::DistributedOptimizer optimizer(model.parameters(), groups,
-                                        {.adamw = {.weightDecay = 0.01},
-                                         .overlapGradReduce = options.gradOverlap && !options.cudaGraph,
-                                         .reduceInParamDtype = options.gradReduceBf16,
-                                         .reduceAtStep = reduceAtStep});
+  optim::DistributedOptimizerOptions optimizerOptions;
+  optimizerOptions.adamw.weightDecay = 0.01;
+  optimizerOptions.overlapGradReduce = options.gradOverlap && !options.cudaGraph;
+  optimizerOptions.reduceInParamDtype = options.gradReduceBf16;
+  optimizerOptions.reduceAtStep = reduceAtStep;
+  optim::DistributedOptimizer optimizer(model.parameters(), groups, optimizerOptions);
   const optim::LrSchedule schedule{
       .peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup, .totalSteps = options.steps};
   schedule.validate();

@@ -12,6 +12,7 @@
 //   bulkhead-ckpt diff A B [--step-a N] [--step-b M] [--rtol X] [--atol Y]
 //                                                           per key: equal, how far apart, or missing
 //
+// DIR is a checkpoint folder or one of its step folders (DIR/step_000200), which names that step.
 // Exit codes: 0 fine; 1 verify found a fault, or diff a difference (each is printed); otherwise the
 // error's code (2 usage, 6 I/O, 7 checkpoint: missing or unreadable).
 // --help lists the flags of each subcommand (bulkhead-ckpt verify --help).
@@ -166,7 +167,9 @@ int inspect(const std::string& dir, const std::string& which, bool slices, bool 
 
 int verify(const std::string& dir, const std::string& which, int threads) {
   std::vector<std::string> folders;
-  if (which == "all") {
+  if (which == "all" && asStepFolder(dir)) {
+    folders.push_back(dir);  // a step folder: all of it is that one step
+  } else if (which == "all") {
     for (const auto& step : listCheckpoints(dir))
       if (step.state == "committed") folders.push_back(fmt::format("{}/{}", dir, step.name));
     if (folders.empty()) throw CheckpointError(fmt::format("{} holds no committed checkpoint", dir));
@@ -255,17 +258,17 @@ int main(int argc, char** argv) {
   auto* list = app.add_subcommand("list", "committed steps, latest, partial and superseded folders, sizes, ages");
   list->add_option("DIR", dir, "the checkpoint folder")->required();
   auto* inspect = app.add_subcommand("inspect", "a checkpoint's step, layout, tensors, slices and sizes");
-  inspect->add_option("DIR", dir, "the checkpoint folder")->required();
+  inspect->add_option("DIR", dir, "the checkpoint folder, or one of its step folders")->required();
   inspect->add_option("--step", step, "a step number or latest");
   inspect->add_flag("--slices", slices, "list every saved slice of each tensor");
   inspect->add_flag("--json", asJson, "print the manifest as JSON");
   auto* verify = app.add_subcommand("verify", "reads everything: every checksum, digest, file and the coverage");
-  verify->add_option("DIR", dir, "the checkpoint folder")->required();
+  verify->add_option("DIR", dir, "the checkpoint folder, or one of its step folders")->required();
   verify->add_option("--step", step, "a step number, latest or all");
   verify->add_option("--threads", threads, "reader threads")->check(CLI::Range(1, 1024));
   ExportOptions exporting{.threads = threads};
   auto* exportCommand = app.add_subcommand("export", "writes a checkpoint's weights as Hugging Face safetensors");
-  exportCommand->add_option("DIR", exporting.dir, "the checkpoint folder")->required();
+  exportCommand->add_option("DIR", exporting.dir, "the checkpoint folder, or one of its step folders")->required();
   exportCommand->add_option("--to", exporting.out, "the folder to write (new or empty)")->required();
   exportCommand->add_option("--step", exporting.step, "a step number or latest");
   exportCommand

@@ -1,7 +1,7 @@
 // A damaged checkpoint never loads: a flipped byte in a chunk or in HDF5
 // metadata, a truncated or deleted rank file and a hand-edited manifest each
 // make load raise CheckpointError on every rank, and `bulkhead-ckpt verify`
-// exit non-zero. Two checkpointers (two jobs) saving into one folder, even the
+// exit non-zero; the command each error tells its reader to run finds the damage. Two checkpointers (two jobs) saving into one folder, even the
 // same step at once, never damage each other's checkpoints.
 
 #include <fcntl.h>
@@ -115,6 +115,7 @@ TEST_CASE("every kind of damage to a checkpoint is caught by load on every rank 
     std::string folder = dir.path() + "/step_000100";
     if (rank() == 0) {
       REQUIRE(run(fmt::format("{} verify {} > /dev/null", BULKHEAD_CKPT_TOOL, dir.path())) == 0);
+      REQUIRE(run(fmt::format("{} verify {} > /dev/null", BULKHEAD_CKPT_TOOL, folder)) == 0);  // its step folder
       damage(kind, folder);
     }
     barrier();
@@ -129,6 +130,16 @@ TEST_CASE("every kind of damage to a checkpoint is caught by load on every rank 
                                                 : text.find("rank_00001.h5") != std::string::npos;
       CHECK(named);
       CHECK(text.find("bulkhead-ckpt verify") != std::string::npos);  // says what to do
+      if (rank() == 0) {  // and what it says runs as written: it finds the damage
+        auto hints = runHints(text, dir.path());
+        REQUIRE(!hints.empty());
+        for (const auto& hint : hints) {
+          INFO(hint.hint << " printed: " << hint.output);
+          CHECK(hint.code == 1);
+          CHECK(hint.output.find("fault") != std::string::npos);
+          CHECK(hint.output.find(kind == Damage::EditManifest ? "manifest" : "rank_00001.h5") != std::string::npos);
+        }
+      }
     }
     if (rank() == 0) {
       std::string log = dir.path() + "/verify.log";

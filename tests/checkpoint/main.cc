@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 
+#include "checkpoint/fs.h"
 #include "tests/checkpoint/support.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/catch_session.h"
@@ -42,6 +43,21 @@ SharedDir::~SharedDir() {
 int run(const std::string& command) {
   int status = std::system(command.c_str());
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+}
+
+std::vector<HintRun> runHints(const std::string& message, const std::string& scratch) {
+  const std::string tool = "bulkhead-ckpt";
+  std::vector<HintRun> runs;
+  for (size_t at = message.find("`" + tool); at != std::string::npos; at = message.find("`" + tool, at + 1)) {
+    size_t end = message.find('`', at + 1);
+    if (end == std::string::npos) break;
+    HintRun hint{.hint = message.substr(at + 1, end - at - 1)};
+    std::string log = fmt::format("{}/hint-{}.log", scratch, runs.size());
+    hint.code = run(fmt::format("{}{} > {} 2>&1", BULKHEAD_CKPT_TOOL, hint.hint.substr(tool.size()), log));
+    hint.output = checkpoint::fs::readFile(log).value_or("");
+    runs.push_back(std::move(hint));
+  }
+  return runs;
 }
 
 }  // namespace bulkhead::testing::ckpt

@@ -5,6 +5,10 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/folder.h"
 #include "checkpoint/inspect.h"
@@ -216,12 +220,44 @@ TEST_CASE("a key missing from the checkpoint or of another shape fails the load 
   }
 }
 
-TEST_CASE("loading from a folder without checkpoints, or a step never committed, is a CheckpointError") {
+TEST_CASE("a load with no step to load is a CheckpointError whose hint runs as written") {
   SharedDir dir("ckpt-empty");
   auto ckpt = open(dir.path());
   auto targets = build(ModelShape{.layers = 1}, layout({}), rank(), 1);
-  CHECK_THROWS_AS(ckpt->load(targets), CheckpointError);
-  CHECK_THROWS_AS(ckpt->load(targets, {.step = 7}), CheckpointError);
+  // Each error names `bulkhead-ckpt list DIR`; run as written, it lists the folder, committed steps included.
+  auto refusedWithHint = [&](const char* what, const std::function<void()>& load, const std::string& listed) {
+    INFO(what);
+    try {
+      load();
+      FAIL("the load succeeded");
+    } catch (const CheckpointError& error) {
+      if (rank() != 0) return;
+      INFO(error.what());
+      auto hints = runHints(error.what(), dir.path());
+      REQUIRE(!hints.empty());
+      for (const auto& hint : hints) {
+        INFO(hint.hint << " printed: " << hint.output);
+        CHECK(hint.code == 0);
+        CHECK(hint.output.find(listed) != std::string::npos);
+      }
+    }
+  };
+  refusedWithHint(
+      "no latest", [&] { ckpt->load(targets); }, "");
+  refusedWithHint(
+      "a step never saved", [&] { ckpt->load(targets, {.step = 7}); }, "");
+  ckpt->save(5, build(ModelShape{.layers = 1}, layout({}), rank(), 5));
+  REQUIRE(ckpt->wait(Deadline::afterSeconds(60)).ok);
+  if (rank() == 0) std::filesystem::create_directory(dir.path() + "/" + temporaryFolderName(9, "0123456789abcdef"));
+  barrier();
+  refusedWithHint(
+      "a partial step", [&] { ckpt->load(targets, {.step = 9}); }, "step_000005");
+  refusedWithHint(
+      "a step never saved, beside one", [&] { ckpt->load(targets, {.step = 7}); }, "step_000005");
+  if (rank() == 0) std::ofstream(dir.path() + "/latest", std::ios::trunc) << "edited by hand\n";
+  barrier();
+  refusedWithHint(
+      "latest edited by hand", [&] { ckpt->load(targets); }, "step_000005");
 }
 
 TEST_CASE("with continueOnFailure false, a failed save raises from wait() on every rank, once") {

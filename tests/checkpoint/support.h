@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "launch/init.h"
 #include "tests/support/temp_dir.h"
@@ -30,5 +31,15 @@ class SharedDir {
 
 // The exit code of a shell command (std::system), for bulkhead-ckpt runs.
 int run(const std::string& command);
+
+// A command an error message tells its reader to run (`bulkhead-ckpt verify DIR/step_000100`), run as written
+// with the built bulkhead-ckpt: its exit code and what it printed.
+struct HintRun {
+  std::string hint;
+  int code = -1;
+  std::string output;
+};
+// Every `bulkhead-ckpt ...` hint quoted in `message`, each run; `scratch` is a folder for their output.
+std::vector<HintRun> runHints(const std::string& message, const std::string& scratch);
 
 }  // namespace bulkhead::testing::ckpt
