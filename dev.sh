@@ -4,7 +4,9 @@
 #   ./dev.sh test    install what is missing, build, run the whole test suite
 #   ./dev.sh build   install what is missing and build
 #   ./dev.sh configure   install what is missing and run CMake's configure step
-# BULKHEAD_BUILD_DIR picks the build folder (default: build).
+# BULKHEAD_BUILD_DIR picks the build folder (default: build). BULKHEAD_UNITY=OFF compiles each source alone
+# (CMake's default); ./dev.sh compiles each target's sources in batches (CMake's unity build), which takes
+# about a third less time from scratch and more for a rebuild after editing one file.
 set -euo pipefail
 cd "$(dirname "$0")"
 . cmake/torch-prefix.sh
@@ -19,7 +21,8 @@ configure() {
   # A Python PyTorch with libtorch's CMake files (with CUDA on GPU machines),
   # else the distribution's libtorch-dev.
   prefix=$(torch_cmake_prefix)
-  cmake -S . -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"}
+  cmake -S . -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD="${BULKHEAD_UNITY:-ON}" \
+    ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"}
 }
 
 build() {

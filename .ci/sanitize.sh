@@ -17,7 +17,9 @@ build_only=0
 build=${BULKHEAD_BUILD_DIR:-build}-$kind
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 prefix=$(torch_cmake_prefix)
+# Unity build (sources compiled in batches), as ./dev.sh builds: at -O0 most of a source's time is its headers.
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=None -DCMAKE_CXX_FLAGS="-O0" -DBULKHEAD_SANITIZE="$kind" \
+  -DCMAKE_UNITY_BUILD=ON \
   -DBULKHEAD_NCCL=OFF ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"} >/dev/null
 bin=$build/bin
 case "$kind" in

@@ -35,8 +35,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kAttempts = 3;
-// How long a recovery waits for snapshots still on their way to the host.
-constexpr double kLandingSeconds = 10;
 // A spare ends once every rank of the job has been silent this long.
 constexpr double kJobSilentSeconds = 10;
 // The leader closes its wait this long before its deadline, so the plan is out before the others' reads end.
@@ -50,19 +48,19 @@ std::string recoveryKey(int generation, const std::string& what) {
 const std::string kLatestGeneration = "recovery/generation";
 
 // What a process brings to a generation's rendezvous.
-struct Arrival {
+struct GenerationArrival {
   int rank = -1;
   std::string process;
   std::vector<int64_t> own, ward;  // snapshot steps, -1 for none
 };
 
-std::string encode(const Arrival& a) {
+std::string encode(const GenerationArrival& a) {
   return fmt::format("{} {} {} {} {} {}", a.rank, a.process, a.own[0], a.own[1], a.ward[0], a.ward[1]);
 }
 
-std::optional<Arrival> decodeArrival(const std::optional<std::string>& text) {
+std::optional<GenerationArrival> decodeArrival(const std::optional<std::string>& text) {
   if (!text) return std::nullopt;
-  Arrival a;
+  GenerationArrival a;
   a.own.resize(2);
   a.ward.resize(2);
   std::istringstream in(*text);
@@ -140,9 +138,9 @@ namespace {
 // The leader's wait: until every rank of the world arrived, or each missing
 // one is silent in every generation store given (then it is lost), or the
 // deadline. Returns the arrivals by rank.
-std::map<int, Arrival> gatherArrivals(Store& job, int generation, int size,
-                                      const std::vector<std::shared_ptr<Store>>& beats, double deadAfter,
-                                      Deadline until) {
+std::map<int, GenerationArrival> gatherArrivals(Store& job, int generation, int size,
+                                                const std::vector<std::shared_ptr<Store>>& beats, double deadAfter,
+                                                Deadline until) {
   for (;;) {
     const Deadline trip = Deadline::afterSeconds(5);
     const int64_t count =
@@ -150,7 +148,7 @@ std::map<int, Arrival> gatherArrivals(Store& job, int generation, int size,
     std::vector<std::string> keys;
     for (int64_t slot = 1; slot <= count; ++slot)
       keys.push_back(recoveryKey(generation, fmt::format("arrival/{}", slot)));
-    std::map<int, Arrival> arrived;
+    std::map<int, GenerationArrival> arrived;
     for (const auto& record : job.multiGet(keys, trip))
       if (auto a = decodeArrival(record); a && a->rank >= 0 && a->rank < size) arrived.emplace(a->rank, *a);
     std::vector<int> missing;
@@ -169,7 +167,7 @@ std::map<int, Arrival> gatherArrivals(Store& job, int generation, int size,
 
 // The latest step whose state survives for every rank: its process's own
 // copy, or its holder's copy of it. -1 with `lost` saying why when none.
-int64_t agreeStep(const std::map<int, Arrival>& arrived, int size, int localSize, std::string& lost) {
+int64_t agreeStep(const std::map<int, GenerationArrival>& arrived, int size, int localSize, std::string& lost) {
   std::set<int64_t> common;
   for (int r = 0; r < size; ++r) {
     std::set<int64_t> have;
@@ -253,7 +251,7 @@ Recovery::Plan Recovery::lead(int generation, int from, Deadline deadline) {
   std::vector<std::shared_ptr<Store>> beats;  // where members beat: any generation since the fault
   for (int g = from; g < generation; ++g) beats.push_back(generationStore(runtime_.jobStore(), g));
   const Deadline until = Deadline::at(deadline.when() - std::chrono::seconds(static_cast<int>(kLeaderMargin)));
-  const std::map<int, Arrival> arrived = gatherArrivals(job, generation, size, beats, deadAfter, until);
+  const std::map<int, GenerationArrival> arrived = gatherArrivals(job, generation, size, beats, deadAfter, until);
   Plan plan;
   std::vector<int> lost;
   for (int r = 0; r < size; ++r)
@@ -289,8 +287,8 @@ Recovery::Plan Recovery::lead(int generation, int from, Deadline deadline) {
 Recovered Recovery::joinGeneration(int generation, int from, Deadline deadline) {
   auto& job = *runtime_.jobStore();
   const auto began = Clock::now();
-  snapshots_.settle(deadline.earliest(Deadline::afterSeconds(kLandingSeconds)));  // only landed copies count
-  const Arrival me{runtime_.info().rank, process_, snapshots_.ownSteps(), snapshots_.wardSteps()};
+  snapshots_.settle(deadline.earliest(Deadline::afterSeconds(kSnapshotLandingSeconds)));  // only landed copies count
+  const GenerationArrival me{runtime_.info().rank, process_, snapshots_.ownSteps(), snapshots_.wardSteps()};
   const int64_t slot = job.add(recoveryKey(generation, "arrivals"), 1, deadline);
   job.set(recoveryKey(generation, fmt::format("arrival/{}", slot)), encode(me), deadline);
   if (slot == 1) {  // the first to arrive leads

@@ -18,8 +18,6 @@ namespace {
 constexpr uint64_t kMagic = 0x424b534e41503032ULL;  // "BKSNAP02"
 constexpr int64_t kHeaderBytes = 64;
 constexpr int64_t kAlign = 64;
-// How long a download may take to land when a copy is reused or a buffer replaced.
-constexpr double kLandingSeconds = 10;
 
 struct Header {
   uint64_t magic;
@@ -99,7 +97,7 @@ Snapshots::Snapshots(SnapshotOptions options) : options_(options) {}
 
 Snapshots::~Snapshots() {
   try {
-    settle(Deadline::afterSeconds(kLandingSeconds));  // no download left writing into freed memory
+    settle(Deadline::afterSeconds(kSnapshotLandingSeconds));  // no download left writing into freed memory
   } catch (const std::exception& e) {
     log::warn("snapshot", "a snapshot's download did not end: {}", e.what());
   }
@@ -142,7 +140,7 @@ void Snapshots::settle(Deadline deadline) {
 bool Snapshots::stage(Staging& staging, int64_t bytes, c10::Device device) {
   if (!options_.stageOnDevice || stagingFailed_ || device.is_cpu()) return false;
   if (staging.bytes.defined() && staging.bytes.numel() == bytes && staging.bytes.device() == device) return true;
-  settle(Deadline::afterSeconds(kLandingSeconds));  // no download still reads the old buffer
+  settle(Deadline::afterSeconds(kSnapshotLandingSeconds));  // no download still reads the old buffer
   staging = Staging{};
   try {
     staging.bytes = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
@@ -175,7 +173,7 @@ void Snapshots::download(Staging& from, Copy& to, int64_t offset) {
 }
 
 void Snapshots::pack(Copy& own, const PackedLayout& layout, int64_t step, const NamedTensors& state, bool staged) {
-  if (!settleCopy(own, Deadline::afterSeconds(kLandingSeconds))) own = Copy{};  // still written: a new buffer
+  if (!settleCopy(own, Deadline::afterSeconds(kSnapshotLandingSeconds))) own = Copy{};  // still written: a new buffer
   own.step = -1;
   if (!own.bytes.defined() || own.bytes.numel() != layout.bytes)
     own.bytes =
@@ -301,7 +299,7 @@ void Snapshots::exchange(Communicator& cpuWorld, Communicator* deviceWorld, int 
     hostOps.push_back({.kind = PeerOp::Kind::Send, .tensor = own.bytes, .peer = holder, .label = label});
   }
   Copy& ward = older(ward_);
-  if (!settleCopy(ward, Deadline::afterSeconds(kLandingSeconds))) ward = Copy{};  // still written: a new buffer
+  if (!settleCopy(ward, Deadline::afterSeconds(kSnapshotLandingSeconds))) ward = Copy{};  // still written: a new buffer
   ward.step = -1;
   if (!ward.bytes.defined() || ward.bytes.numel() != wardBytes_)
     ward.bytes = at::empty({wardBytes_}, at::TensorOptions().dtype(at::kByte).pinned_memory(receiveStaged_));

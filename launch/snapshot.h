@@ -43,6 +43,10 @@
 
 namespace bulkhead::launch {
 
+// How long a snapshot's download to the host may take to land: when a copy is reused, a buffer replaced,
+// or a recovery reports its steps.
+constexpr double kSnapshotLandingSeconds = 10;
+
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // The rank that holds `rank`'s copy, and the rank whose copy `rank` holds.

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <string_view>
 
+#include "runtime/diagnosis/diagnosis.h"
 #include "runtime/diagnosis/monitor_record.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
@@ -91,10 +92,6 @@ std::optional<Collectives> decode(const GroupRecord& group) {
     if (in.fail()) return std::nullopt;
   }
   return collectives;
-}
-
-std::string rankList(const std::vector<int>& ranks) {
-  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","));
 }
 
 // What the members of one group did at one position: classes of ranks whose

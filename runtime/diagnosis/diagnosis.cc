@@ -1,6 +1,7 @@
 #include "runtime/diagnosis/diagnosis.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "runtime/diagnosis/op_checks.h"
 #include "runtime/env.h"
@@ -17,6 +18,10 @@ std::string describeTimeout(const Communicator& comm, const Fingerprint& fingerp
       "or raise {} if the operation is only slow.",
       checks::describeGroup(comm), toString(fingerprint.op), seq, waitedSeconds, fingerprint.describe(),
       p2p ? heads.lastCompletedP2P : heads.lastCompleted, seq, env::kCollectiveTimeout.name());
+}
+
+std::string rankList(const std::vector<int>& ranks) {
+  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","));
 }
 
 }  // namespace bulkhead

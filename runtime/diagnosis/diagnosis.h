@@ -5,6 +5,7 @@
 // communicator without a monitor reports this alone.
 
 #include <string>
+#include <vector>
 
 #include "runtime/communicator.h"
 
@@ -14,5 +15,8 @@ namespace bulkhead {
 //  (all_to_all bfloat16 [4096 x 2048] ...); this rank last completed seq 17. ..."
 std::string describeTimeout(const Communicator& comm, const Fingerprint& fingerprint, uint64_t seq,
                             double waitedSeconds);
+
+// "rank 3" or "ranks 1,4,6": how every diagnosis names a set of ranks.
+std::string rankList(const std::vector<int>& ranks);
 
 }  // namespace bulkhead

@@ -21,10 +21,6 @@ namespace {
 using monitor_record::stateKey;
 using monitor_record::wallClockMs;
 
-std::string rankList(const std::vector<int>& ranks) {
-  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","));
-}
-
 }  // namespace
 
 MonitorOptions MonitorOptions::fromEnvironment() {

@@ -10,14 +10,10 @@
 #include <cstdlib>
 
 #include "runtime/gloo/gloo_check.h"
+#include "runtime/gloo/gloo_state.h"
 
 namespace bulkhead::gloo {
 namespace {
-
-std::chrono::milliseconds remainingMillis(Deadline deadline) {
-  return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()),
-                  std::chrono::milliseconds(1));
-}
 
 // Gloo's rendezvous over Bulkhead's store, every call bounded by `deadline`.
 class StoreAdapter : public ::gloo::rendezvous::Store {

@@ -23,6 +23,7 @@
 #include "runtime/store/file_store.h"
 #include "tests/support/catch_compat.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/text.h"
 
 using namespace bulkhead;
 using namespace bulkhead::checkpoint;
@@ -82,7 +83,7 @@ std::string refusal(const std::string& path) {
   return "";
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using bulkhead::testing::contains;
 
 }  // namespace
 

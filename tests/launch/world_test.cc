@@ -12,6 +12,7 @@
 #include "runtime/errors.h"
 #include "runtime/store/tcp_store.h"
 #include "tests/support/catch_compat.h"
+#include "tests/support/text.h"
 
 using namespace bulkhead;
 using namespace bulkhead::launch;
@@ -34,7 +35,7 @@ std::string messageOf(const std::map<std::string, std::string>& vars) {
   return "no error";
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using bulkhead::testing::contains;
 }  // namespace
 
 TEST_CASE("Open MPI's variables give rank, size and local rank") {

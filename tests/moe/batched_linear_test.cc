@@ -19,9 +19,7 @@ namespace {
 
 constexpr int64_t kGroups = 3, kRows = 5, kIn = 4;  // weight [3, 2, 3, 4]: 6 outputs per group
 
-at::Tensor gaussian(int salt, at::IntArrayRef shape) {
-  return at::randn(shape, testing::sharedGenerator(salt), at::kDouble);
-}
+using testing::gaussian;
 
 at::Tensor leafWeight(int salt) { return gaussian(salt, {kGroups, 2, 3, kIn}).requires_grad_(true); }
 

@@ -15,9 +15,7 @@
 namespace bulkhead::moe {
 namespace {
 
-at::Tensor gaussian(int salt, at::IntArrayRef shape) {
-  return at::randn(shape, testing::sharedGenerator(salt), at::kDouble);
-}
+using testing::gaussian;
 
 // The table of an index: row s lists the output rows that read source row s,
 // in ascending order, padded with -1 to `columns`.

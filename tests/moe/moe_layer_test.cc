@@ -17,6 +17,7 @@
 #include "parallel/process_groups.h"
 #include "runtime/errors.h"
 #include "tests/support/catch_compat.h"
+#include "tests/support/inputs.h"
 #include "tests/support/mpi_helpers.h"
 
 namespace bulkhead::moe {
@@ -26,9 +27,7 @@ constexpr int kShards = 8;  // the global input: 8 shards of tokens
 constexpr int kEmptyShard = 3;
 constexpr int kTokens = 10, kHidden = 8, kFfn = 12, kExperts = 16, kTopK = 4;
 
-at::Tensor gaussian(int salt, at::IntArrayRef shape) {
-  return at::randn(shape, testing::sharedGenerator(salt), at::kDouble);
-}
+using testing::gaussian;
 at::Tensor shardTokens(int shard) { return gaussian(100 + shard, {shard == kEmptyShard ? 0 : kTokens, kHidden}); }
 at::Tensor shardProjection(int shard) { return gaussian(200 + shard, {shard == kEmptyShard ? 0 : kTokens, kHidden}); }
 // Each token's routing key: its place in the global input, whichever rank holds it.

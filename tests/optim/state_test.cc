@@ -21,7 +21,7 @@ using bulkhead::optim::DistributedOptimizer;
 
 namespace {
 
-const optim::AdamWOptions kAdamW{.beta1 = 0.85, .beta2 = 0.97, .weightDecay = 0.02};
+const optim::AdamWOptions kStateTestAdamW{.beta1 = 0.85, .beta2 = 0.97, .weightDecay = 0.02};
 
 // w [6, 4] split over tp by rows, norm [4] replicated over tp, experts
 // [6, 5, 2] split over ep (their state is cut inside experts, a rank's piece
@@ -76,7 +76,7 @@ TEST_CASE("exported optimizer state imports into a fresh optimizer of the same l
   ProcessGroups groups = makeGroups({.ep = world().size() % 2 == 0 ? 2 : 1});
   std::vector<at::Tensor> globals = initialGlobals();
   std::vector<Parameter> params = makeParams(groups, globals);
-  DistributedOptimizer first(params, groups, {.adamw = kAdamW});
+  DistributedOptimizer first(params, groups, {.adamw = kStateTestAdamW});
   for (int step = 0; step < 2; ++step) {
     setGrads(params, step);
     first.step(0.01);
@@ -93,7 +93,7 @@ TEST_CASE("exported optimizer state imports into a fresh optimizer of the same l
   std::vector<Parameter> params2;
   for (const Parameter& p : params)
     params2.push_back({p.name, p.tensor.detach().clone().set_requires_grad(true), p.shard, p.group, p.tpReplicated});
-  DistributedOptimizer second(params2, groups, {.adamw = kAdamW});
+  DistributedOptimizer second(params2, groups, {.adamw = kStateTestAdamW});
   CHECK(second.stepCount() == 0);
   std::vector<ShardedTensor> targets = second.state();
   REQUIRE(targets.size() == saved.size());
@@ -122,9 +122,9 @@ TEST_CASE("optimizer state exported at dp 4 imports at tp 2, ep 2, dp 2 and step
   // Layout A: dp 4, every rank holds whole parameters; plain AdamW alongside.
   ProcessGroups groupsA = makeGroups({});
   std::vector<Parameter> paramsA = makeParams(groupsA, globals);
-  DistributedOptimizer optimizerA(paramsA, groupsA, {.adamw = kAdamW});
+  DistributedOptimizer optimizerA(paramsA, groupsA, {.adamw = kStateTestAdamW});
   std::vector<Parameter> paramsPlain = makeParams(groupsA, globals);
-  optim::AdamW plain(paramsPlain, kAdamW, world().rank());
+  optim::AdamW plain(paramsPlain, kStateTestAdamW, world().rank());
   for (int step = 0; step < 2; ++step) {
     setGrads(paramsA, step);
     setGrads(paramsPlain, step);
@@ -144,7 +144,7 @@ TEST_CASE("optimizer state exported at dp 4 imports at tp 2, ep 2, dp 2 and step
   std::vector<at::Tensor> now;
   for (const Parameter& p : paramsA) now.push_back(p.tensor.detach());  // whole on every rank of A
   std::vector<Parameter> paramsB = makeParams(groupsB, now);
-  DistributedOptimizer optimizerB(paramsB, groupsB, {.adamw = kAdamW});
+  DistributedOptimizer optimizerB(paramsB, groupsB, {.adamw = kStateTestAdamW});
   fillFrom(optimizerB.state(), stateA);
   optimizerB.afterLoad();
   CHECK(optimizerB.stepCount() == 2);

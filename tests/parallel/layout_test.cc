@@ -8,13 +8,14 @@
 
 #include "runtime/errors.h"
 #include "tests/support/catch_compat.h"
+#include "tests/support/text.h"
 
 using namespace bulkhead;
 using namespace bulkhead::parallel;
 using Ranks = std::vector<int>;
 
 namespace {
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using bulkhead::testing::contains;
 
 std::string errorOf(int world, const LayoutOptions& options) {
   try {

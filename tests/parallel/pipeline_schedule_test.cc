@@ -16,6 +16,7 @@
 
 #include "runtime/errors.h"
 #include "tests/support/catch_compat.h"
+#include "tests/support/text.h"
 
 using namespace bulkhead;
 using namespace bulkhead::parallel;
@@ -194,7 +195,7 @@ std::string textOf(const std::vector<PipelineStep>& steps) {
   return text;
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using bulkhead::testing::contains;
 
 }  // namespace
 

@@ -5,11 +5,12 @@
 #include <vector>
 
 #include "tests/support/catch_compat.h"
+#include "tests/support/text.h"
 
 using namespace bulkhead::parallel;
 
 namespace {
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using bulkhead::testing::contains;
 bool anyContains(const std::vector<std::string>& warnings, const std::string& part) {
   for (const auto& w : warnings)
     if (contains(w, part)) return true;

@@ -2,11 +2,12 @@
 
 #include "runtime/errors.h"
 #include "tests/support/catch_compat.h"
+#include "tests/support/text.h"
 
 using namespace bulkhead;
 
 namespace {
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using bulkhead::testing::contains;
 }  // namespace
 
 TEST_CASE("an error names its kind, rank, group and what was expected") {

@@ -21,8 +21,6 @@ using namespace bulkhead::testing;
 
 namespace {
 
-auto seconds(double value) { return Deadline::afterSeconds(value); }
-
 bool segmentExists(const std::string& name) { return std::filesystem::exists("/dev/shm" + name); }
 
 // Forwards to a store and counts the writes each kind of call made.

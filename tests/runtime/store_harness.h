@@ -11,6 +11,7 @@
 #include <random>
 #include <string>
 
+#include "runtime/deadline.h"
 #include "runtime/errors.h"
 #include "runtime/store/file_store.h"
 #include "runtime/store/tcp_store.h"
@@ -20,6 +21,9 @@
 namespace bulkhead::testing {
 
 using Clock = std::chrono::steady_clock;
+
+// A deadline `value` seconds from now.
+inline Deadline seconds(double value) { return Deadline::afterSeconds(value); }
 
 // `size` random bytes; every 7th byte is '\0', so values always hold some.
 inline std::string randomBytes(std::mt19937_64& rng, size_t size) {

@@ -13,10 +13,6 @@
 using namespace bulkhead;
 using namespace bulkhead::testing;
 
-namespace {
-auto seconds(double value) { return Deadline::afterSeconds(value); }
-}  // namespace
-
 TEMPLATE_TEST_CASE("a store returns exactly the bytes set, '\\0' bytes and 1 MiB values included", "[store]",
                    TcpHarness, FileHarness) {
   TestType harness;

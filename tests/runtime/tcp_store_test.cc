@@ -22,8 +22,6 @@ namespace wire = bulkhead::store_protocol;
 
 namespace {
 
-auto seconds(double value) { return Deadline::afterSeconds(value); }
-
 // A plain blocking socket to the server, reads bounded to 3 s.
 Fd rawConnect(uint16_t port) {
   Fd fd(::socket(AF_INET, SOCK_STREAM, 0));

@@ -26,4 +26,6 @@ std::vector<at::ScalarType> supportedDtypes() {
   return {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kInt, at::kLong, at::kChar, at::kByte};
 }
 
+at::Tensor gaussian(int salt, at::IntArrayRef shape) { return at::randn(shape, sharedGenerator(salt), at::kDouble); }
+
 }  // namespace bulkhead::testing

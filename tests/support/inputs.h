@@ -20,4 +20,7 @@ std::vector<at::ScalarType> supportedDtypes();
 // A generator seeded the same on every rank, for choices all ranks share.
 at::Generator sharedGenerator(int salt);
 
+// Standard normal float64 values from sharedGenerator(salt): continuous, so no two tie.
+at::Tensor gaussian(int salt, at::IntArrayRef shape);
+
 }  // namespace bulkhead::testing
