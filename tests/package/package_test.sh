@@ -14,10 +14,10 @@ include="$scratch/prefix/include/bulkhead"
 for internal in runtime/nccl/nccl_check.h runtime/nccl/nccl_communicator.h runtime/mpi/mpi_check.h \
     runtime/gloo/gloo_context.h parallel/layout_grid.h optim/parameter_checks.h checkpoint/save_job.h \
     moe/kernel_support.h moe/router_noise.h runtime/store/tcp_store_loop.h runtime/gloo/gloo_state.h \
-    runtime/nccl/peer_all_reduce.h runtime/nccl/peer_reduce_kernels.h; do
+    runtime/nccl/peer_all_reduce.h runtime/nccl/peer_reduce_kernels.h runtime/cuda/cuda_device.h; do
   if [ -e "$include/$internal" ]; then echo "FAIL: the internal header $internal is installed"; exit 1; fi
 done
-if find "$include" -path '*/cuda/*' | grep -q .; then echo "FAIL: moe/cuda headers are installed"; exit 1; fi
+if find "$include" -path '*/moe/cuda/*' | grep -q .; then echo "FAIL: moe/cuda headers are installed"; exit 1; fi
 for public in runtime/communicator.h parallel/process_groups.h moe/moe_layer.h optim/distributed_optimizer.h \
     checkpoint/checkpointer.h launch/init.h; do
   [ -e "$include/$public" ] || { echo "FAIL: the public header $public is not installed"; exit 1; }
