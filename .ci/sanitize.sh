@@ -2,8 +2,9 @@
 # Builds only what a sanitizer run needs (a build folder of its own, no NCCL)
 # and runs it:
 #   .ci/sanitize.sh address   the unit tests (store protocol, fault specs, env, layouts, ledger), the checkpoint
-#                             unit tests (hostile safetensors and manifests) and the checkpoint corruption test on
-#                             4 ranks, under AddressSanitizer and UndefinedBehaviorSanitizer
+#                             unit tests (hostile safetensors and manifests), the data unit tests (hostile and
+#                             10,000 mutated dataset indexes) and the checkpoint corruption test on 4 ranks,
+#                             under AddressSanitizer and UndefinedBehaviorSanitizer
 #   .ci/sanitize.sh thread    the store, store server, client, node relay, monitor and ledger tests under
 #                             ThreadSanitizer
 # Any report fails the run. BULKHEAD_BUILD_DIR (default build) names the main build; this one is <it>-<kind>.
@@ -25,7 +26,7 @@ bin=$build/bin
 case "$kind" in
   address)
     cmake --build "$build" -j "$(nproc)" --target bulkhead_runtime_unit_tests bulkhead_parallel_unit_tests \
-      bulkhead_launch_unit_tests bulkhead_checkpoint_unit_tests bulkhead_checkpoint_mpi_tests
+      bulkhead_launch_unit_tests bulkhead_checkpoint_unit_tests bulkhead_checkpoint_mpi_tests bulkhead_data_unit_tests
     [ $build_only = 1 ] && exit 0
     # Leaks at exit are libtorch's and Open MPI's, not reports about Bulkhead's memory use.
     export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1
@@ -34,6 +35,7 @@ case "$kind" in
     "$bin/bulkhead_parallel_unit_tests"
     "$bin/bulkhead_launch_unit_tests"
     "$bin/bulkhead_checkpoint_unit_tests"
+    "$bin/bulkhead_data_unit_tests"
     BULKHEAD_COLLECTIVE_TIMEOUT=120 mpirun --oversubscribe -np 4 -x ASAN_OPTIONS -x UBSAN_OPTIONS \
       "$bin/bulkhead_checkpoint_mpi_tests" "every kind of damage*"
     ;;

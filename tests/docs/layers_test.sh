@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The design's layer list and the source folders agree one to one: every folder of the six libraries is
+# The design's layer list and the source folders agree one to one: every folder of the libraries is
 # named (`folder/`) in docs/design.md#layers, every folder named there exists, and no folder of runtime/
 # holds more than 25 files.
 # usage: layers_test.sh <source dir>
@@ -7,7 +7,7 @@ set -u
 root=$1
 design=$root/docs/design.md
 [ -f "$design" ] || { echo "FAIL: $design is missing"; exit 1; }
-libraries="runtime parallel moe optim checkpoint launch"
+libraries="runtime data parallel moe optim checkpoint launch"
 section=$(awk '/^## Layers$/ {on = 1; next} /^## / {on = 0} on' "$design")
 [ -n "$section" ] || { echo "FAIL: docs/design.md has no '## Layers' section"; exit 1; }
 named=$(grep -oE '`[a-z_]+(/[a-z_]+)*/`' <<<"$section" | tr -d '`' | sed 's#/$##' | grep -E "^(${libraries// /|})(/|\$)" | sort -u)

@@ -90,6 +90,10 @@ for name in "$@"; do
       if run bulkhead-ckpt 0 verify --help; then
         grep -q -- "--threads" "$work/out" || fail "bulkhead-ckpt verify --help lists no --threads"
       fi ;;
+    bulkhead-data)
+      if run bulkhead-data 2; then grep -qi "subcommand" "$work/err" || fail "no subcommand: $(cat "$work/err")"; fi
+      bad bulkhead-data --format convert "$bin/bulkhead-data" --out "$work/x" --format csv
+      bad bulkhead-data --vocab convert "$bin/bulkhead-data" --out "$work/x" --vocab 0 ;;
     bulkhead-ckpt-bench)
       bad bulkhead-ckpt-bench --dir --phase save
       bad bulkhead-ckpt-bench --phase --dir /tmp --phase both ;;
