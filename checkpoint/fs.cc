@@ -44,6 +44,26 @@ std::string join(const std::string& dir, const std::string& name) {
   return dir.back() == '/' ? dir + name : dir + "/" + name;
 }
 
+namespace {
+std::string withoutTrailingSlashes(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path;
+}
+}  // namespace
+
+std::string parent(const std::string& path) {
+  std::string trimmed = withoutTrailingSlashes(path);
+  size_t slash = trimmed.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : trimmed.substr(0, slash);
+}
+
+std::string baseName(const std::string& path) {
+  std::string trimmed = withoutTrailingSlashes(path);
+  size_t slash = trimmed.rfind('/');
+  return slash == std::string::npos ? trimmed : trimmed.substr(slash + 1);
+}
+
 bool exists(const std::string& path) {
   struct stat info;
   return ::stat(path.c_str(), &info) == 0;

@@ -21,6 +21,10 @@ namespace bulkhead::checkpoint::fs {
 [[noreturn]] void raise(const std::string& what, int error, int rank);
 
 std::string join(const std::string& dir, const std::string& name);
+// The folder holding `path` ("." for a bare name, "/" for a top-level entry); trailing slashes are ignored.
+std::string parent(const std::string& path);
+// The last component of `path`, trailing slashes ignored.
+std::string baseName(const std::string& path);
 bool exists(const std::string& path);
 bool isDirectory(const std::string& path);
 // Size in bytes, nullopt when the path does not exist or is not a file.

@@ -6,10 +6,10 @@
 
 #include <fcntl.h>
 
-#include <algorithm>
 #include <mutex>
 
 #include "checkpoint/dtype.h"
+#include "checkpoint/fs.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
 
@@ -64,12 +64,6 @@ std::string errorStack() {
   return fmt::format("{}", fmt::join(lines, "; "));
 }
 
-// The step folder a rank file lies in, for the hints that name it.
-std::string stepFolderOf(const std::string& file) {
-  size_t slash = file.rfind('/');
-  return slash == std::string::npos ? std::string(".") : file.substr(0, std::max<size_t>(slash, 1));
-}
-
 // The one conversion of an HDF5 return code into a Bulkhead error.
 template <typename T>
 T check(T rc, const char* call, const std::string& what, const Where& where, Mode mode) {
@@ -83,7 +77,7 @@ T check(T rc, const char* call, const std::string& what, const Where& where, Mod
                   {.rank = where.rank, .expected = "a writable checkpoint folder with room"});
   throw CheckpointError(message + fmt::format("; the file is damaged, truncated or was replaced: run `bulkhead-ckpt "
                                               "verify {}`, restore the file from a copy, or load an older step",
-                                              stepFolderOf(where.file)),
+                                              fs::parent(where.file)),
                         {.rank = where.rank, .expected = "an intact rank file written by this checkpoint"});
 }
 
@@ -249,7 +243,7 @@ size_t Dataset::readChunk(const std::vector<int64_t>& offsets, void* buffer, siz
                     "is damaged or was not written by this checkpoint: run `bulkhead-ckpt verify {}`, "
                     "restore the file, or load an older step",
                     what, where_.key, where_.file, stored == 0 ? "missing" : "too large", stored, capacity,
-                    stepFolderOf(where_.file)),
+                    fs::parent(where_.file)),
         {.rank = where_.rank, .expected = "every chunk of the dataset, of its planned size"});
   uint32_t filters = 0;
   check(H5Dread_chunk(id_->get(), H5P_DEFAULT, at.data(), &filters, buffer), "H5Dread_chunk", what, where_, Mode::Read);

@@ -55,12 +55,9 @@ std::vector<StepInfo> listCheckpoints(const std::string& dir) {
 }
 
 std::optional<std::pair<std::string, int64_t>> asStepFolder(const std::string& dir) {
-  std::string path = dir;
-  while (path.size() > 1 && path.back() == '/') path.pop_back();
-  size_t slash = path.rfind('/');
-  auto step = parseStepFolder(slash == std::string::npos ? path : path.substr(slash + 1));
-  if (!step || !fs::isDirectory(path) || fs::exists(fs::join(path, kLatestName))) return std::nullopt;
-  return std::pair{slash == std::string::npos ? std::string(".") : path.substr(0, std::max<size_t>(slash, 1)), *step};
+  auto step = parseStepFolder(fs::baseName(dir));
+  if (!step || !fs::isDirectory(dir) || fs::exists(fs::join(dir, kLatestName))) return std::nullopt;
+  return std::pair{fs::parent(dir), *step};
 }
 
 std::string resolveStepFolder(const std::string& dir, const std::string& which) {

@@ -2,12 +2,12 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <charconv>
 #include <string_view>
 
 #include "checkpoint/checksum.h"
 #include "checkpoint/dtype.h"
+#include "checkpoint/fs.h"
 #include "runtime/errors.h"
 
 namespace bulkhead::checkpoint {
@@ -114,11 +114,9 @@ std::string Manifest::serialize() const {
 
 Manifest Manifest::parse(const std::string& text, const std::string& path, int rank) {
   auto fail = [&](const std::string& what) -> CheckpointError {
-    size_t slash = path.rfind('/');
-    std::string folder = slash == std::string::npos ? std::string(".") : path.substr(0, std::max<size_t>(slash, 1));
     return CheckpointError(fmt::format("the manifest {} {}; it was edited or damaged after the save: load another "
                                        "step, or run `bulkhead-ckpt verify {}`",
-                                       path, what, folder),
+                                       path, what, fs::parent(path)),
                            {.rank = rank, .expected = "a manifest whose checksum matches its content"});
   };
   size_t last = text.rfind("checksum ", text.size() >= 2 ? text.size() - 2 : 0);
