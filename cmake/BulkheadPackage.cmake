@@ -26,7 +26,7 @@ set(BULKHEAD_PUBLIC_HEADERS
   runtime/diagnosis/monitor_record.h runtime/mpi/mpi_backend.h
   runtime/nccl/nccl_backend.h runtime/diagnosis/node_relay.h runtime/diagnosis/op_checks.h runtime/store/prefix_store.h
   runtime/progress_bar.h runtime/store/socket.h runtime/store/store.h runtime/store/store_protocol.h runtime/store/tcp_store.h
-  data/indexed_dataset.h data/mapped_file.h
+  data/indexed_dataset.h data/mapped_file.h data/npy.h data/numpy_random.h data/gpt_dataset.h data/blend.h
   parallel/grad_sync.h parallel/layout.h parallel/linear.h parallel/parameter.h parallel/pipeline.h
   parallel/pipeline_schedule.h parallel/process_groups.h parallel/shard_init.h parallel/tensor_parallel.h
   parallel/topology_checks.h parallel/vocab_parallel.h

@@ -46,6 +46,9 @@ class IndexedDataset {
   // The bytes of the two files (for the dataset's identity in a checkpoint).
   int64_t indexBytes() const { return index_.size(); }
   int64_t binBytes() const { return bin_.size(); }
+  // A 64-bit FNV-1a digest of the .idx's bytes, as 16 hex digits (the dataset's identity in a checkpoint
+  // and in the cached sample indices' names).
+  std::string indexDigest() const;
 
   // Tokens [offset, offset + count) of sequence `s`, widened to int64; ConfigError when the range is
   // not inside the sequence.

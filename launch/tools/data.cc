@@ -1,6 +1,11 @@
 // bulkhead-data: look at and write indexed datasets (Megatron-LM's .idx/.bin) without a job.
 //
 //   bulkhead-data inspect PREFIX [--json]     counts, dtype, document lengths; validates every field
+//   bulkhead-data samples --data-path [W] PREFIX... --split S --seq N --seed K --steps T --batch B
+//                         [--first I] [--count C] --out FILE.npy
+//                                             int64 [C, N + 1]: row r is global training sample I + r,
+//                                             as Megatron-LM's GPTDataset and blends draw it and as
+//                                             train_moe reads it (inputs [:-1], targets [1:])
 //   bulkhead-data convert IN... --out PREFIX [--format jsonl|text] [--key K] [--vocab N] [--eod ID]
 //                                             JSONL of token-id arrays (each line an array, or an object
 //                                             whose K holds one), or raw text as bytes for byte-level
@@ -18,7 +23,9 @@
 #include <string>
 #include <vector>
 
+#include "data/blend.h"
 #include "data/indexed_dataset.h"
+#include "data/npy.h"
 #include "launch/cli.h"
 #include "launch/init.h"
 #include "runtime/errors.h"
@@ -63,6 +70,35 @@ int inspect(const std::string& prefix, bool asJson) {
   fmt::print("  files      {}.idx {} B, {}.bin {} B\n", prefix, dataset.indexBytes(), prefix, dataset.binBytes());
   fmt::print("  document tokens: min {}, median {}, mean {:.1f}, p99 {}, max {}\n", sorted.front(), quantile(0.5), mean,
              quantile(0.99), sorted.back());
+  return 0;
+}
+
+struct SampleOptions {
+  std::vector<std::string> dataPath;
+  std::string split = "969,30,1";
+  std::string which = "train";
+  int sequence = 0;
+  uint32_t seed = 1234;
+  int64_t steps = 0, batch = 0, first = 0, count = -1;
+  int64_t evalInterval = 1000, evalIters = 100;
+  std::string cacheDir, out;
+};
+
+int samples(const SampleOptions& o) {
+  const Split which = o.which == "train" ? Split::Train : o.which == "valid" ? Split::Valid : Split::Test;
+  const int64_t needed = splitSamples(which, o.steps, o.batch, o.evalInterval, o.evalIters);
+  auto source = buildSplit(DataBlend::parse(o.dataPath), o.split, which, needed,
+                           {.sequence = o.sequence, .seed = o.seed, .cacheDir = o.cacheDir});
+  const int64_t count = o.count >= 0 ? o.count : needed - o.first;
+  if (o.first < 0 || count < 0 || o.first + count > needed)
+    throw ConfigError(fmt::format("--first {} --count {}: the run reads samples 0 to {} of the {} split", o.first,
+                                  count, needed, o.which),
+                      {.expected = fmt::format("--first + --count at most {} (--steps x --batch)", needed)});
+  std::vector<int64_t> rows(static_cast<size_t>(count * (o.sequence + 1)));
+  for (int64_t r = 0; r < count; ++r) source->sample(o.first + r, rows.data() + r * (o.sequence + 1));
+  writeNpy<int64_t>(o.out, rows, {count, o.sequence + 1});
+  fmt::print("wrote {}: samples {} to {} of the {} split ({} built, {} tokens each)\n", o.out, o.first, o.first + count,
+             o.which, source->size(), o.sequence + 1);
   return 0;
 }
 
@@ -183,10 +219,31 @@ int main(int argc, char** argv) {
       ->check(cli::positive());
   convertCommand->add_option("--eod", converting.eod, "an id appended to every document")->check(cli::nonNegative());
   convertCommand->add_flag("--per-line", converting.perLine, "text: a document per line, not per file");
+  SampleOptions sampling;
+  auto* samplesCommand =
+      app.add_subcommand("samples", "the training samples a run reads, as Megatron-LM draws them, to a .npy file");
+  samplesCommand->add_option("--data-path", sampling.dataPath, "dataset prefixes, or weight prefix pairs")->required();
+  samplesCommand->add_option("--split", sampling.split, "train, valid and test weights");
+  samplesCommand->add_option("--split-name", sampling.which, "the split to read")
+      ->check(CLI::IsMember({"train", "valid", "test"}));
+  samplesCommand->add_option("--seq", sampling.sequence, "sequence length")->required()->check(cli::positive());
+  samplesCommand->add_option("--seed", sampling.seed, "Megatron's --seed");
+  samplesCommand->add_option("--steps", sampling.steps, "the run's steps")->required()->check(cli::positive());
+  samplesCommand->add_option("--batch", sampling.batch, "global batch")->required()->check(cli::positive());
+  samplesCommand->add_option("--eval-interval", sampling.evalInterval, "steps between validations (valid split)")
+      ->check(cli::positive());
+  samplesCommand->add_option("--eval-iters", sampling.evalIters, "batches a validation reads (valid, test)")
+      ->check(cli::nonNegative());
+  samplesCommand->add_option("--first", sampling.first, "the first sample written")->check(cli::nonNegative());
+  samplesCommand->add_option("--count", sampling.count, "samples written (default: all from --first)")
+      ->check(cli::nonNegative());
+  samplesCommand->add_option("--data-cache-path", sampling.cacheDir, "where the sample indices are cached");
+  samplesCommand->add_option("--out", sampling.out, "the .npy file to write")->required();
   if (auto code = cli::parse(app, argc, argv)) return *code;
 
   return guardedMain([&] {
     if (inspectCommand->parsed()) return inspect(prefix, asJson);
+    if (samplesCommand->parsed()) return samples(sampling);
     return convert(converting);
   });
 }
