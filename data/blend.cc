@@ -48,8 +48,9 @@ void blendingIndices(const std::vector<double>& weights, int64_t size, std::vect
 
 DataBlend DataBlend::parse(const std::vector<std::string>& words) {
   auto bad = [&](const std::string& what) {
-    return ConfigError(fmt::format("--data-path {}: {}", fmt::join(words, " "), what),
-                       {.expected = "--data-path PREFIX [PREFIX ...] or --data-path WEIGHT PREFIX [WEIGHT PREFIX ...]"});
+    return ConfigError(
+        fmt::format("--data-path {}: {}", fmt::join(words, " "), what),
+        {.expected = "--data-path PREFIX [PREFIX ...] or --data-path WEIGHT PREFIX [WEIGHT PREFIX ...]"});
   };
   if (words.empty()) throw bad("no dataset");
   DataBlend blend;
@@ -93,9 +94,9 @@ BlendedDataset::BlendedDataset(std::vector<std::shared_ptr<const SampleSource>> 
   for (int16_t d : datasetIndex_) ++taken[d];
   for (size_t d = 0; d < datasets_.size(); ++d)
     if (taken[d] > datasets_[d]->size())
-      throw ConfigError(fmt::format("the blend takes {} samples from {}, which holds {}", taken[d], names[d],
-                                    datasets_[d]->size()),
-                        {.expected = "a blend within each dataset's samples"});
+      throw ConfigError(
+          fmt::format("the blend takes {} samples from {}, which holds {}", taken[d], names[d], datasets_[d]->size()),
+          {.expected = "a blend within each dataset's samples"});
 }
 
 void BlendedDataset::sample(int64_t i, int64_t* out) const {

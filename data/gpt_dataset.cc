@@ -131,8 +131,8 @@ std::pair<int64_t, int64_t> splitRange(std::pair<double, double> share, int64_t 
 GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> dataset, int64_t begin, int64_t end,
                        std::optional<int64_t> numSamples, Split split, const GptDatasetOptions& options)
     : dataset_(std::move(dataset)), begin_(begin), end_(end), split_(split), options_(options) {
-  const std::string what = fmt::format("{} ({} split, sequences {} to {})", dataset_->prefix(), splitName(split), begin,
-                                       end);
+  const std::string what =
+      fmt::format("{} ({} split, sequences {} to {})", dataset_->prefix(), splitName(split), begin, end);
   if (options.sequence < 2)
     throw ConfigError(fmt::format("{}: a sequence length of {}", what, options.sequence),
                       {.expected = "--seq of at least 2"});
@@ -146,12 +146,11 @@ GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> dataset, int64_t be
   if (tokensPerEpoch < 2)
     throw ConfigError(fmt::format("{}: {} tokens, too few for one sample", what, tokensPerEpoch),
                       {.expected = "a split of at least two tokens"});
-  if (numSamples && *numSamples < 0)
-    throw ConfigError(fmt::format("{}: {} samples asked for", what, *numSamples));
+  if (numSamples && *numSamples < 0) throw ConfigError(fmt::format("{}: {} samples asked for", what, *numSamples));
 
   const std::string text = description(numSamples);
-  const std::string base =
-      options.cacheDir.empty() ? std::string()
+  const std::string base = options.cacheDir.empty()
+                               ? std::string()
                                : fmt::format("{}/{}-GPTDataset-{}", options.cacheDir, fnvHex(text), splitName(split));
   if (!base.empty() && loadCache(base, text)) return;
   build(tokensPerEpoch, numSamples);

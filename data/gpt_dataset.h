@@ -47,9 +47,9 @@ class SampleSource {
 };
 
 struct GptDatasetOptions {
-  int sequence = 0;     // tokens a sample predicts (it holds one more)
-  uint32_t seed = 1234;  // Megatron's --seed
-  std::string cacheDir;  // where the indices are cached; empty: built each time, not cached
+  int sequence = 0;        // tokens a sample predicts (it holds one more)
+  uint32_t seed = 1234;    // Megatron's --seed
+  std::string cacheDir;    // where the indices are cached; empty: built each time, not cached
   bool writeCache = true;  // false: a cache is read when present, never written (every rank but one)
 };
 

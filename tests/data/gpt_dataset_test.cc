@@ -7,10 +7,10 @@
 
 #include <dirent.h>
 
+#include <fmt/format.h>
 #include <algorithm>
 #include <fstream>
 #include <functional>
-#include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 #include <random>
@@ -212,8 +212,10 @@ TEST_CASE("the cached indices give the same samples, and a damaged cache is rebu
       std::ifstream f(path, std::ios::binary);
       bytes.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
     }
-    if (std::string(damaged) == "shuffle_index") bytes[bytes.size() - 8] = bytes[bytes.size() - 16];
-    else bytes.resize(bytes.size() - 16);
+    if (std::string(damaged) == "shuffle_index")
+      bytes[bytes.size() - 8] = bytes[bytes.size() - 16];
+    else
+      bytes.resize(bytes.size() - 16);
     std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
     auto rebuilt = buildSplit(blend, "90,10", Split::Train, 300, options);
     CHECK(!dynamic_cast<const GptDataset&>(*rebuilt).fromCache());
@@ -263,8 +265,8 @@ TEST_CASE("bad splits and data paths are ConfigErrors that say what to give") {
   CHECK(contains(refusal([&] { buildSplit(blend, "100,0,0", Split::Valid, 10, {.sequence = 4}); }),
                  "leaves the valid split empty"));
   // 10 sequences: a 1% valid split rounds to none of them.
-  CHECK(contains(refusal([&] { buildSplit(blend, "99,1,0", Split::Valid, 10, {.sequence = 4}); }),
-                 "holds no sequence"));
+  CHECK(
+      contains(refusal([&] { buildSplit(blend, "99,1,0", Split::Valid, 10, {.sequence = 4}); }), "holds no sequence"));
   CHECK(contains(refusal([] { parseSplit("1,2,3,4"); }), "4 numbers"));
   CHECK(contains(refusal([] { parseSplit("0,0"); }), "sum to 0"));
   CHECK(contains(refusal([] { parseSplit("1.2.3"); }), "not a number"));
