@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Event.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -164,7 +165,8 @@ MoEOutput MoELayer::forward(const at::Tensor& input, const at::Tensor& routingKe
   if (shared) output = output + shared->join();
 
   lastLoads_ = routing.tokensPerExpert;
-  if (options_.router.expertBias)  // every micro-batch of a step counts towards the bias
+  // Every training micro-batch of a step counts towards the bias; an evaluation's forward does not.
+  if (options_.router.expertBias && c10::GradMode::is_enabled())
     pendingLoads_ = pendingLoads_.defined() ? pendingLoads_ + lastLoads_ : lastLoads_.clone();
   lastAux_ = routing.auxLoss.detach();
   lastZ_ = routing.zLoss.detach();

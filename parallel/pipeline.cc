@@ -1,6 +1,7 @@
 #include "parallel/pipeline.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -26,8 +27,9 @@ struct Held {
 class RunState {
  public:
   RunState(Communicator& pp, const PipelineOptions& options, const std::vector<PipelineChunk>& chunks,
-           detail::Channel& channel)
-      : pp_(pp),
+           detail::Channel& channel, bool forwardOnly = false)
+      : forwardOnly_(forwardOnly),
+        pp_(pp),
         options_(options),
         chunks_(chunks),
         channel_(channel),
@@ -78,7 +80,7 @@ class RunState {
   void forward(const PipelineStep& step) {
     const int stage = step.chunk * P_ + r_, m = step.microBatch;
     at::Tensor input;
-    if (stage > 0) input = channel_.take({Forward, step.chunk, m}, stage).detach().requires_grad_(true);
+    if (stage > 0) input = channel_.take({Forward, step.chunk, m}, stage).detach().requires_grad_(!forwardOnly_);
     if (options_.onStep) options_.onStep(step, true);
     PipelineOutput out = chunks_[step.chunk].forward(m, input);
     at::Tensor& output = out.output;
@@ -92,6 +94,7 @@ class RunState {
     } else {
       channel_.post(message(Forward, stage, stage + 1, m), output.detach());
     }
+    if (forwardOnly_) return;
     held_[{step.chunk, m}] = {input, output, out.auxLoss};
     maxLive_ = std::max(maxLive_, static_cast<int>(held_.size()));
   }
@@ -119,6 +122,7 @@ class RunState {
     }
   }
 
+  const bool forwardOnly_;
   Communicator& pp_;
   const PipelineOptions& options_;
   const std::vector<PipelineChunk>& chunks_;
@@ -129,6 +133,17 @@ class RunState {
   std::vector<at::Tensor> losses_;
   int maxLive_ = 0;
 };
+
+// The forward-only schedule: unit t holds (chunk c, micro-batch t - c P - r) of every chunk where that
+// micro-batch exists, chunks in order, so each pair of ranks sends and receives in the same order.
+std::vector<std::vector<PipelineStep>> forwardUnits(int P, int r, int V, int M) {
+  std::vector<std::vector<PipelineStep>> units(static_cast<size_t>(M + V * P - 1));
+  for (int t = 0; t < static_cast<int>(units.size()); ++t)
+    for (int c = 0; c < V; ++c)
+      if (const int m = t - c * P - r; m >= 0 && m < M)
+        units[t].push_back({.forward = true, .chunk = c, .microBatch = m});
+  return units;
+}
 
 }  // namespace
 
@@ -174,6 +189,24 @@ PipelineResult Pipeline::run(const std::vector<PipelineChunk>& chunks) {
     if (u < units.size())
       for (const PipelineStep& step : units[u]) state.expect(step);
     channel.exchange(split);  // the previous unit's sends with this unit's receives
+    if (u == units.size()) break;
+    for (const PipelineStep& step : units[u]) state.compute(step);
+  }
+  channel.finish();
+  return state.finish();
+}
+
+PipelineResult Pipeline::evaluate(const std::vector<PipelineChunk>& chunks) {
+  const int P = pp_->size(), r = pp_->rank(), V = static_cast<int>(chunks.size()), M = options_.microBatches;
+  if (V < 1) throw ConfigError("pipeline: no chunk to run", {.rank = r, .group = pp_->name()});
+  c10::NoGradGuard noGrad;
+  const auto units = forwardUnits(P, r, V, M);
+  detail::Channel channel(*pp_, options_, runs_++, stream_);
+  RunState state(*pp_, options_, chunks, channel, /*forwardOnly=*/true);
+  for (size_t u = 0; u <= units.size(); ++u) {
+    if (u < units.size())
+      for (const PipelineStep& step : units[u]) state.expect(step);
+    channel.exchange(/*split=*/false);
     if (u == units.size()) break;
     for (const PipelineStep& step : units[u]) state.compute(step);
   }

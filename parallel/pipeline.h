@@ -113,6 +113,10 @@ class Pipeline {
   Pipeline(CommunicatorPtr pp, PipelineOptions options);
   // Forward and backward of every micro-batch (collective over the pp group).
   PipelineResult run(const std::vector<PipelineChunk>& chunks);
+  // Forward alone, without autograd (an evaluation): micro-batch m reaches stage s at unit m + s, so every
+  // activation is received in the exchange right after its sender computed it. Returns the last stage's
+  // losses; nothing is held for a backward. Collective over the pp group.
+  PipelineResult evaluate(const std::vector<PipelineChunk>& chunks);
 
  private:
   CommunicatorPtr pp_;
