@@ -35,13 +35,19 @@ case "${1:-}" in
   configure) configure ;;
   run)
     build
-    # The main job: a MoE transformer on 4 ranks (ep 2 x expert-dp 2), checkpointed
-    # at step 60 and 120, stopped, then resumed from the latest checkpoint.
+    # The main job: a byte-level MoE transformer on 4 ranks (ep 2 x expert-dp 2), trained on
+    # an indexed dataset of this repository's own documentation (a line a document, written
+    # by bulkhead-data and read in Megatron-LM's sample order), validated every 60 steps,
+    # checkpointed at step 60 and 120, stopped, then resumed from the latest checkpoint.
     ckpt=${BULKHEAD_CKPT_DIR:-$build_dir/train_moe_ckpt}
     rm -rf "$ckpt"
-    mpirun --oversubscribe -np 4 "$build_dir/bin/train_moe" --ep 2 --steps 200 --stop-after 120 \
-      --ckpt-dir "$ckpt" --ckpt-interval 60
-    mpirun --oversubscribe -np 4 "$build_dir/bin/train_moe" --ep 2 --steps 200 --ckpt-dir "$ckpt" --resume latest
+    mkdir -p "$build_dir/corpus"
+    "$build_dir/bin/bulkhead-data" convert README.md docs/*.md --format text --per-line \
+      --out "$build_dir/corpus/docs_text_document"
+    job=(--ep 2 --steps 200 --data-path "$build_dir/corpus/docs_text_document" --split 95,5,0
+         --eval-interval 60 --eval-iters 4 --data-cache-path "$build_dir/corpus/cache" --ckpt-dir "$ckpt")
+    mpirun --oversubscribe -np 4 "$build_dir/bin/train_moe" "${job[@]}" --stop-after 120 --ckpt-interval 60
+    mpirun --oversubscribe -np 4 "$build_dir/bin/train_moe" "${job[@]}" --resume latest
     ;;
   test)
     build

@@ -81,4 +81,42 @@ TokenBatch Batches::batch(int64_t step, int rank, int ranks, c10::Device device)
           .keys = keys.view({local, sequence_})};
 }
 
+DatasetBatches::DatasetBatches(std::shared_ptr<const data::SampleSource> source, DatasetBatchOptions options)
+    : source_(std::move(source)), options_(std::move(options)) {}
+
+TokenBatch DatasetBatches::batch(int64_t step, int rank, int ranks, c10::Device device) const {
+  const int B = options_.globalBatch, sequence = source_->sequence();
+  if (B % ranks != 0)
+    throw ConfigError(
+        fmt::format("data: a global batch of {} sequences does not split over {} data-parallel ranks", B, ranks),
+        {.rank = rank, .expected = "global batch a multiple of dp"});
+  const int local = B / ranks;
+  const int64_t first = firstSampleOf(step) + int64_t{rank} * local;
+  if (first < 0 || first + local > source_->size())
+    throw ConfigError(fmt::format("data: step {} reads {} samples {} to {}, past the {} the dataset built", step,
+                                  options_.what, first, first + local, source_->size()),
+                      {.rank = rank, .expected = "steps within the schedule the dataset was built for"});
+  at::Tensor window = at::empty({local, sequence + 1}, at::TensorOptions(at::kLong).pinned_memory(device.is_cuda()));
+  int64_t* rows = window.data_ptr<int64_t>();
+  for (int row = 0; row < local; ++row) source_->sample(first + row, rows + int64_t{row} * (sequence + 1));
+  for (int64_t i = 0; i < int64_t{local} * (sequence + 1); ++i) {
+    if (rows[i] >= 0 && rows[i] < options_.vocab) continue;
+    throw ConfigError(fmt::format("data: {} sample {} holds token id {}, outside the model's vocabulary of {}",
+                                  options_.what, first + i / (sequence + 1), rows[i], options_.vocab),
+                      {.rank = rank, .expected = "--vocab above every id of the dataset"});
+  }
+  at::Tensor mask;
+  if (options_.eodMask >= 0) {  // Megatron's loss_mask[tokens == eod] = 0, on the inputs
+    mask = window.narrow(1, 0, sequence).ne(options_.eodMask).to(at::kFloat).to(device, /*non_blocking=*/true);
+  }
+  window = window.to(device, /*non_blocking=*/true);
+  const int64_t firstKey = (step * B + int64_t{rank} * local) * sequence;
+  at::Tensor keys =
+      at::arange(firstKey, firstKey + int64_t{local} * sequence, at::TensorOptions(at::kLong).device(device));
+  return {.ids = window.narrow(1, 0, sequence).contiguous(),
+          .targets = window.narrow(1, 1, sequence).contiguous(),
+          .keys = keys.view({local, sequence}),
+          .lossMask = mask};
+}
+
 }  // namespace bulkhead::examples

@@ -157,8 +157,11 @@ ModelOutput MoETransformer::forwardPart(const TokenBatch& batch, const at::Tenso
   if (!part_.last) return {x, aux};
   const parallel::VocabParallelEmbedding& output = output_ ? *output_ : *embedding_;
   at::Tensor logits = output.logits(norm(finalNorm_, x));
-  at::Tensor loss = parallel::vocabParallelCrossEntropy(logits, targets, output.vocabRange().begin, tp_).mean();
-  return {loss, aux};
+  at::Tensor losses = parallel::vocabParallelCrossEntropy(logits, targets, output.vocabRange().begin, tp_);
+  if (!batch.lossMask.defined()) return {losses.mean(), aux};
+  // The mean over the targets that count, as Megatron's per-micro-batch loss (no host read).
+  const at::Tensor mask = batch.lossMask.to(losses.scalar_type()).view(losses.sizes());
+  return {(losses * mask).sum() / mask.sum().clamp_min(1), aux};
 }
 
 double trainingFlopsPerToken(const ModelConfig& c, int64_t sequence) {

@@ -54,7 +54,7 @@ double StepLoss::get() {
   return *value_;
 }
 
-at::Tensor StagedModel::forwardBackwardLocal(const std::vector<TokenBatch>& microBatches) {
+std::vector<parallel::PipelineChunk> StagedModel::chunks(const std::vector<TokenBatch>& microBatches) {
   if (static_cast<int>(microBatches.size()) != options_.microBatches)
     throw ConfigError(fmt::format("{} micro-batches for a schedule of {}", microBatches.size(), options_.microBatches),
                       {.rank = groups_.world()->rank()});
@@ -65,14 +65,25 @@ at::Tensor StagedModel::forwardBackwardLocal(const std::vector<TokenBatch>& micr
       return parallel::PipelineOutput(out.loss, out.auxLoss);
     }});
   }
-  parallel::PipelineResult result = pipeline_.run(chunks);
-  if (tied_) tieEmbeddingGradients();
+  return chunks;
+}
 
+at::Tensor StagedModel::contribution(const parallel::PipelineResult& result) const {
   // The loss lives on the last stage (the same on every tp rank there): one
   // contribution per data-parallel replica, summed over the world.
   const bool counts = groups_.pp()->rank() == groups_.pp()->size() - 1 && groups_.tp()->rank() == 0;
   return counts ? result.losses.mean().reshape({1})
                 : at::zeros({1}, at::TensorOptions(at::kDouble).device(groups_.world()->device()));
+}
+
+at::Tensor StagedModel::forwardBackwardLocal(const std::vector<TokenBatch>& microBatches) {
+  parallel::PipelineResult result = pipeline_.run(chunks(microBatches));
+  if (tied_) tieEmbeddingGradients();
+  return contribution(result);
+}
+
+StepLoss StagedModel::evaluate(const std::vector<TokenBatch>& microBatches) {
+  return reduceLoss(contribution(pipeline_.evaluate(chunks(microBatches))));
 }
 
 StepLoss StagedModel::reduceLoss(const at::Tensor& contribution) const {

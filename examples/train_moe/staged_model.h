@@ -65,12 +65,18 @@ class StagedModel {
   at::Tensor forwardBackwardLocal(const std::vector<TokenBatch>& microBatches);
   StepLoss reduceLoss(const at::Tensor& contribution) const;
 
+  // The loss of `microBatches` without a backward or any gradient (a validation), the mean over every
+  // data-parallel rank's tokens. Collective over the world.
+  StepLoss evaluate(const std::vector<TokenBatch>& microBatches);
+
   std::vector<parallel::Parameter> parameters() const;
   std::vector<parallel::ShardedTensor> buffers() const;
   // The first MoE layer this rank holds (its stats go in the log), or null.
   const moe::MoELayer* firstMoeLayer() const;
 
  private:
+  std::vector<parallel::PipelineChunk> chunks(const std::vector<TokenBatch>& microBatches);
+  at::Tensor contribution(const parallel::PipelineResult& result) const;
   void tieEmbeddingGradients();
 
   const parallel::ProcessGroups& groups_;

@@ -1,9 +1,11 @@
-// train_moe: trains a small MoE transformer language model on generated text,
-// with periodic async checkpoints, exact resume, and a clean stop on SIGTERM or
+// train_moe: trains a small MoE transformer language model on an indexed
+// dataset (Megatron-LM's .bin/.idx, read in Megatron's sample order) or on
+// generated text, with periodic async checkpoints, exact resume, and a clean stop on SIGTERM or
 // SIGINT (it saves, then exits). The README's main job.
 //
 //   mpirun -np 4 train_moe --ep 2 --steps 200 --ckpt-dir /tmp/ckpt --ckpt-interval 50
 //   mpirun -np 4 train_moe --ep 2 --steps 400 --ckpt-dir /tmp/ckpt --resume latest
+//   mpirun -np 4 train_moe --ep 2 --data-path /data/corpus_text_document --split 969,30,1 --vocab 50304
 //
 // Flags: see usage() below. Rank 0 prints one line per logging interval: step,
 // loss, tokens/s, step time, grad norm, expert load imbalance, dropped slots, and the
@@ -33,6 +35,7 @@
 #include "examples/train_moe/staged_model.h"
 #include "examples/train_moe/step_profile.h"
 #include "examples/train_moe/train_options.h"
+#include "examples/train_moe/training_data.h"
 #include "launch/init.h"
 #include "launch/recovery.h"
 #include "optim/distributed_optimizer.h"
@@ -61,13 +64,14 @@ bool agreeToStop(Runtime& runtime) {
 }
 
 checkpoint::StateDict stateOf(const examples::StagedModel& model, optim::DistributedOptimizer& optimizer,
-                              const parallel::Layout& layout, int64_t step) {
+                              const parallel::Layout& layout, const examples::TrainingData& data, int64_t step) {
   checkpoint::StateDict state;
   for (const auto& parameter : model.parameters())
     state.add(parameter.name, parameter.tensor.detach(), parameter.shard);
   for (auto& buffer : model.buffers()) state.add(buffer.key, buffer.local, buffer.shard);
   for (auto& slice : optimizer.state()) state.add(slice.key, slice.local, slice.shard);
   state.dataPosition = std::to_string(step);
+  if (std::string position = data.state(step); !position.empty()) state.user["data"] = std::move(position);
   state.layout = checkpoint::LayoutRecord::of(layout);
   return state;
 }
@@ -170,6 +174,55 @@ std::string snapshotCostLine(const launch::SnapshotCost& cost, int64_t every) {
   return line;
 }
 
+// AdamW with weight decay 0.01, its gradient reduction as the flags say.
+optim::DistributedOptimizerOptions optimizerOptions(const TrainOptions& options) {
+  optim::DistributedOptimizerOptions o;
+  o.adamw.weightDecay = 0.01;
+  o.overlapGradReduce = options.gradOverlap && !options.cudaGraph;
+  o.reduceInParamDtype = options.gradReduceBf16;
+  // The tied embedding's gradients are summed across stages after the backward: reduced at the step.
+  if (options.model.tiedEmbedding) o.reduceAtStep.insert("embed.weight");
+  return o;
+}
+
+// Loads --resume's step (or the latest) into the model and optimizer, starts the data at it, and
+// returns it. An imported checkpoint, with weights only, restarts the optimizer.
+int64_t loadCheckpoint(checkpoint::Checkpointer& checkpointer, const std::string& which,
+                       const examples::StagedModel& model, optim::DistributedOptimizer& optimizer,
+                       const parallel::Layout& layout, examples::TrainingData& data, int rank) {
+  checkpoint::StateDict targets = stateOf(model, optimizer, layout, data, 0);
+  checkpoint::LoadOptions load;
+  if (which != "latest") load.step = std::stoll(which);
+  load.allowMissing = true;  // an imported checkpoint holds weights only
+  auto loaded = checkpointer.load(targets, load);
+  const bool weightsOnly = restartIfWeightsOnly(loaded, optimizer, rank);
+  if (!weightsOnly) optimizer.afterLoad();
+  // An imported checkpoint has no data position: it goes on from the step it was saved as.
+  const int64_t step = loaded.dataPosition.empty() ? loaded.step : std::stoll(loaded.dataPosition);
+  data.start(step, &loaded.user);
+  if (rank == 0) {
+    log::info("train", "resumed from {} (step {}, saved as {}) in {:.2f} s", loaded.path, step,
+              loaded.layout ? loaded.layout->text() : "?", loaded.seconds);
+  }
+  return step;
+}
+
+// The validation loss after `completed` steps: evaluation e reads the valid split's global batches
+// [(e - 1) iters, e iters), the same in every layout and after a resume.
+double validationLoss(examples::StagedModel& model, const examples::TrainingData& data, const Communicator& dp,
+                      const TrainOptions& options, const c10::Device& device, int64_t completed) {
+  const int64_t e = completed / options.data.evalInterval;
+  double sum = 0;
+  for (int64_t i = 0; i < data.evalIters(); ++i) {
+    std::vector<examples::TokenBatch> microBatches;
+    for (int m = 0; m < options.microBatches; ++m)
+      microBatches.push_back(data.valid()->batch((e - 1) * data.evalIters() + i, m * dp.size() + dp.rank(),
+                                                 options.microBatches * dp.size(), device));
+    sum += model.evaluate(microBatches).get();
+  }
+  return sum / static_cast<double>(data.evalIters());
+}
+
 // Trains on the runtime's current worlds until the last step: one generation
 // of the job, or all of it when nothing fails.
 void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& recovery,
@@ -193,27 +246,26 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
   config.staticShapes = options.cudaGraph || options.staticShapes;
   examples::StagedModel model(config, groups,
                               {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
-  // The tied embedding's gradients are summed across stages after the backward: reduced at the step.
-  std::set<std::string> reduceAtStep;
-  if (options.model.tiedEmbedding) reduceAtStep.insert("embed.weight");
-  optim::DistributedOptimizerOptions optimizerOptions;
-  optimizerOptions.adamw.weightDecay = 0.01;
-  optimizerOptions.overlapGradReduce = options.gradOverlap && !options.cudaGraph;
-  optimizerOptions.reduceInParamDtype = options.gradReduceBf16;
-  optimizerOptions.reduceAtStep = reduceAtStep;
-  optim::DistributedOptimizer optimizer(model.parameters(), groups, optimizerOptions);
+  optim::DistributedOptimizer optimizer(model.parameters(), groups, optimizerOptions(options));
   const optim::LrSchedule schedule{
       .peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup, .totalSteps = options.steps};
   schedule.validate();
-  examples::Batches batches(examples::generateCorpus(options.model.seed, 1 << 20), options.sequence,
-                            options.globalBatch, options.model.seed);
+  examples::TrainingData data(options.data,
+                              {.sequence = options.sequence,
+                               .globalBatch = options.globalBatch,
+                               .steps = options.steps,
+                               .vocab = options.model.vocab,
+                               .seed = options.model.seed},
+                              rank);
+  if (options.cudaGraph && options.data.eodMaskLoss)
+    throw ConfigError("--eod-mask-loss with --cuda-graph: the captured step has no loss mask", {.rank = rank});
 
   std::unique_ptr<checkpoint::Checkpointer> checkpointer;
   if (!options.checkpointDir.empty()) {
     checkpointer = checkpoint::Checkpointer::create({.dir = options.checkpointDir, .keep = options.keep},
                                                     runtime.store(), rank, runtime.world().size());
     // Pinned staging memory now, not inside the first save (which training waits for).
-    checkpointer->reserve(stateOf(model, optimizer, layout, 0));
+    checkpointer->reserve(stateOf(model, optimizer, layout, data, 0));
   }
   int64_t step = 0;
   int64_t savedStep = -1;  // the step the folder already holds from this run (or the load)
@@ -221,24 +273,15 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     recovery.restore(recoveryState(model, optimizer));
     optimizer.afterLoad();
     step = resume->recovered.step;
+    data.start(step, nullptr);
   } else if (!options.resume.empty()) {
     if (!checkpointer) throw ConfigError("--resume needs --ckpt-dir", {.rank = rank, .expected = "--ckpt-dir DIR"});
-    checkpoint::StateDict targets = stateOf(model, optimizer, layout, 0);
-    checkpoint::LoadOptions load;
-    if (options.resume != "latest") load.step = std::stoll(options.resume);
-    load.allowMissing = true;  // an imported checkpoint holds weights only
-    auto loaded = checkpointer->load(targets, load);
-    const bool weightsOnly = restartIfWeightsOnly(loaded, optimizer, rank);
-    if (!weightsOnly) optimizer.afterLoad();
-    // An imported checkpoint has no data position: it goes on from the step it was saved as.
-    step = loaded.dataPosition.empty() ? loaded.step : std::stoll(loaded.dataPosition);
+    step = loadCheckpoint(*checkpointer, options.resume, model, optimizer, layout, data, rank);
     savedStep = step;
-    if (rank == 0) {
-      log::info("train", "resumed from {} (step {}, saved as {}) in {:.2f} s", loaded.path, step,
-                loaded.layout ? loaded.layout->text() : "?", loaded.seconds);
-    }
+  } else {
+    data.start(step, nullptr);
   }
-
+  const examples::BatchSource& batches = data.train();
   if (!resume) recovery.snapshot(step, recoveryState(model, optimizer));  // with spares: the first snapshot
   const int64_t lastStep = options.stopAfter > 0 ? std::min(options.steps, options.stopAfter) : options.steps;
   std::signal(SIGTERM, onStopSignal);
@@ -261,7 +304,7 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     if (completed == savedStep) return;  // a committed step folder is never replaced
     savedStep = completed;
     auto start = std::chrono::steady_clock::now();
-    checkpointer->save(completed, stateOf(model, optimizer, layout, completed));
+    checkpointer->save(completed, stateOf(model, optimizer, layout, data, completed));
     const double blocked = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     reporter.line(fmt::format("checkpoint step {}: training blocked {:.1f} ms (writing continues in the background)",
                               completed, blocked * 1e3));
@@ -311,9 +354,11 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     // any layout (rows [m B / M, (m + 1) B / M)), so the MoE losses, which are not
     // linear in the batch, see the same tokens whatever dp is.
     std::vector<examples::TokenBatch> microBatches;
-    for (int m = 0; m < options.microBatches; ++m)
-      microBatches.push_back(
-          batches.batch(step, m * dp->size() + dp->rank(), options.microBatches * dp->size(), device));
+    for (int m = 0; m < options.microBatches; ++m) {
+      const int slot = m * dp->size() + dp->rank(), slots = options.microBatches * dp->size();
+      microBatches.push_back(batches.batch(step, slot, slots, device));
+      data.log(step, slot, slots, microBatches.back());
+    }
     // The data-parallel mean of the loss (every rank's batch is the same size).
     if (options.cudaGraph && !captured)
       captured = std::make_unique<examples::CapturedStep>(model, groups, runtime.store(), microBatches);
@@ -321,6 +366,11 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     optim::StepNorm gradNorm = optimizer.launchStep(schedule.at(step), {.maxGradNorm = options.clip});
     if (!captured) optimizer.zeroGrad();  // a graph's gradients stay: each replay writes them
     if (queued) report(*queued);          // the step before, done or nearly so on the device
+    if (data.evaluatesAfter(step + 1)) {
+      const double validLoss = validationLoss(model, data, *dp, options, device, step + 1);
+      reporter.line(fmt::format("validation after step {:>5} | loss {:.6f} | ppl {:.2f} | {} batches", step + 1,
+                                validLoss, std::exp(validLoss), data.evalIters()));
+    }
     queued.emplace(Queued{step, std::move(loss), std::move(gradNorm)});
     const bool snapshot = recovery.due(step + 1);
     if (snapshot) {  // the snapshot, and the step's wait for its loss, which it reports at once
@@ -367,7 +417,9 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::App app("Trains a MoE transformer language model on generated text, with checkpoints and resume.", "train_moe");
+  cli::App app(
+      "Trains a MoE transformer language model on an indexed dataset or generated text, with checkpoints and resume.",
+      "train_moe");
   TrainOptions options;
   examples::addTrainFlags(app, options);
   if (auto code = cli::parse(app, argc, argv)) return *code;

@@ -67,7 +67,33 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
       ->check(CLI::IsMember({"float32", "float64", "bfloat16"}))
       ->default_str("float32")
       ->group("Model");
-  app.add_option("--seed", m.seed, "seed of the weights and the data")->group("Model");
+  app.add_option("--seed", m.seed, "seed of the weights and the data (Megatron's --seed for a dataset's order)")
+      ->group("Model");
+  app.add_option("--vocab", m.vocab, "vocabulary size (256: bytes); every token id of the data must be below it")
+      ->check(positive)
+      ->group("Model");
+  // Data.
+  auto& d = o.data;
+  app.add_option("--data-path", d.dataPath,
+                 "indexed datasets (Megatron's .bin/.idx prefixes), or weight prefix pairs to blend; none: the "
+                 "generated corpus")
+      ->group("Data");
+  app.add_option("--split", d.split, "train, valid and test weights of each dataset's sequences")->group("Data");
+  app.add_option("--data-cache-path", d.cacheDir, "where the sample indices are cached (none: rebuilt each run)")
+      ->group("Data");
+  app.add_option("--eod", d.eod, "the end-of-document token id")->check(count)->group("Data");
+  app.add_flag("--eod-mask-loss", d.eodMaskLoss, "targets after an end-of-document input do not count")->group("Data");
+  app.add_option("--eval-interval", d.evalInterval, "steps between validation losses on the valid split (0: none)")
+      ->check(count)
+      ->group("Data");
+  app.add_option("--eval-iters", d.evalIters, "global batches of the valid split each validation reads")
+      ->check(positive)
+      ->group("Data");
+  app.add_flag("--data-changed-ok", d.dataChangedOk,
+               "resume against data other than the checkpoint's, from the same consumed-sample count")
+      ->group("Data");
+  app.add_option("--data-log", d.dataLog, "a folder where each rank appends 'step sample digest' per row it trains on")
+      ->group("Tests");
   // Data and training.
   app.add_option("--seq", o.sequence, "sequence length")->check(positive)->group("Training");
   app.add_option("--batch", o.globalBatch, "sequences per step over all data-parallel ranks")

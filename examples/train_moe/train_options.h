@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "examples/train_moe/model.h"
+#include "examples/train_moe/training_data.h"
 #include "launch/cli.h"
 #include "launch/init.h"
 #include "parallel/parameter.h"
@@ -23,6 +24,7 @@ struct TrainOptions {
   int64_t snapshotEvery = 1;     // steps between in-memory snapshots, with spares
   bool snapshotInPlace = false;  // GPU state copied to the host in place, without the device copy
   ModelConfig model;
+  DataOptions data;
   int sequence = 64;
   int globalBatch = 16;   // sequences per step, over all data-parallel ranks
   int64_t steps = 200;    // the schedule's length
