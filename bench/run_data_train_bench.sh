@@ -4,7 +4,7 @@
 # documentation as bytes, one document a line (what ./dev.sh run trains on); bf16, 4 layers, hidden 1024,
 # 8 heads, 16 experts top-2, sequence 1,024, 16 sequences a step. The two sources alternate, twice each.
 #   bench/run_data_train_bench.sh [build-dir] [out-file]
-# Env: STEPS (default 60; the second half is measured).
+# Env: STEPS (default 60; the second half is measured), COMMIT (the commit to record; default git's HEAD).
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench/results/data_train_$(date +%Y%m%d).md}
@@ -39,7 +39,7 @@ gpu=$(nvidia-smi -L | head -1 | sed 's/^GPU 0: //; s/ (UUID.*//')
   echo "- Command: \`bench/run_data_train_bench.sh $build $out\` (STEPS=$steps; the second half measured; the sources alternate, twice each)"
   echo "- Machine: $gpu ($(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1) driver), $(nproc) CPU cores"
   echo "- Date: $(date -u +%Y-%m-%d)"
-  echo "- Commit: \`$(git rev-parse --short HEAD 2>/dev/null || echo unknown)\`"
+  echo "- Commit: \`${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}\`"
   echo "- Model: bf16, 4 layers, hidden 1024, 8 heads, 16 experts top-2, expert hidden 512, sequence 1,024, 16 sequences"
   echo "  a step. Dataset: README.md and docs/*.md as bytes, one document a line (bulkhead-data convert --per-line)."
   echo
