@@ -19,6 +19,7 @@
 #include "checkpoint/fs.h"
 #include "checkpoint/key_map.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/safetensors_source.h"
 #include "runtime/deadline.h"
 #include "runtime/errors.h"
 #include "runtime/store/file_store.h"
@@ -26,81 +27,8 @@
 namespace bulkhead::checkpoint {
 namespace {
 
-bool endsWith(const std::string& text, const std::string& suffix) {
-  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 [[noreturn]] void badSource(const std::string& what) {
   throw CheckpointError(what, {.expected = "safetensors files with every tensor the index names and the map covers"});
-}
-
-// The file names an index lists for each tensor; names are checked to stay in the folder.
-std::map<std::string, std::string> readIndex(const std::string& path) {
-  int error = 0;
-  auto text = fs::readFile(path, &error);
-  if (!text) fs::raise(fmt::format("reading {}", path), error, -1);
-  nlohmann::json root = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded() || !root.is_object() || !root.contains("weight_map") || !root["weight_map"].is_object())
-    badSource(fmt::format("{} is not a safetensors index (a JSON object with a \"weight_map\")", path));
-  std::map<std::string, std::string> files;
-  for (const auto& [name, file] : root["weight_map"].items()) {
-    if (!file.is_string()) badSource(fmt::format("{}: the file of '{}' is not a string", path, name));
-    const std::string value = file.get<std::string>();
-    if (value.empty() || value.find('/') != std::string::npos || value == "." || value == ".." ||
-        !endsWith(value, ".safetensors"))
-      badSource(fmt::format("{}: '{}' names file '{}', which is not a .safetensors file in the same folder", path, name,
-                            value));
-    files[name] = value;
-  }
-  return files;
-}
-
-// Every tensor of the source: its file and header entry.
-struct Source {
-  std::vector<std::unique_ptr<SafetensorsFile>> files;
-  std::vector<std::pair<const SafetensorsFile*, const SafetensorsTensor*>> tensors;
-  int64_t bytes = 0;
-};
-
-Source openSource(const std::string& source) {
-  Source out;
-  std::map<std::string, std::string> indexed;  // name -> file, from the indexes
-  std::vector<std::string> paths;
-  if (!fs::isDirectory(source)) {
-    paths.push_back(source);
-  } else {
-    bool anyIndex = false;
-    for (const char* index : {"model.safetensors.index.json", "optimizer.safetensors.index.json"}) {
-      const std::string path = fs::join(source, index);
-      if (!fs::exists(path)) continue;
-      anyIndex = true;
-      for (auto& [name, file] : readIndex(path)) indexed[name] = fs::join(source, file);
-    }
-    std::set<std::string> unique;
-    for (const auto& [name, file] : indexed) unique.insert(file);
-    if (!anyIndex)
-      for (const auto& name : fs::list(source, -1))
-        if (endsWith(name, ".safetensors")) unique.insert(fs::join(source, name));
-    paths.assign(unique.begin(), unique.end());
-    if (paths.empty()) badSource(fmt::format("{} holds no .safetensors files", source));
-  }
-  std::map<std::string, const SafetensorsFile*> seen;
-  for (const auto& path : paths) {
-    out.files.push_back(std::make_unique<SafetensorsFile>(path));
-    const SafetensorsFile* file = out.files.back().get();
-    for (const auto& tensor : file->header().tensors) {
-      auto where = indexed.find(tensor.name);
-      if (!indexed.empty() && (where == indexed.end() || where->second != path)) continue;  // the index decides
-      if (auto [at, fresh] = seen.emplace(tensor.name, file); !fresh)
-        badSource(fmt::format("tensor '{}' is in both {} and {}", tensor.name, at->second->path(), path));
-      out.tensors.emplace_back(file, &tensor);
-      out.bytes += tensor.bytes();
-    }
-  }
-  for (const auto& [name, file] : indexed)
-    if (!seen.count(name))
-      badSource(fmt::format("the index names tensor '{}' in {}, which does not hold it", name, file));
-  return out;
 }
 
 // The pieces of one Bulkhead tensor.
@@ -164,7 +92,7 @@ ImportReport importSafetensors(const ImportOptions& options) {
   const auto started = std::chrono::steady_clock::now();
   if (options.step < 0) throw ConfigError("--step must be >= 0", {.expected = "a step number >= 0"});
   const KeyMap map = options.map.empty() ? KeyMap::identity() : KeyMap::load(options.map);
-  Source source = openSource(options.source);
+  SafetensorsSource source = openSafetensorsSource(options.source);
   std::map<std::string, Assembly> assemblies;
   for (const auto& [file, tensor] : source.tensors) {
     // Optimizer state travels under its own keys.

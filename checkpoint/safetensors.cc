@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -192,6 +193,51 @@ void SafetensorsFile::readInto(const SafetensorsTensor& tensor, void* target) co
 at::Tensor SafetensorsFile::read(const SafetensorsTensor& tensor) const {
   at::Tensor out = at::empty(tensor.shape, at::TensorOptions(tensor.dtype));
   readInto(tensor, out.data_ptr());
+  return out;
+}
+
+at::Tensor SafetensorsFile::readBlock(const SafetensorsTensor& tensor, const std::vector<int64_t>& offsets,
+                                      const std::vector<int64_t>& sizes) const {
+  const size_t dims = tensor.shape.size();
+  bool inside = offsets.size() == dims && sizes.size() == dims;
+  for (size_t d = 0; inside && d < dims; ++d)
+    inside = offsets[d] >= 0 && sizes[d] >= 0 && offsets[d] + sizes[d] <= tensor.shape[d];
+  if (!inside)
+    throw ConfigError(fmt::format("{}: tensor '{}' of shape [{}] has no block at [{}] of [{}]", path_, tensor.name,
+                                  fmt::join(tensor.shape, ", "), fmt::join(offsets, ", "), fmt::join(sizes, ", ")),
+                      {.expected = "a block inside the tensor's shape"});
+  at::Tensor out = at::empty(sizes, at::TensorOptions(tensor.dtype));
+  if (out.numel() == 0) return out;
+  // The innermost dimensions the block spans whole, with the first partial one, make one contiguous run.
+  size_t inner = dims;
+  int64_t run = 1;
+  while (inner > 0) {
+    run *= sizes[inner - 1];
+    --inner;
+    if (sizes[inner] != tensor.shape[inner]) break;
+  }
+  const int64_t item = static_cast<int64_t>(c10::elementSize(tensor.dtype));
+  std::vector<int64_t> strides(dims, 1);
+  for (size_t d = dims; d-- > 1;) strides[d - 1] = strides[d] * tensor.shape[d];
+  const int64_t runs = out.numel() / run;
+  auto* target = static_cast<char*>(out.data_ptr());
+  std::vector<int64_t> index(inner, 0);  // the outer dimensions' position within the block
+  for (int64_t r = 0; r < runs; ++r) {
+    int64_t element = 0;
+    for (size_t d = 0; d < dims; ++d) element += (offsets[d] + (d < inner ? index[d] : 0)) * strides[d];
+    const int64_t bytes = run * item, at = header_.dataStart + tensor.begin + element * item;
+    const int64_t n = readAt(fd_.get(), target + r * bytes, bytes, at);
+    if (n < 0) fs::raise(fmt::format("reading tensor '{}' of {}", tensor.name, path_), errno, -1);
+    if (n != bytes)
+      throw IoError(
+          fmt::format("{}: tensor '{}' ends inside the block read: the file was truncated after it was opened", path_,
+                      tensor.name),
+          {.expected = "a file that does not change while it is read"});
+    for (size_t d = inner; d-- > 0;) {
+      if (++index[d] < sizes[d]) break;
+      index[d] = 0;
+    }
+  }
   return out;
 }
 

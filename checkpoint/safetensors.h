@@ -69,6 +69,10 @@ class SafetensorsFile {
   // short read (the file changed since it was opened).
   void readInto(const SafetensorsTensor& tensor, void* target) const;
   at::Tensor read(const SafetensorsTensor& tensor) const;  // a contiguous CPU tensor
+  // The block of the tensor at `offsets` with extent `sizes` (one each per dimension), as a contiguous CPU
+  // tensor, reading only its bytes: one read per contiguous run. ConfigError for a block outside the shape.
+  at::Tensor readBlock(const SafetensorsTensor& tensor, const std::vector<int64_t>& offsets,
+                       const std::vector<int64_t>& sizes) const;
 
  private:
   std::string path_;

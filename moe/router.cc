@@ -49,7 +49,8 @@ Routing Router::select(const at::Tensor& tokens, bool hostCounts, const at::Tens
   const int64_t numTokens = tokens.size(0);
   const int64_t numExperts = options_.numExperts;
   // Scores in at least float32: bf16 softmax over many experts loses the ranking.
-  const auto scoreType = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const bool doubleScores = tokens.scalar_type() == at::kDouble && !options_.float32Scores;
+  const auto scoreType = doubleScores ? at::kDouble : at::kFloat;
   at::Tensor keys;  // defined where the selection adds noise
   if (noisy()) {
     if (!noiseKeys.defined() || noiseKeys.numel() != numTokens || noiseKeys.device() != tokens.device() ||
@@ -62,6 +63,8 @@ Routing Router::select(const at::Tensor& tokens, bool hostCounts, const at::Tens
   Routing routing;
   if (auto mixed = mixedPrecisionLogits(tokens, gate_))
     routing.logits = std::move(*mixed);
+  else if (tokens.scalar_type() == at::kDouble && !doubleScores)
+    routing.logits = at::matmul(tokens, gate_.to(at::kDouble).t()).to(at::kFloat);
   else
     routing.logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
   if (auto fused = fusedScores(routing.logits, options_, options_.expertBias ? bias_ : at::Tensor(), keys)) {

@@ -52,6 +52,10 @@ struct RouterOptions {
   double capacityFactor = 0;  // 0: dropless
   double selectionNoise = 0;  // std of the selection noise in score units; 0: off
   uint64_t noiseSeed = 0;
+  // Scores, selection and weights in float32 even for float64 tokens, from logits in the tokens' dtype
+  // (Hugging Face's Qwen3-MoE and Mixtral routers: softmax(logits, dtype=float32), then top-k and the
+  // renormalisation in float32). The weights are float32; the combine promotes them exactly.
+  bool float32Scores = false;
 };
 
 struct Routing {
