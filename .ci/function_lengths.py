@@ -15,7 +15,7 @@ import pathlib
 import re
 import sys
 
-LIBRARIES = ["runtime", "data", "parallel", "moe", "checkpoint", "optim", "launch"]
+LIBRARIES = ["runtime", "data", "parallel", "moe", "checkpoint", "optim", "models", "launch"]
 SUFFIXES = {".cc", ".h", ".cu", ".cuh"}
 
 

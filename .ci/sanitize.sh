@@ -3,8 +3,9 @@
 # and runs it:
 #   .ci/sanitize.sh address   the unit tests (store protocol, fault specs, env, layouts, ledger), the checkpoint
 #                             unit tests (hostile safetensors and manifests), the data unit tests (hostile and
-#                             10,000 mutated dataset indexes) and the checkpoint corruption test on 4 ranks,
-#                             under AddressSanitizer and UndefinedBehaviorSanitizer
+#                             10,000 mutated dataset indexes), the model config reader (5,000 mutated configs), the
+#                             Hugging Face importer (600 mutated shard headers and indexes) and the checkpoint
+#                             corruption test on 4 ranks, under AddressSanitizer and UndefinedBehaviorSanitizer
 #   .ci/sanitize.sh thread    the store, store server, client, node relay, monitor and ledger tests under
 #                             ThreadSanitizer
 # Any report fails the run. BULKHEAD_BUILD_DIR (default build) names the main build; this one is <it>-<kind>.
@@ -26,7 +27,8 @@ bin=$build/bin
 case "$kind" in
   address)
     cmake --build "$build" -j "$(nproc)" --target bulkhead_runtime_unit_tests bulkhead_parallel_unit_tests \
-      bulkhead_launch_unit_tests bulkhead_checkpoint_unit_tests bulkhead_checkpoint_mpi_tests bulkhead_data_unit_tests
+      bulkhead_launch_unit_tests bulkhead_checkpoint_unit_tests bulkhead_checkpoint_mpi_tests bulkhead_data_unit_tests \
+      bulkhead_models_unit_tests bulkhead_models_tests
     [ $build_only = 1 ] && exit 0
     # Leaks at exit are libtorch's and Open MPI's, not reports about Bulkhead's memory use.
     export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1
@@ -36,6 +38,8 @@ case "$kind" in
     "$bin/bulkhead_launch_unit_tests"
     "$bin/bulkhead_checkpoint_unit_tests"
     "$bin/bulkhead_data_unit_tests"
+    "$bin/bulkhead_models_unit_tests"
+    mpirun -np 1 -x ASAN_OPTIONS -x UBSAN_OPTIONS "$bin/bulkhead_models_tests" "[fuzz]"
     BULKHEAD_COLLECTIVE_TIMEOUT=120 mpirun --oversubscribe -np 4 -x ASAN_OPTIONS -x UBSAN_OPTIONS \
       "$bin/bulkhead_checkpoint_mpi_tests" "every kind of damage*"
     ;;

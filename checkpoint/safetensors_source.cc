@@ -35,8 +35,8 @@ std::map<std::string, std::string> readIndex(const std::string& path) {
     const std::string value = file.get<std::string>();
     if (value.empty() || value.find('/') != std::string::npos || value == "." || value == ".." ||
         !endsWithSuffix(value, ".safetensors"))
-      badSafetensorsFolder(fmt::format("{}: '{}' names file '{}', which is not a .safetensors file in the same folder", path, name,
-                            value));
+      badSafetensorsFolder(fmt::format("{}: '{}' names file '{}', which is not a .safetensors file in the same folder",
+                                       path, name, value));
     files[name] = value;
   }
   return files;

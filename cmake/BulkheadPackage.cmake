@@ -4,7 +4,7 @@
 include(CMakePackageConfigHelpers)
 
 install(TARGETS bulkhead bulkhead_runtime bulkhead_data bulkhead_parallel bulkhead_moe bulkhead_optim bulkhead_checkpoint
-                bulkhead_launch
+                bulkhead_models bulkhead_launch
         EXPORT BulkheadTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
@@ -37,7 +37,9 @@ set(BULKHEAD_PUBLIC_HEADERS
   checkpoint/checkpointer.h checkpoint/checksum.h checkpoint/chunking.h checkpoint/commit.h checkpoint/convert.h
   checkpoint/dtype.h checkpoint/fault.h checkpoint/folder.h checkpoint/fs.h checkpoint/hdf5.h checkpoint/inspect.h
   checkpoint/key_map.h checkpoint/manifest.h checkpoint/parallel_for.h checkpoint/rank_file.h checkpoint/reader.h
-  checkpoint/safetensors.h checkpoint/staging.h checkpoint/state_dict.h checkpoint/tensor_reader.h
+  checkpoint/safetensors.h checkpoint/safetensors_source.h checkpoint/staging.h checkpoint/state_dict.h
+  checkpoint/tensor_reader.h
+  models/config.h models/decoder.h models/hf_weights.h models/layers.h
   launch/bootstrap.h launch/cli.h launch/init.h launch/recovery.h launch/rendezvous.h launch/snapshot.h launch/world.h)
 foreach(header ${BULKHEAD_PUBLIC_HEADERS})
   get_filename_component(folder ${header} DIRECTORY)

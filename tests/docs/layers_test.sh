@@ -7,7 +7,7 @@ set -u
 root=$1
 design=$root/docs/design.md
 [ -f "$design" ] || { echo "FAIL: $design is missing"; exit 1; }
-libraries="runtime data parallel moe optim checkpoint launch"
+libraries="runtime data parallel moe optim checkpoint models launch"
 section=$(awk '/^## Layers$/ {on = 1; next} /^## / {on = 0} on' "$design")
 [ -n "$section" ] || { echo "FAIL: docs/design.md has no '## Layers' section"; exit 1; }
 named=$(grep -oE '`[a-z_]+(/[a-z_]+)*/`' <<<"$section" | tr -d '`' | sed 's#/$##' | grep -E "^(${libraries// /|})(/|\$)" | sort -u)
