@@ -67,7 +67,25 @@ struct ModelPart {
   bool first = true, last = true;
 };
 
-class MoETransformer {
+// One pipeline chunk of the model train_moe trains: a part of the built-in MoETransformer, or of a Hugging
+// Face decoder (examples/train_moe/hf_model.h).
+class ModelChunk {
+ public:
+  virtual ~ModelChunk() = default;
+  // This part: the first embeds the batch's ids, the others continue from
+  // `input` (the previous part's activations); returns the activations, or on
+  // the last part the loss, and this part's MoE losses.
+  virtual ModelOutput forwardPart(const TokenBatch& batch, const at::Tensor& input) = 0;
+  virtual const ModelPart& part() const = 0;
+  // The embedding weight on a first part, or tied on a last part (undefined elsewhere).
+  virtual at::Tensor embeddingWeight() const = 0;
+  virtual std::vector<parallel::Parameter> parameters() const = 0;
+  // State that is not trained by gradients (the routers' expert biases).
+  virtual std::vector<parallel::ShardedTensor> buffers() const = 0;
+  virtual const std::vector<std::unique_ptr<moe::MoELayer>>& moeLayers() const = 0;
+};
+
+class MoETransformer : public ModelChunk {
  public:
   MoETransformer(const ModelConfig& config, const parallel::ProcessGroups& groups, ModelPart part = {});
   MoETransformer(const MoETransformer&) = delete;
@@ -75,18 +93,13 @@ class MoETransformer {
 
   // batch: [rows, sequence] int64 on the groups' device (the whole model).
   ModelOutput forward(const TokenBatch& batch);
-  // This part: the first embeds the batch's ids, the others continue from
-  // `input` (the previous part's activations); returns the activations, or on
-  // the last part the loss, and this part's MoE losses.
-  ModelOutput forwardPart(const TokenBatch& batch, const at::Tensor& input);
-  const ModelPart& part() const { return part_; }
-  // The embedding weight on a first part, or tied on a last part (undefined elsewhere).
-  at::Tensor embeddingWeight() const;
+  ModelOutput forwardPart(const TokenBatch& batch, const at::Tensor& input) override;
+  const ModelPart& part() const override { return part_; }
+  at::Tensor embeddingWeight() const override;
 
-  std::vector<parallel::Parameter> parameters() const;
-  // State that is not trained by gradients (the routers' expert biases).
-  std::vector<parallel::ShardedTensor> buffers() const;
-  const std::vector<std::unique_ptr<moe::MoELayer>>& moeLayers() const { return moe_; }
+  std::vector<parallel::Parameter> parameters() const override;
+  std::vector<parallel::ShardedTensor> buffers() const override;
+  const std::vector<std::unique_ptr<moe::MoELayer>>& moeLayers() const override { return moe_; }
 
  private:
   at::Tensor positions_;  // 0.1 x the sinusoidal table of the last sequence length

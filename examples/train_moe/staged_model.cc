@@ -21,27 +21,30 @@ parallel::PipelineOptions pipelineOptions(const StagedOptions& options) {
 }  // namespace
 
 StagedModel::StagedModel(const ModelConfig& config, const parallel::ProcessGroups& groups, StagedOptions options)
-    : groups_(groups),
-      options_(options),
-      tied_(config.tiedEmbedding),
-      pipeline_(groups.pp(), pipelineOptions(options)) {
+    : StagedModel(
+          config.layers, config.tiedEmbedding,
+          [&](const ModelPart& part) { return std::make_unique<MoETransformer>(config, groups, part); }, groups,
+          options) {}
+
+StagedModel::StagedModel(int layers, bool tied, const ChunkFactory& factory, const parallel::ProcessGroups& groups,
+                         StagedOptions options)
+    : groups_(groups), options_(options), tied_(tied), pipeline_(groups.pp(), pipelineOptions(options)) {
   const int pp = groups.pp()->size(), rank = groups.pp()->rank(), stages = pp * options.virtualStages;
-  if (config.layers % stages != 0)
-    throw ConfigError(fmt::format("model: {} layers do not divide over {} pipeline stages (pp {} x vpp {})",
-                                  config.layers, stages, pp, options.virtualStages),
+  if (layers % stages != 0)
+    throw ConfigError(fmt::format("model: {} layers do not divide over {} pipeline stages (pp {} x vpp {})", layers,
+                                  stages, pp, options.virtualStages),
                       {.rank = groups.world()->rank(), .expected = fmt::format("layers a multiple of {}", stages)});
   // The schedule's own checks (micro-batches a multiple of pp when interleaving) before any work.
   parallel::pipelineSteps(
       pipelineOptions(options).schedule,
       {.stages = pp, .rank = rank, .virtualStages = options.virtualStages, .microBatches = options.microBatches});
-  const int perStage = config.layers / stages;
+  const int perStage = layers / stages;
   for (int chunk = 0; chunk < options.virtualStages; ++chunk) {
     const int stage = chunk * pp + rank;
-    parts_.push_back(std::make_unique<MoETransformer>(config, groups,
-                                                      ModelPart{.firstLayer = stage * perStage,
-                                                                .endLayer = (stage + 1) * perStage,
-                                                                .first = stage == 0,
-                                                                .last = stage == stages - 1}));
+    parts_.push_back(factory(ModelPart{.firstLayer = stage * perStage,
+                                       .endLayer = (stage + 1) * perStage,
+                                       .first = stage == 0,
+                                       .last = stage == stages - 1}));
   }
 }
 

@@ -1,6 +1,7 @@
 #pragma once
-// train_moe's model over a pipeline: this rank's parts of the MoE transformer
-// (stage = chunk * pp + pp rank; the layers split evenly over pp x vpp stages),
+// train_moe's model over a pipeline: this rank's parts of the model (ModelChunk: the built-in MoE
+// transformer or a Hugging Face decoder; stage = chunk * pp + pp rank; the layers split evenly over pp x vpp
+// stages),
 // the schedule that runs them over micro-batches, and, with a tied embedding,
 // the sum of its gradients between the first and the last stage. With pp = 1,
 // vpp = 1 and one micro-batch it is the whole model in one forward and one
@@ -8,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -44,10 +46,16 @@ struct StagedOptions {
   int microBatches = 1;   // per step; this rank's batch rows must divide by it
 };
 
+// Builds the chunk of one part (pipeline stage).
+using ChunkFactory = std::function<std::unique_ptr<ModelChunk>(const ModelPart& part)>;
+
 class StagedModel {
  public:
   // ConfigError when the layers do not divide over pp x vpp stages.
   StagedModel(const ModelConfig& config, const parallel::ProcessGroups& groups, StagedOptions options = {});
+  // `layers` of chunks the factory builds; `tied`: the last part holds a copy of the first part's embedding.
+  StagedModel(int layers, bool tied, const ChunkFactory& factory, const parallel::ProcessGroups& groups,
+              StagedOptions options = {});
 
   // Forward and backward of this rank's micro-batches (microBatches of them,
   // [rows, sequence] each); gradients accumulate in the
@@ -82,7 +90,7 @@ class StagedModel {
   const parallel::ProcessGroups& groups_;
   StagedOptions options_;
   bool tied_;  // the embedding's gradients are summed between the first and the last stage
-  std::vector<std::unique_ptr<MoETransformer>> parts_;
+  std::vector<std::unique_ptr<ModelChunk>> parts_;
   parallel::Pipeline pipeline_;
 };
 

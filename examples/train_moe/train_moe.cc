@@ -31,6 +31,8 @@
 #include "checkpoint/checkpointer.h"
 #include "examples/train_moe/captured_step.h"
 #include "examples/train_moe/data.h"
+#include "examples/train_moe/hf_eval.h"
+#include "examples/train_moe/hf_model.h"
 #include "examples/train_moe/model.h"
 #include "examples/train_moe/staged_model.h"
 #include "examples/train_moe/step_profile.h"
@@ -244,8 +246,9 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
   if (options.cudaGraph) examples::checkCapturable(groups, options.model.capacityFactor);
   examples::ModelConfig config = options.model;
   config.staticShapes = options.cudaGraph || options.staticShapes;
-  examples::StagedModel model(config, groups,
-                              {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
+  const std::unique_ptr<examples::StagedModel> built = examples::makeStagedModel(
+      options, config, groups, {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
+  examples::StagedModel& model = *built;
   optim::DistributedOptimizer optimizer(model.parameters(), groups, optimizerOptions(options));
   const optim::LrSchedule schedule{
       .peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup, .totalSteps = options.steps};
@@ -254,7 +257,7 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
                               {.sequence = options.sequence,
                                .globalBatch = options.globalBatch,
                                .steps = options.steps,
-                               .vocab = options.model.vocab,
+                               .vocab = examples::modelVocab(options),
                                .seed = options.model.seed},
                               rank);
   if (options.cudaGraph && options.data.eodMaskLoss)
@@ -311,7 +314,7 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
   };
 
   const auto& dp = groups.dpCp();
-  const double flopsPerToken = examples::trainingFlopsPerToken(options.model, options.sequence);
+  const double flopsPerToken = examples::modelFlopsPerToken(options, options.sequence);
   const double peak = peakFlops(device);
   double windowSeconds = 0;
   int64_t windowSteps = 0;
@@ -425,6 +428,12 @@ int main(int argc, char** argv) {
   if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
     auto runtime = init({.backend = options.backend, .spares = options.spares});
+    examples::checkHfFlags(options, runtime->world().rank());
+    if (options.steps == 0) {  // evaluate given tokens
+      examples::evaluateHfModel(*runtime, options);
+      runtime->shutdown();
+      return 0;
+    }
     launch::Recovery recovery(*runtime,
                               {.snapshotEvery = options.snapshotEvery, .stageOnDevice = !options.snapshotInPlace});
     std::optional<Resume> resume;

@@ -72,6 +72,24 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   app.add_option("--vocab", m.vocab, "vocabulary size (256: bytes); every token id of the data must be below it")
       ->check(positive)
       ->group("Model");
+  // A Hugging Face model.
+  auto& hf = o.hf;
+  app.add_option("--hf-model", hf.model,
+                 "a Hugging Face folder (config.json, model.safetensors or a sharded index) of a qwen3_moe or "
+                 "mixtral model; each rank reads only its own slices")
+      ->group("Hugging Face");
+  app.add_option("--model-config", hf.modelConfig, "a Hugging Face config.json: that model from random weights")
+      ->group("Hugging Face");
+  app.add_option("--tokens", hf.tokens,
+                 "with --steps 0: print the LM loss of these token ids (safetensors, input_ids int64 [rows, seq])")
+      ->group("Hugging Face");
+  app.add_option("--logits-out", hf.logitsOut, "with --tokens: write their logits [rows, seq, vocab] (safetensors)")
+      ->group("Hugging Face");
+  app.add_option_function<std::string>(
+         "--logits-dtype", [&hf](const std::string& name) { hf.logitsDtype = *parseDtype(name); },
+         "the dtype of --logits-out (default: the model's)")
+      ->check(CLI::IsMember({"float32", "float64", "bfloat16"}))
+      ->group("Hugging Face");
   // Data.
   auto& d = o.data;
   app.add_option("--data-path", d.dataPath,
@@ -99,7 +117,9 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
   app.add_option("--batch", o.globalBatch, "sequences per step over all data-parallel ranks")
       ->check(positive)
       ->group("Training");
-  app.add_option("--steps", o.steps, "length of the schedule")->check(positive)->group("Training");
+  app.add_option("--steps", o.steps, "length of the schedule (0: only evaluate --tokens)")
+      ->check(count)
+      ->group("Training");
   app.add_option("--stop-after", o.stopAfter, "stop (and save) after this step, as a job time limit would; 0: never")
       ->check(count)
       ->group("Training");

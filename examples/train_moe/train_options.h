@@ -15,6 +15,16 @@
 
 namespace bulkhead::examples {
 
+// A Hugging Face model (docs/models.md) in place of the built-in one.
+struct HfOptions {
+  std::string model;        // --hf-model: a folder with config.json and safetensors
+  std::string modelConfig;  // --model-config: a config.json alone (random weights)
+  std::string tokens;       // --tokens: safetensors holding input_ids int64 [rows, seq], evaluated with --steps 0
+  std::string logitsOut;    // --logits-out: the logits of --tokens, [rows, seq, vocab]
+  std::optional<at::ScalarType> logitsDtype;  // unset: the model's dtype
+  bool any() const { return !model.empty() || !modelConfig.empty(); }
+};
+
 struct TrainOptions {
   std::optional<Backend> backend;  // unset: BULKHEAD_BACKEND
   int tp = 1, ep = 1, pp = 1;
@@ -24,10 +34,11 @@ struct TrainOptions {
   int64_t snapshotEvery = 1;     // steps between in-memory snapshots, with spares
   bool snapshotInPlace = false;  // GPU state copied to the host in place, without the device copy
   ModelConfig model;
+  HfOptions hf;
   DataOptions data;
   int sequence = 64;
   int globalBatch = 16;   // sequences per step, over all data-parallel ranks
-  int64_t steps = 200;    // the schedule's length
+  int64_t steps = 200;    // the schedule's length; 0: evaluate --tokens only
   int64_t stopAfter = 0;  // > 0: stop (and save) after this step, as a job time limit would
   double lr = 2e-3;
   int64_t warmup = 20;
