@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,10 @@ struct ExportOptions {
   std::string dir;              // the checkpoint folder
   std::string step = "latest";  // a step number or latest
   std::string out;              // the folder to write; created, and must not hold an export already
-  std::string map;              // a key map file; empty: every key keeps its name
+  std::string map;              // a key map file; empty: mapText, else every key keeps its name
+  std::string mapText;          // a key map document itself (a model's own, models/hf_export.h)
+  // Files written beside the shards (a model's config.json), by name, after them.
+  std::map<std::string, std::string> files;
   bool withOptimizer = false;
   int64_t shardBytes = 5'000'000'000;
   int threads = 4;      // reader threads

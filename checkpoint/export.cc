@@ -170,7 +170,9 @@ ExportReport exportSafetensors(const ExportOptions& options) {
   report.folder = resolveStepFolder(options.dir, options.step);
   WholeTensorReader reader(report.folder, options.threads);
   report.step = reader.manifest().step;
-  const KeyMap map = options.map.empty() ? KeyMap::identity() : KeyMap::load(options.map);
+  const KeyMap map = !options.map.empty()       ? KeyMap::load(options.map)
+                     : !options.mapText.empty() ? KeyMap::parse(options.mapText, "the model's key map")
+                                                : KeyMap::identity();
   std::vector<Group> groups = plan(reader.manifest(), map, options);
   refuseExisting(options.out);
   fs::makeDirectories(options.out, -1);
@@ -178,6 +180,10 @@ ExportReport exportSafetensors(const ExportOptions& options) {
   int64_t written = 0;
   const int64_t total = groups[0].bytes + groups[1].bytes;
   for (const auto& group : groups) writeGroup(group, reader, options, report, metadata, written, total);
+  for (const auto& [name, content] : options.files) {
+    fs::replaceFile(fs::join(options.out, name), content, "export", -1);
+    report.files.push_back(fs::join(options.out, name));
+  }
   fs::sync(options.out, -1);
   report.bytes = written;
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();

@@ -39,7 +39,7 @@ set(BULKHEAD_PUBLIC_HEADERS
   checkpoint/key_map.h checkpoint/manifest.h checkpoint/parallel_for.h checkpoint/rank_file.h checkpoint/reader.h
   checkpoint/safetensors.h checkpoint/safetensors_source.h checkpoint/staging.h checkpoint/state_dict.h
   checkpoint/tensor_reader.h
-  models/config.h models/decoder.h models/hf_weights.h models/layers.h
+  models/config.h models/decoder.h models/hf_export.h models/hf_weights.h models/layers.h
   launch/bootstrap.h launch/cli.h launch/init.h launch/recovery.h launch/rendezvous.h launch/snapshot.h launch/world.h)
 foreach(header ${BULKHEAD_PUBLIC_HEADERS})
   get_filename_component(folder ${header} DIRECTORY)

@@ -4,7 +4,8 @@
 #include <signal.h>
 
 #include <csignal>
-
+#include <exception>
+#include <string>
 #include <thread>
 
 #include "launch/recovery.h"
@@ -89,6 +90,15 @@ Runtime::Runtime(launch::WorldInfo info, Backend backend, launch::Rendezvous ren
 
 Runtime::~Runtime() {
   try {
+    // Let go of by an error on its way out (to guardedMain, which logs it next): the other ranks are still in
+    // their step and would never join a final barrier, so none is attempted. The worlds are let go of at once,
+    // and the error reaches the log and the exit code without waiting on any peer.
+    if (std::uncaught_exceptions() > 0 && !down_ && world_ && !spare_) {
+      down_ = true;
+      log::error("launch", "rank {} leaves on an error (logged next), without the final barrier", info_.rank);
+      endAfterFatalError();
+      return;
+    }
     shutdown();
   } catch (const std::exception& e) {
     log::error("launch", "shutdown failed: {}", e.what());

@@ -49,7 +49,9 @@ class Runtime {
   Runtime(launch::WorldInfo info, Backend backend, launch::Rendezvous rendezvous, int spares, int launcherRank);
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
-  // Shuts down with BULKHEAD_SHUTDOWN_TIMEOUT if shutdown() was not called.
+  // Shuts down with BULKHEAD_SHUTDOWN_TIMEOUT if shutdown() was not called. Let go of while an exception
+  // unwinds (an error on its way to guardedMain), it attempts no final barrier, which peers still in their
+  // step would never join: it aborts its worlds and returns at once.
   ~Runtime();
 
   // This generation's rank and the training world's size (spares excluded).

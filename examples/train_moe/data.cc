@@ -103,7 +103,7 @@ TokenBatch DatasetBatches::batch(int64_t step, int rank, int ranks, c10::Device 
     if (rows[i] >= 0 && rows[i] < options_.vocab) continue;
     throw ConfigError(fmt::format("data: {} sample {} holds token id {}, outside the model's vocabulary of {}",
                                   options_.what, first + i / (sequence + 1), rows[i], options_.vocab),
-                      {.rank = rank, .expected = "--vocab above every id of the dataset"});
+                      {.rank = rank, .expected = options_.vocabHint});
   }
   at::Tensor mask;
   if (options_.eodMask >= 0) {  // Megatron's loss_mask[tokens == eod] = 0, on the inputs

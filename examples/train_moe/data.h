@@ -63,6 +63,7 @@ struct DatasetBatchOptions {
   int64_t vocab = 256;         // every id must be below it
   int64_t eodMask = -1;        // >= 0: targets after this input id do not count (Megatron's --eod-mask-loss)
   std::string what = "train";  // the split, in errors
+  std::string vocabHint = "--vocab above every id of the dataset";  // what an id past the vocabulary calls for
 };
 
 class DatasetBatches : public BatchSource {

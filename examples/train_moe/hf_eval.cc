@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpointer.h"
 #include "checkpoint/safetensors.h"
 #include "examples/train_moe/hf_model.h"
 #include "models/config.h"
@@ -113,6 +114,19 @@ at::Tensor forwardStages(models::Decoder& model, const parallel::ProcessGroups& 
   return {};
 }
 
+// --ckpt-dir DIR --resume latest|STEP: the weights a training run saved there, at any layout, over those read.
+void loadTrained(Runtime& runtime, const TrainOptions& options, models::Decoder& model) {
+  const int rank = runtime.world().rank();
+  auto checkpointer =
+      checkpoint::Checkpointer::create({.dir = options.checkpointDir}, runtime.store(), rank, runtime.world().size());
+  checkpoint::StateDict weights;
+  for (const parallel::Parameter& p : model.parameters()) weights.add(p.name, p.tensor.detach(), p.shard);
+  checkpoint::LoadOptions load{.resume = false};
+  if (options.resume != "latest") load.step = std::stoll(options.resume);
+  const checkpoint::LoadResult loaded = checkpointer->load(weights, load);
+  if (rank == 0) fmt::print("loaded the weights of step {} from {}\n", loaded.step, loaded.path);
+}
+
 }  // namespace
 
 void checkHfFlags(const TrainOptions& options, int rank) {
@@ -128,6 +142,11 @@ void checkHfFlags(const TrainOptions& options, int rank) {
     refuse(fmt::format("--tokens with --steps {}: the tokens are evaluated without training", options.steps),
            "--steps 0 with --tokens");
   if (!hf.tokens.empty() && !hf.any()) refuse("--tokens without a model", "--hf-model DIR or --model-config FILE");
+  if (options.steps == 0 && !options.resume.empty() && options.checkpointDir.empty())
+    refuse("--resume without --ckpt-dir", "--ckpt-dir DIR --resume latest|STEP");
+  if (options.steps == 0 && !options.resume.empty() && options.resume != "latest" &&
+      options.resume.find_first_not_of("0123456789") != std::string::npos)
+    refuse(fmt::format("--resume {}", options.resume), "--resume latest or a step number");
   if (!hf.logitsOut.empty() && hf.tokens.empty())
     refuse("--logits-out without --tokens", "--tokens FILE --steps 0 --logits-out OUT");
   if (hf.any() && (options.cudaGraph || options.staticShapes))
@@ -157,6 +176,7 @@ void evaluateHfModel(Runtime& runtime, const TrainOptions& options) {
   models::Decoder model(config, groups,
                         {.dtype = dtype,
                          .seed = options.model.seed,
+                         .float32Internals = hf.float32Internals,
                          .firstLayer = stage * config.layers / stages,
                          .endLayer = (stage + 1) * config.layers / stages,
                          .first = stage == 0,
@@ -173,6 +193,7 @@ void evaluateHfModel(Runtime& runtime, const TrainOptions& options) {
       fmt::print("loaded {}: {} tensors, {:.1f} MB of the folder's {:.1f} MB read on rank 0 in {:.2f} s\n", hf.model,
                  report.tensors, report.bytesRead / 1e6, report.folderBytes / 1e6, report.seconds);
   }
+  if (!options.resume.empty()) loadTrained(runtime, options, model);
   const at::NoGradGuard noGrad;
   const int64_t rowsHere = rows / dp;
   const at::Tensor mine = ids.narrow(0, groups.dp()->rank() * rowsHere, rowsHere).to(runtime.device());

@@ -16,6 +16,7 @@ HfChunk::HfChunk(const models::DecoderConfig& config, const parallel::ProcessGro
       decoder_(config, groups,
                {.dtype = options.dtype,
                 .seed = options.seed,
+                .float32Internals = options.float32Internals,
                 .firstLayer = part.firstLayer,
                 .endLayer = part.endLayer,
                 .first = part.first,
@@ -40,7 +41,10 @@ std::unique_ptr<StagedModel> makeStagedModel(const TrainOptions& options, const 
                                              const parallel::ProcessGroups& groups, StagedOptions staged) {
   if (!options.hf.any()) return std::make_unique<StagedModel>(builtIn, groups, staged);
   const models::DecoderConfig config = hfConfig(options.hf);
-  const HfModelOptions hf{.weights = options.hf.model, .dtype = builtIn.dtype, .seed = builtIn.seed};
+  const HfModelOptions hf{.weights = options.hf.model,
+                          .dtype = builtIn.dtype,
+                          .seed = builtIn.seed,
+                          .float32Internals = options.hf.float32Internals};
   std::optional<models::HfLoadReport> first;
   auto model = std::make_unique<StagedModel>(
       config.layers, /*tied=*/false,

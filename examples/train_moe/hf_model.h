@@ -20,6 +20,7 @@ struct HfModelOptions {
   std::string weights;  // a Hugging Face folder; empty: random weights
   at::ScalarType dtype = at::kFloat;
   uint64_t seed = 1;
+  bool float32Internals = true;  // models::DecoderOptions::float32Internals
 };
 
 class HfChunk : public ModelChunk {

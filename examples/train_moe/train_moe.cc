@@ -40,6 +40,7 @@
 #include "examples/train_moe/training_data.h"
 #include "launch/init.h"
 #include "launch/recovery.h"
+#include "models/hf_export.h"
 #include "optim/distributed_optimizer.h"
 #include "optim/lr_schedule.h"
 #include "parallel/process_groups.h"
@@ -65,8 +66,10 @@ bool agreeToStop(Runtime& runtime) {
   return flag.item<int>() != 0;
 }
 
+// `modelConfig`: a Hugging Face model's config.json, saved with its weights so that an export writes it back.
 checkpoint::StateDict stateOf(const examples::StagedModel& model, optim::DistributedOptimizer& optimizer,
-                              const parallel::Layout& layout, const examples::TrainingData& data, int64_t step) {
+                              const parallel::Layout& layout, const examples::TrainingData& data, int64_t step,
+                              const std::string& modelConfig = "") {
   checkpoint::StateDict state;
   for (const auto& parameter : model.parameters())
     state.add(parameter.name, parameter.tensor.detach(), parameter.shard);
@@ -75,6 +78,7 @@ checkpoint::StateDict stateOf(const examples::StagedModel& model, optim::Distrib
   state.dataPosition = std::to_string(step);
   if (std::string position = data.state(step); !position.empty()) state.user["data"] = std::move(position);
   state.layout = checkpoint::LayoutRecord::of(layout);
+  if (!modelConfig.empty()) state.user[models::kHfConfigKey] = modelConfig;
   return state;
 }
 
@@ -249,17 +253,21 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
   const std::unique_ptr<examples::StagedModel> built = examples::makeStagedModel(
       options, config, groups, {.virtualStages = options.virtualStages, .microBatches = options.microBatches});
   examples::StagedModel& model = *built;
+  const std::string modelConfig = options.hf.any() ? examples::hfConfig(options.hf).text : "";
   optim::DistributedOptimizer optimizer(model.parameters(), groups, optimizerOptions(options));
   const optim::LrSchedule schedule{
       .peak = options.lr, .min = options.lr / 10, .warmupSteps = options.warmup, .totalSteps = options.steps};
   schedule.validate();
-  examples::TrainingData data(options.data,
-                              {.sequence = options.sequence,
-                               .globalBatch = options.globalBatch,
-                               .steps = options.steps,
-                               .vocab = examples::modelVocab(options),
-                               .seed = options.model.seed},
-                              rank);
+  examples::TrainingData data(
+      options.data,
+      {.sequence = options.sequence,
+       .globalBatch = options.globalBatch,
+       .steps = options.steps,
+       .vocab = examples::modelVocab(options),
+       .seed = options.model.seed,
+       .vocabHint = options.hf.any() ? "a dataset tokenized for this model: every id below its vocab_size"
+                                     : "--vocab above every id of the dataset"},
+      rank);
   if (options.cudaGraph && options.data.eodMaskLoss)
     throw ConfigError("--eod-mask-loss with --cuda-graph: the captured step has no loss mask", {.rank = rank});
 
@@ -268,7 +276,7 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     checkpointer = checkpoint::Checkpointer::create({.dir = options.checkpointDir, .keep = options.keep},
                                                     runtime.store(), rank, runtime.world().size());
     // Pinned staging memory now, not inside the first save (which training waits for).
-    checkpointer->reserve(stateOf(model, optimizer, layout, data, 0));
+    checkpointer->reserve(stateOf(model, optimizer, layout, data, 0, modelConfig));
   }
   int64_t step = 0;
   int64_t savedStep = -1;  // the step the folder already holds from this run (or the load)
@@ -307,7 +315,7 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
     if (completed == savedStep) return;  // a committed step folder is never replaced
     savedStep = completed;
     auto start = std::chrono::steady_clock::now();
-    checkpointer->save(completed, stateOf(model, optimizer, layout, data, completed));
+    checkpointer->save(completed, stateOf(model, optimizer, layout, data, completed, modelConfig));
     const double blocked = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     reporter.line(fmt::format("checkpoint step {}: training blocked {:.1f} ms (writing continues in the background)",
                               completed, blocked * 1e3));

@@ -90,6 +90,10 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
          "the dtype of --logits-out (default: the model's)")
       ->check(CLI::IsMember({"float32", "float64", "bfloat16"}))
       ->group("Hugging Face");
+  app.add_flag("--float32-internals,!--no-float32-internals", hf.float32Internals,
+               "RMSNorm, RoPE and the softmaxes in float32 as transformers computes them (the default), or in the "
+               "model's dtype where it is wider (float64 throughout)")
+      ->group("Hugging Face");
   // Data.
   auto& d = o.data;
   app.add_option("--data-path", d.dataPath,

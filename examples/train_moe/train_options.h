@@ -22,6 +22,9 @@ struct HfOptions {
   std::string tokens;       // --tokens: safetensors holding input_ids int64 [rows, seq], evaluated with --steps 0
   std::string logitsOut;    // --logits-out: the logits of --tokens, [rows, seq, vocab]
   std::optional<at::ScalarType> logitsDtype;  // unset: the model's dtype
+  // RMSNorms, RoPE tables and softmaxes in float32, as transformers computes them; false: in the model's
+  // dtype where it is wider (float64 throughout, docs/models.md#numerics).
+  bool float32Internals = true;
   bool any() const { return !model.empty() || !modelConfig.empty(); }
 };
 

@@ -117,17 +117,21 @@ void TrainingData::start(int64_t step, const std::map<std::string, std::string>*
                                                                        .firstSample = consumed,
                                                                        .vocab = shape_.vocab,
                                                                        .eodMask = eodMask,
-                                                                       .what = "train"});
+                                                                       .what = "train",
+                                                                       .vocabHint = shape_.vocabHint});
   if (rank_ == 0)
     log::info("data", "{}: {} train samples of {} tokens (split {}), step {} reads sample {} on", blend_.text(),
               train->size(), shape_.sequence + 1, options_.split, step, consumed);
   if (options_.evalInterval > 0) {
     const int64_t samples = data::splitSamples(data::Split::Valid, shape_.steps, shape_.globalBatch,
                                                options_.evalInterval, options_.evalIters);
-    valid_ = std::make_unique<DatasetBatches>(
-        data::buildSplit(blend_, options_.split, data::Split::Valid, samples, gpt),
-        DatasetBatchOptions{
-            .globalBatch = shape_.globalBatch, .vocab = shape_.vocab, .eodMask = eodMask, .what = "valid"});
+    valid_ =
+        std::make_unique<DatasetBatches>(data::buildSplit(blend_, options_.split, data::Split::Valid, samples, gpt),
+                                         DatasetBatchOptions{.globalBatch = shape_.globalBatch,
+                                                             .vocab = shape_.vocab,
+                                                             .eodMask = eodMask,
+                                                             .what = "valid",
+                                                             .vocabHint = shape_.vocabHint});
   }
 }
 

@@ -33,6 +33,7 @@ struct DataShape {
   int64_t steps = 200;
   int64_t vocab = 256;
   uint64_t seed = 1;
+  std::string vocabHint = "--vocab above every id of the dataset";  // what an id past the vocabulary calls for
 };
 
 class TrainingData {

@@ -34,8 +34,10 @@
 #include "checkpoint/dtype.h"
 #include "checkpoint/inspect.h"
 #include "checkpoint/state_dict.h"
+#include "checkpoint/tensor_reader.h"
 #include "launch/cli.h"
 #include "launch/init.h"
+#include "models/hf_export.h"
 #include "runtime/env.h"
 #include "runtime/errors.h"
 #include "runtime/progress_bar.h"
@@ -194,7 +196,27 @@ int verify(const std::string& dir, const std::string& which, int threads) {
   return faulty == 0 ? 0 : 1;
 }
 
+// A checkpoint of a Hugging Face model (its config.json in the user state, as train_moe --hf-model saves
+// it) exports under save_pretrained's names with its config.json and generation_config.json beside, unless
+// --map names another key map.
+void addModelFiles(ExportOptions& options) {
+  if (!options.map.empty()) return;
+  const std::string folder = resolveStepFolder(options.dir, options.step);
+  WholeTensorReader reader(folder, 1);
+  const std::string key = userKey(models::kHfConfigKey);
+  for (const TensorRecord& record : reader.manifest().tensors) {
+    if (record.key != key) continue;
+    const at::Tensor bytes = reader.read(key);
+    const std::string text(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
+    const models::HfExport model = models::hfExport(text, folder + " (the model's config.json, saved with it)");
+    options.mapText = model.keyMap;
+    options.files = model.files;
+    return;
+  }
+}
+
 int exportTo(ExportOptions options) {
+  addModelFiles(options);
   Progress progress(fmt::format("exporting to {}", options.out));
   options.progress = std::ref(progress);
   ExportReport report = exportSafetensors(options);

@@ -7,12 +7,16 @@
 #   - trained from the Mixtral fixture on an indexed dataset of random ids, the step losses at 1 rank, ep 2 x dp 2 and
 #     pp 2 x ep 2 agree within 1e-12 relative and fall; stopped at step 5 with a checkpoint and resumed at
 #     pp 2 x ep 2, steps 6 to 10 are the straight run's within 1e-12; --model-config trains from random weights;
+#   - the trained checkpoint exported by bulkhead-ckpt is a Hugging Face folder (config.json,
+#     generation_config.json, save_pretrained's names) whose logits, evaluated at 1 rank, are those of the
+#     checkpoint itself evaluated at pp 2 x ep 2 within 1e-12;
+#   - an error on one rank (a token id past the vocabulary in its batch) ends the job at once, named;
 #   - a config.json that is not JSON, an unsupported rope_scaling, a token id beyond the vocabulary (exit
 #     code 2, ConfigError) and weights of another config (exit code 7, CheckpointError) end the run with a
 #     message naming the problem.
-# usage: train_hf_test.sh <train_moe> <bulkhead-data> <mpirun> <repository root>
+# usage: train_hf_test.sh <train_moe> <bulkhead-data> <bulkhead-ckpt> <mpirun> <repository root>
 set -euo pipefail
-train=$1 tool=$2 mpirun=$3 root=$4
+train=$1 tool=$2 ckpt=$3 mpirun=$4 root=$5
 fixtures=$root/tests/models/fixtures/hf
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -97,6 +101,46 @@ for name in ("ep2", "pp2ep2", "stopped", "resumed"):
     print(f"{name}: steps {min(got)}..{max(got)} within 1e-12 of one rank's losses")
 assert sorted(losses("resumed")) == list(range(5, 10)), sorted(losses("resumed"))
 PY
+# The export of the trained checkpoint (step 10) against the checkpoint itself.
+"$ckpt" export "$work/ckpt" --to "$work/export" > "$work/export.out"
+cmp "$work/export/config.json" "$fixtures/mixtral/config.json"
+grep -q '"eos_token_id"' "$work/export/generation_config.json"
+grep -q '"model.layers.1.block_sparse_moe.experts.3.w3.weight"' "$work/export/model.safetensors.index.json" ||
+  grep -qa 'model.layers.1.block_sparse_moe.experts.3.w3.weight' "$work/export/"*.safetensors
+tokens=(--tokens "$fixtures/mixtral/tokens.safetensors" --steps 0 --dtype float64)
+"$mpirun" --oversubscribe -np 4 "$train" --model-config "$fixtures/mixtral/config.json" --ckpt-dir "$work/ckpt" \
+  --resume latest --pp 2 --ep 2 "${tokens[@]}" --logits-out "$work/trained.safetensors" > "$work/trained.out" 2>&1 ||
+  { tail -20 "$work/trained.out"; echo "FAIL: evaluating the checkpoint"; exit 1; }
+"$mpirun" --oversubscribe -np 1 "$train" --hf-model "$work/export" "${tokens[@]}" \
+  --logits-out "$work/exported.safetensors" > "$work/exported.out" 2>&1 ||
+  { tail -20 "$work/exported.out"; echo "FAIL: evaluating the export"; exit 1; }
+python3 - "$work/trained.safetensors" "$work/exported.safetensors" "$fixtures/mixtral/reference.safetensors" <<'PY'
+import array, json, struct, sys
+def logits(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    begin, end = json.loads(raw[8:8 + n])["logits"]["data_offsets"]
+    values = array.array("d")
+    values.frombytes(raw[8 + n + begin:8 + n + end])
+    return values
+trained, exported, untrained = (logits(p) for p in sys.argv[1:])
+same = max(abs(a - b) for a, b in zip(trained, exported))
+moved = max(abs(a - b) for a, b in zip(trained, untrained))
+print(f"export: logits {same:.3g} from the checkpoint's, {moved:.3g} from the untrained fixture's")
+assert same <= 1e-12, same
+assert moved > 1e-3, moved
+PY
+grep -q "loaded the weights of step 10" "$work/trained.out" || { cat "$work/trained.out"; echo "FAIL: step 10"; exit 1; }
+
+# An error on one rank ends the job at once: rank 1's batch holds id 150, past qwen3_moe_kv1's 150 words.
+started=$(date +%s) status=0
+"$mpirun" --oversubscribe -np 2 "$train" --hf-model "$fixtures/qwen3_moe_kv1" --ep 2 --data-path "$work/ids" \
+  --split 100,0,0 --seq 16 --batch 8 --steps 4 --warmup 2 --dtype float64 > "$work/one_rank.out" 2>&1 || status=$?
+elapsed=$(($(date +%s) - started))
+grep -q "holds token id 150, outside the model's vocabulary of 150" "$work/one_rank.out" && [ "$status" = 2 ] &&
+  [ "$elapsed" -lt 20 ] || { tail -20 "$work/one_rank.out"; echo "FAIL: exit $status after $elapsed s"; exit 1; }
+echo "one rank's error: exit $status after $elapsed s"
+
 "$mpirun" --oversubscribe -np 1 "$train" --model-config "$fixtures/qwen3_moe_mixed/config.json" --data-path "$work/ids" \
   --split 100,0,0 --seq 16 --batch 4 --steps 3 --warmup 1 > "$work/random.out" 2>&1 ||
   { tail -20 "$work/random.out"; echo "FAIL: --model-config"; exit 1; }
