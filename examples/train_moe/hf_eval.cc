@@ -1,6 +1,7 @@
 #include "examples/train_moe/hf_eval.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 

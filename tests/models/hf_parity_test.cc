@@ -3,6 +3,7 @@
 // expert-tp, pp), its float64 logits against transformers' float64 eager logits, and the LM loss from them
 // against the loss from transformers' logits. At one rank also both expert forms (per expert, fused 3D).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 
 #include <string>
