@@ -436,7 +436,7 @@ int main(int argc, char** argv) {
   if (auto code = cli::parse(app, argc, argv)) return *code;
   return guardedMain([&] {
     auto runtime = init({.backend = options.backend, .spares = options.spares});
-    examples::checkHfFlags(options, runtime->world().rank());
+    examples::checkHfFlags(options, runtime->info().rank);
     if (options.steps == 0) {  // evaluate given tokens
       examples::evaluateHfModel(*runtime, options);
       runtime->shutdown();
