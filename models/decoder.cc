@@ -112,4 +112,19 @@ std::vector<parallel::Parameter> Decoder::parameters() const {
   return all;
 }
 
+at::Tensor forwardOverStages(Decoder& model, const parallel::ProcessGroups& groups, const at::Tensor& ids) {
+  const DecoderOptions& part = model.options();
+  const int stage = groups.pp()->rank();
+  at::Tensor input = ids;
+  if (!part.first) {
+    input = at::empty({ids.size(0), ids.size(1), model.config().hidden},
+                      at::TensorOptions(part.dtype).device(groups.world()->device()));
+    groups.pp()->recv(input, stage - 1)->wait();
+  }
+  const at::Tensor out = model.forward(input).output.contiguous();
+  if (part.last) return out;
+  groups.pp()->send(out, stage + 1)->wait();
+  return {};
+}
+
 }  // namespace bulkhead::models

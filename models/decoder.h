@@ -87,4 +87,9 @@ class Decoder {
   std::optional<NormWeight> finalNorm_;
 };
 
+// The forward of the whole model over the pipeline stages, for evaluation: each stage receives the previous
+// stage's activations over pp, runs its part and sends its own on. `ids` [batch, sequence] on every stage.
+// Returns this rank's logits block on the last stage, an undefined tensor elsewhere. Collective over pp.
+at::Tensor forwardOverStages(Decoder& model, const parallel::ProcessGroups& groups, const at::Tensor& ids);
+
 }  // namespace bulkhead::models

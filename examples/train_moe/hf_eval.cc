@@ -98,23 +98,6 @@ void writeLogits(Runtime& runtime, const std::string& path, const at::Tensor& bl
   writer.finish();
 }
 
-// The forward over the pipeline stages: each stage receives the activations of the one before it. Returns the
-// logits block on the last stage, undefined elsewhere.
-at::Tensor forwardStages(models::Decoder& model, const parallel::ProcessGroups& groups, const at::Tensor& ids,
-                         const at::TensorOptions& activations) {
-  const models::DecoderOptions& part = model.options();
-  const int stage = groups.pp()->rank();
-  at::Tensor input = ids;
-  if (!part.first) {
-    input = at::empty({ids.size(0), ids.size(1), model.config().hidden}, activations);
-    groups.pp()->recv(input, stage - 1)->wait();
-  }
-  const at::Tensor out = model.forward(input).output.contiguous();
-  if (part.last) return out;
-  groups.pp()->send(out, stage + 1)->wait();
-  return {};
-}
-
 // --ckpt-dir DIR --resume latest|STEP: the weights a training run saved there, at any layout, over those read.
 void loadTrained(Runtime& runtime, const TrainOptions& options, models::Decoder& model) {
   const int rank = runtime.world().rank();
@@ -198,7 +181,7 @@ void evaluateHfModel(Runtime& runtime, const TrainOptions& options) {
   const at::NoGradGuard noGrad;
   const int64_t rowsHere = rows / dp;
   const at::Tensor mine = ids.narrow(0, groups.dp()->rank() * rowsHere, rowsHere).to(runtime.device());
-  const at::Tensor logits = forwardStages(model, groups, mine, at::TensorOptions(dtype).device(runtime.device()));
+  const at::Tensor logits = models::forwardOverStages(model, groups, mine);
   // The LM loss: the last stage's ranks compute their rows' per-token losses (over tp), its tp-rank-0 ranks
   // add theirs, the world sums them.
   at::Tensor sum = at::zeros({1}, at::kDouble);

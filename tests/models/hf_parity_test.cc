@@ -73,21 +73,6 @@ models::DecoderOptions partOf(const models::DecoderConfig& config, const paralle
           .last = stage == stages - 1};
 }
 
-// The forward over the pipeline stages: each stage receives the activations of the one before it.
-at::Tensor forwardStages(models::Decoder& model, const parallel::ProcessGroups& groups, const at::Tensor& ids) {
-  const models::DecoderOptions& part = model.options();
-  const int stage = groups.pp()->rank();
-  at::Tensor input = ids;
-  if (!part.first) {
-    input = at::empty({ids.size(0), ids.size(1), model.config().hidden}, at::kDouble);
-    groups.pp()->recv(input, stage - 1)->wait();
-  }
-  const at::Tensor out = model.forward(input).output.contiguous();
-  if (part.last) return out;
-  groups.pp()->send(out, stage + 1)->wait();
-  return {};
-}
-
 Logits logitsAt(const std::string& name, const parallel::LayoutOptions& layout, const Mode& mode = {}) {
   const std::string folder = kFixtures + "/" + name;
   const models::DecoderConfig config = models::loadDecoderConfig(folder + "/config.json");
@@ -97,7 +82,7 @@ Logits logitsAt(const std::string& name, const parallel::LayoutOptions& layout, 
   CHECK(report.tensors > 0);
   const at::Tensor ids = tensorOf(folder + "/tokens.safetensors", "input_ids");
   const at::NoGradGuard noGrad;
-  Logits result{forwardStages(model, groups, ids), {}};
+  Logits result{models::forwardOverStages(model, groups, ids), {}};
   if (!result.block.defined()) return result;
   result.rows = model.vocabRange();
   REQUIRE(result.block.sizes() == at::IntArrayRef({ids.size(0), ids.size(1), result.rows.length}));
