@@ -1,7 +1,10 @@
 #include "models/decoder.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "runtime/errors.h"
 
@@ -72,21 +75,72 @@ const parallel::VocabParallelEmbedding& Decoder::outputLayer() const { return ou
 
 parallel::Range Decoder::vocabRange() const { return outputLayer().vocabRange(); }
 
+std::pair<at::Tensor, at::Tensor> Decoder::layerForward(const Layer& layer, const at::Tensor& x,
+                                                        const at::Tensor& routingKeys) {
+  const at::ScalarType compute = internalType(x.scalar_type(), options_.float32Internals);
+  const at::Tensor h = x + layer.attention->forward(rmsNorm(x, layer.inputNorm.weight, config_.rmsEps, compute), rope_);
+  const at::Tensor normed = rmsNorm(h, layer.postNorm.weight, config_.rmsEps, compute);
+  const auto lossType = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (!layer.moe) return {h + layer.dense->forward(normed), at::zeros({}, x.options().dtype(lossType))};
+  moe::MoEOutput out = layer.moe->forward(normed, routingKeys);
+  return {h + out.output, (out.auxLoss + out.zLoss).to(lossType)};
+}
+
+// A layer whose forward keeps only its input (DecoderOptions::recompute): the backward runs the layer again
+// with autograd on, then that graph's backward, which accumulates the layer's parameter gradients as a plain
+// backward would and returns the input's.
+struct RecomputedLayer : torch::autograd::Function<RecomputedLayer> {
+  // The routing keys travel as a pointer, not a tensor input: they may be undefined, and have no gradient.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor* routingKeys, Decoder* model, int64_t layer) {
+    ctx->save_for_backward({x});
+    if (routingKeys->defined()) ctx->saved_data["keys"] = *routingKeys;
+    ctx->saved_data["model"] = reinterpret_cast<int64_t>(model);
+    ctx->saved_data["layer"] = layer;
+    auto [y, aux] = model->layerForward(model->layers_[static_cast<size_t>(layer)], x, *routingKeys);
+    return {y, aux};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto* model = reinterpret_cast<Decoder*>(ctx->saved_data["model"].toInt());
+    const auto layer = static_cast<size_t>(ctx->saved_data["layer"].toInt());
+    const at::Tensor input = saved[0].detach().requires_grad_(true);
+    const auto keys = ctx->saved_data.find("keys");
+    const at::Tensor routingKeys = keys == ctx->saved_data.end() ? at::Tensor() : keys->second.toTensor();
+    std::vector<at::Tensor> outputs, outputGrads;
+    {
+      const at::AutoGradMode enable(true);
+      auto [y, aux] = model->layerForward(model->layers_[layer], input, routingKeys);
+      for (auto [out, grad] : {std::pair{y, grads[0]}, std::pair{aux, grads[1]}}) {
+        if (!out.requires_grad() || !grad.defined()) continue;
+        outputs.push_back(out);
+        outputGrads.push_back(grad);
+      }
+    }
+    if (!outputs.empty()) torch::autograd::backward(outputs, outputGrads);
+    return {input.grad(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 DecoderOutput Decoder::forward(const at::Tensor& idsOrInput, const at::Tensor& routingKeys) {
   at::Tensor x = options_.first ? embedding_->forward(idsOrInput) : idsOrInput;
   const auto lossType = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::ScalarType compute = internalType(x.scalar_type(), options_.float32Internals);
   at::Tensor aux = at::zeros({}, x.options().dtype(lossType));
-  for (const Layer& layer : layers_) {
-    x = x + layer.attention->forward(rmsNorm(x, layer.inputNorm.weight, config_.rmsEps, compute), rope_);
-    const at::Tensor normed = rmsNorm(x, layer.postNorm.weight, config_.rmsEps, compute);
-    if (layer.moe) {
-      moe::MoEOutput out = layer.moe->forward(normed, routingKeys);
-      x = x + out.output;
-      aux = aux + out.auxLoss + out.zLoss;
+  // Recomputation needs an input that requires grad: a Function's outputs require grad only through its inputs.
+  const bool recompute = options_.recompute && at::GradMode::is_enabled() && x.requires_grad();
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    at::Tensor layerAux;
+    if (recompute) {
+      auto out = RecomputedLayer::apply(x, &routingKeys, this, static_cast<int64_t>(i));
+      x = out[0];
+      layerAux = out[1];
     } else {
-      x = x + layer.dense->forward(normed);
+      std::tie(x, layerAux) = layerForward(layers_[i], x, routingKeys);
     }
+    aux = aux + layerAux;
   }
   if (!options_.last) return {x, aux};
   return {outputLayer().logits(rmsNorm(x, finalNorm_->weight, config_.rmsEps, compute)), aux};

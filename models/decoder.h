@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -32,7 +33,9 @@ namespace bulkhead::models {
 struct DecoderOptions {
   at::ScalarType dtype = at::kFloat;
   uint64_t seed = 1;
-  double initStd = 0.02;  // transformers' initializer_range default
+  // transformers' initializer_range default. 0: every weight zeros (norms ones), drawn from nothing, for
+  // weights loaded next: the process then holds its own share and no global tensor.
+  double initStd = 0.02;
   // RMSNorms, RoPE tables and softmaxes (attention and router) in float32, as transformers computes them
   // even for a float64 model; false: in float64 for a float64 model (layers.h internalType()).
   bool float32Internals = true;
@@ -40,6 +43,10 @@ struct DecoderOptions {
   std::optional<double> auxLossCoeff;
   double zLossCoeff = 0;
   bool oncePerRank = true;
+  // Activation recomputation per layer: a layer's forward under autograd keeps only its input; the backward
+  // runs the layer's forward again (its collectives too, in the same order on every rank) and then its
+  // backward. Gradients are the same as without; memory holds one layer's activations, not every layer's.
+  bool recompute = false;
   int firstLayer = 0, endLayer = -1;  // -1: every layer
   bool first = true, last = true;
 };
@@ -76,6 +83,10 @@ class Decoder {
     moe::MoELayer* moe = nullptr;
   };
   const parallel::VocabParallelEmbedding& outputLayer() const;
+  // One layer: the residual stream after it, and its MoE losses (a zero scalar for a dense layer).
+  std::pair<at::Tensor, at::Tensor> layerForward(const Layer& layer, const at::Tensor& x,
+                                                 const at::Tensor& routingKeys);
+  friend struct RecomputedLayer;
 
   DecoderConfig config_;
   DecoderOptions options_;

@@ -68,6 +68,11 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
                 hidden, ffnLocal);
     }
   }
+  if (options_.initStd == 0) {  // weights about to be loaded: nothing to draw, nothing but this rank's share held
+    w13_ = at::zeros({localExperts, 2, ffnLocal, hidden}, tensorOptions).set_requires_grad(true);
+    w2_ = at::zeros({localExperts, hidden, ffnLocal}, tensorOptions).set_requires_grad(true);
+    return;
+  }
   const int64_t column = expertTp_->rank() * ffnLocal;
   std::vector<at::Tensor> w13, w2;
   for (int local = 0; local < localExperts; ++local) {

@@ -39,8 +39,8 @@ namespace bulkhead::moe {
 struct ExpertOptions {
   int numExperts = 8;  // global
   int hidden = 64;
-  int ffnHidden = 128;  // global, before etp sharding
-  double initStd = 0.02;
+  int ffnHidden = 128;    // global, before etp sharding
+  double initStd = 0.02;  // 0: zeros of this rank's share only (weights loaded next)
   uint64_t seed = 1234;
   bool groupedMm = true;  // use at::_grouped_mm where available and the shapes fit (see above)
   std::optional<std::chrono::milliseconds> timeout;  // expert-tp collectives

@@ -28,6 +28,7 @@ namespace {
 // matrix), so no broadcast is needed at start.
 at::Tensor replicatedWeight(uint64_t seed, uint64_t kind, std::vector<int64_t> shape, double std,
                             const at::TensorOptions& options) {
+  if (std == 0) return at::zeros(shape, options).set_requires_grad(true);
   auto generator = at::make_generator<at::CPUGeneratorImpl>(initSeed(seed, kind, 0));
   return at::empty(shape, at::kDouble).normal_(0.0, std, generator).to(options).set_requires_grad(true);
 }

@@ -62,7 +62,7 @@ struct MoEOptions {
   bool globalAuxLoss = false;
   int sharedExpertHidden = 0;       // 0: no shared expert
   bool overlapSharedExpert = true;  // on a GPU: the shared expert on a stream of its own
-  double initStd = 0.02;
+  double initStd = 0.02;            // 0: zeros, drawn from nothing (weights loaded next)
   uint64_t seed = 1234;
   bool groupedMm = true;
   // Fixed shapes (moe/static_dispatch.h): every expert gets exactly its
