@@ -133,6 +133,8 @@ void checkHfFlags(const TrainOptions& options, int rank) {
     refuse(fmt::format("--resume {}", options.resume), "--resume latest or a step number");
   if (!hf.logitsOut.empty() && hf.tokens.empty())
     refuse("--logits-out without --tokens", "--tokens FILE --steps 0 --logits-out OUT");
+  if (hf.recompute && !hf.any())
+    refuse("--recompute with the built-in model", "--recompute with --hf-model DIR or --model-config FILE");
   if (hf.any() && (options.cudaGraph || options.staticShapes))
     refuse("--cuda-graph or --static-shapes with a Hugging Face model: its MoE layers are dropless (no --capacity)",
            "neither flag with --hf-model or --model-config");
@@ -160,6 +162,7 @@ void evaluateHfModel(Runtime& runtime, const TrainOptions& options) {
   models::Decoder model(config, groups,
                         {.dtype = dtype,
                          .seed = options.model.seed,
+                         .initStd = hf.model.empty() && options.resume.empty() ? 0.02 : 0.0,  // else loaded next
                          .float32Internals = hf.float32Internals,
                          .firstLayer = stage * config.layers / stages,
                          .endLayer = (stage + 1) * config.layers / stages,

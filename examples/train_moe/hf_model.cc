@@ -16,7 +16,9 @@ HfChunk::HfChunk(const models::DecoderConfig& config, const parallel::ProcessGro
       decoder_(config, groups,
                {.dtype = options.dtype,
                 .seed = options.seed,
+                .initStd = options.weights.empty() ? 0.02 : 0.0,  // loaded: nothing drawn, no global tensor held
                 .float32Internals = options.float32Internals,
+                .recompute = options.recompute,
                 .firstLayer = part.firstLayer,
                 .endLayer = part.endLayer,
                 .first = part.first,
@@ -44,7 +46,8 @@ std::unique_ptr<StagedModel> makeStagedModel(const TrainOptions& options, const 
   const HfModelOptions hf{.weights = options.hf.model,
                           .dtype = builtIn.dtype,
                           .seed = builtIn.seed,
-                          .float32Internals = options.hf.float32Internals};
+                          .float32Internals = options.hf.float32Internals,
+                          .recompute = options.hf.recompute};
   std::optional<models::HfLoadReport> first;
   auto model = std::make_unique<StagedModel>(
       config.layers, /*tied=*/false,

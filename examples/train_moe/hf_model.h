@@ -21,6 +21,7 @@ struct HfModelOptions {
   at::ScalarType dtype = at::kFloat;
   uint64_t seed = 1;
   bool float32Internals = true;  // models::DecoderOptions::float32Internals
+  bool recompute = false;        // models::DecoderOptions::recompute
 };
 
 class HfChunk : public ModelChunk {

@@ -6,12 +6,23 @@
 #include "runtime/errors.h"
 
 #if BULKHEAD_TRAIN_PROFILE
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <set>
 #endif
 
 namespace bulkhead::examples {
+
+double peakDeviceMemoryGiB(int deviceIndex) {
+#if BULKHEAD_TRAIN_PROFILE
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(deviceIndex));
+  return static_cast<double>(stats.allocated_bytes[0].peak) / (1024.0 * 1024.0 * 1024.0);  // [0]: both pools
+#else
+  (void)deviceIndex;
+  return -1;
+#endif
+}
 
 #if BULKHEAD_TRAIN_PROFILE
 namespace {

@@ -12,6 +12,10 @@ struct RecordFunction;
 
 namespace bulkhead::examples {
 
+// The most memory the caching allocator has handed out on `deviceIndex` since the start, in GiB; -1 where
+// libtorch has no CUDA.
+double peakDeviceMemoryGiB(int deviceIndex);
+
 class StepProfile {
  public:
   explicit StepProfile(std::string path) : path_(std::move(path)) {}

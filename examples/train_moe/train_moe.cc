@@ -413,6 +413,8 @@ void train(Runtime& runtime, const TrainOptions& options, launch::Recovery& reco
   }
   if (queued) report(*queued);
   profile.stop(rank);
+  if (const double peakGiB = device.is_cuda() ? examples::peakDeviceMemoryGiB(device.index()) : -1; peakGiB >= 0)
+    reporter.line(fmt::format("peak device memory {:.2f} GiB allocated", peakGiB));
   if (recovery.enabled()) reporter.line(snapshotCostLine(recovery.snapshotCost(), options.snapshotEvery));
   if (checkpointer) {
     save(step);

@@ -94,6 +94,10 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
                "RMSNorm, RoPE and the softmaxes in float32 as transformers computes them (the default), or in the "
                "model's dtype where it is wider (float64 throughout)")
       ->group("Hugging Face");
+  app.add_flag("--recompute", hf.recompute,
+               "recompute each layer's activations in the backward: memory for one layer's activations instead of "
+               "every layer's, for about a third more compute (the same gradients)")
+      ->group("Hugging Face");
   // Data.
   auto& d = o.data;
   app.add_option("--data-path", d.dataPath,

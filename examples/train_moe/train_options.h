@@ -25,6 +25,7 @@ struct HfOptions {
   // RMSNorms, RoPE tables and softmaxes in float32, as transformers computes them; false: in the model's
   // dtype where it is wider (float64 throughout, docs/models.md#numerics).
   bool float32Internals = true;
+  bool recompute = false;  // --recompute: each layer's activations recomputed in the backward
   bool any() const { return !model.empty() || !modelConfig.empty(); }
 };
 

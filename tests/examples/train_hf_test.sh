@@ -5,7 +5,7 @@
 #     transformers' float64 logits within 1e-5 and the loss it prints is the fixture's within 1e-7
 #     (docs/models.md#numerics says why not closer), in the dtype --logits-dtype asks for;
 #   - trained from the Mixtral fixture on an indexed dataset of random ids, the step losses at 1 rank, ep 2 x dp 2 and
-#     pp 2 x ep 2 agree within 1e-12 relative and fall; stopped at step 5 with a checkpoint and resumed at
+#     pp 2 x ep 2 with --recompute (every layer run again in the backward) agree within 1e-12 relative and fall; stopped at step 5 with a checkpoint and resumed at
 #     pp 2 x ep 2, steps 6 to 10 are the straight run's within 1e-12; --model-config trains from random weights;
 #   - the trained checkpoint exported by bulkhead-ckpt is a Hugging Face folder (config.json,
 #     generation_config.json, save_pretrained's names) whose logits, evaluated at 1 rank, are those of the
@@ -83,7 +83,7 @@ train() {  # train <ranks> <name> [flags...]: loss log <name>.loss
 }
 train 1 straight
 train 4 ep2 --ep 2
-train 4 pp2ep2 --pp 2 --ep 2
+train 4 pp2ep2 --pp 2 --ep 2 --recompute  # each layer recomputed in the backward: the same losses
 train 4 stopped --ep 2 --stop-after 5 --ckpt-dir "$work/ckpt"
 train 4 resumed --pp 2 --ep 2 --ckpt-dir "$work/ckpt" --resume latest
 python3 - "$work" <<'PY'

@@ -3,7 +3,7 @@
 # only the public headers are installed, each compiles on its own; a consumer
 # and examples/custom_trainer.cpp build with find_package(Bulkhead) and
 # bulkhead::bulkhead; the consumer runs on 2 ranks and the custom trainer on 4
-# (ep 2: train, save, load back).
+# (ep 2: train a small Qwen3-MoE, save, load back), and its checkpoint exports as a Hugging Face folder.
 # usage: package_test.sh <build-dir> <this-dir> <mpirun>
 set -eu
 build=$1 here=$2 mpirun=$3
@@ -29,3 +29,10 @@ cmake --build "$scratch/build" -j "$(nproc)" >"$scratch/build.log" 2>&1 || { tai
 echo "package: $(find "$include" -name '*.h' | wc -l) public headers installed, each compiled alone"
 "$mpirun" --oversubscribe -np 2 "$scratch/build/consumer"
 "$mpirun" --oversubscribe -np 4 "$scratch/build/custom_trainer" --ep 2 --steps 40 --ckpt-dir "$scratch/ckpt"
+# Its checkpoint holds the model's config.json: bulkhead-ckpt export writes a Hugging Face folder of it.
+"$scratch/prefix/bin/bulkhead-ckpt" export "$scratch/ckpt" --to "$scratch/export" >/dev/null
+grep -q '"model_type": "qwen3_moe"' "$scratch/export/config.json" ||
+  { echo "FAIL: the custom trainer's export has no qwen3_moe config.json"; exit 1; }
+grep -qa 'model.layers.1.mlp.experts.7.down_proj.weight' "$scratch/export/"*.safetensors ||
+  { echo "FAIL: the custom trainer's export lacks save_pretrained's expert names"; exit 1; }
+echo "package: the custom trainer's checkpoint exported as a Hugging Face folder"
