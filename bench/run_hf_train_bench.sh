@@ -5,15 +5,20 @@
 # Qwen3MoeForCausalLM training step (eager and compiled), in one command. Every run: bf16, random weights,
 # uniformly random token ids, AdamW, clipping at 1.0; Bulkhead also with --recompute.
 #   bench/run_hf_train_bench.sh [build-dir] [out-file]
-# Env: STEPS (default 30; the second half is measured), SEQ (4096), BATCH (2), LAYERS (4),
-#      COMMIT (the commit to record; default git's HEAD).
+# Env: STEPS (default 20; the second half is measured), SEQ (4096), BATCH (2), LAYERS (4),
+#      COMMIT (the commit to record; default git's HEAD), RAW (a folder for each part's figures; default a
+#      temporary one), ONLY (bulkhead or references: run that part alone into RAW; the table is written once
+#      RAW holds both).
+# Every run starts from the same kind of weights (normal, std 0.02) with the same peak learning rate, 3e-4.
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench/results/hf_train_$(date +%Y%m%d).md}
-steps=${STEPS:-30} seq=${SEQ:-4096} batch=${BATCH:-2} layers=${LAYERS:-4}
+steps=${STEPS:-20} seq=${SEQ:-4096} batch=${BATCH:-2} layers=${LAYERS:-4}
 export NCCL_NVLS_ENABLE=0
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+raw=${RAW:-$work/raw}
+mkdir -p "$raw"
 python3 - tests/models/fixtures/hf/configs/qwen3_30b_a3b.json "$work/config.json" "$layers" <<'PY'
 import json, sys
 config = json.load(open(sys.argv[1]))
@@ -34,7 +39,7 @@ PY
 bulkhead() {
   local log
   log=$("$build/bin/train_moe" --model-config "$work/config.json" --dtype bfloat16 --seq "$seq" --batch "$batch" \
-    --steps "$steps" --warmup 5 --log-interval $((steps / 2)) --data-path "$work/ids" --split 100,0,0 \
+    --steps "$steps" --warmup 5 --lr 3e-4 --log-interval $((steps / 2)) --data-path "$work/ids" --split 100,0,0 \
     --data-cache-path "$work/cache" "$@" 2>&1) ||
     { echo "train_moe failed:" >&2; echo "$log" | tail -20 >&2; exit 1; }
   echo "$log" | grep -E '^step|peak device' | tail -3 >&2
@@ -44,13 +49,24 @@ bulkhead() {
 $(grep -o '[0-9.]* TFLOP/s' <<<"$line" | cut -d' ' -f1) $(grep -o 'MFU [0-9.]*' <<<"$line" | cut -d' ' -f2) \
 $(grep -o 'peak device memory [0-9.]*' <<<"$log" | grep -o '[0-9.]*$')"
 }
-bulkhead >"$work/plain.txt"
-bulkhead --recompute >"$work/recompute.txt"
-read -r b_tok b_ms b_tflops b_mfu b_peak <"$work/plain.txt"
-read -r r_tok r_ms r_tflops r_mfu r_peak <"$work/recompute.txt"
+if [ "${ONLY:-bulkhead}" = bulkhead ]; then
+  echo "$(date +%T) Bulkhead"
+  bulkhead >"$raw/plain.txt"
+  bulkhead --recompute >"$raw/recompute.txt"
+fi
+if [ "${ONLY:-references}" = references ]; then
+  echo "$(date +%T) references"
+  python3 bench/torch_qwen3_moe.py "$work/config.json" --seq "$seq" --batch "$batch" --steps "$steps" \
+    --lr 3e-4 | tee "$raw/references.txt"
+  python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)' >"$raw/versions.txt"
+fi
+echo "$(date +%T) done"
+for part in plain recompute references versions; do [ -s "$raw/$part.txt" ] || exit 0; done
+read -r b_tok b_ms b_tflops b_mfu b_peak <"$raw/plain.txt"
+read -r r_tok r_ms r_tflops r_mfu r_peak <"$raw/recompute.txt"
+read -r torch_version transformers_version <"$raw/versions.txt"
+references=$(cat "$raw/references.txt")
 flops_per_token=$(awk -v t="$b_tflops" -v s="$b_tok" 'BEGIN { printf "%.6g", t * 1e12 / s }')
-references=$(python3 bench/torch_qwen3_moe.py "$work/config.json" --seq "$seq" --batch "$batch" --steps "$steps")
-echo "$references"
 gpu=$(nvidia-smi -L | head -1 | sed 's/^GPU 0: //; s/ (UUID.*//')
 row() {  # row <name> <tok/s> <step ms> <peak GiB>
   awk -v n="$1" -v t="$2" -v ms="$3" -v p="$4" -v f="$flops_per_token" -v b="$b_tok" 'BEGIN {
@@ -61,7 +77,7 @@ row() {  # row <name> <tok/s> <step ms> <peak GiB>
   echo
   echo "- Command: \`bench/run_hf_train_bench.sh $build $out\` (STEPS=$steps SEQ=$seq BATCH=$batch LAYERS=$layers; the second half measured)"
   echo "- Machine: $gpu ($(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1) driver), $(nproc) CPU cores;" \
-    "PyTorch $(python3 -c 'import torch; print(torch.__version__)'), transformers $(python3 -c 'import transformers; print(transformers.__version__)')"
+    "PyTorch $torch_version, transformers $transformers_version"
   echo "- Date: $(date -u +%Y-%m-%d)"
   echo "- Commit: \`${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}\`"
   echo "- Model: tests/models/fixtures/hf/configs/qwen3_30b_a3b.json with $layers layers, random weights, bf16;"
