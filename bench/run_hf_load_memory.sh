@@ -16,8 +16,7 @@ if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 - "$work" <<'PY'
-import json, os, struct, sys
-import numpy as np
+import json, math, os, random, struct, sys
 work = sys.argv[1]
 H, L, E, K, F, V, NH, KV, D = 2048, 4, 32, 4, 1536, 32768, 16, 4, 128
 config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": H,
@@ -42,14 +41,22 @@ for i in range(L):
     for j in range(E):
         shapes += [(f"{p}.mlp.experts.{j}.gate_proj.weight", (F, H)), (f"{p}.mlp.experts.{j}.up_proj.weight", (F, H)),
                    (f"{p}.mlp.experts.{j}.down_proj.weight", (H, F))]
-rng = np.random.default_rng(1)
-noise = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).view(np.uint32) >> 16  # bf16 bits
+# Random bf16 of magnitude 2^-7 to 2^-5 and random sign: exponent 120 or 121, random mantissa (little-endian:
+# the low byte is the exponent's last bit and the mantissa, the high byte the sign and the exponent's first 7).
+high = bytes(0x3C | (b & 0x80) for b in range(256))
+def values(key, n):
+    if key.endswith("norm.weight"):
+        return b"\x80\x3f" * n  # 1.0
+    out = bytearray(2 * n)
+    out[0::2] = os.urandom(n)
+    out[1::2] = os.urandom(n).translate(high)
+    return bytes(out)
 files, current, weight_map, total = [], [], {}, 0
 def flush():
     name = f"model-{len(files) + 1:05d}.safetensors"
     header, offset = {}, 0
     for key, shape in current:
-        n = int(np.prod(shape)) * 2
+        n = math.prod(shape) * 2
         header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
         weight_map[key] = name
@@ -58,19 +65,14 @@ def flush():
     with open(f"{work}/folder/{name}", "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for key, shape in current:
-            n = int(np.prod(shape))
-            start = rng.integers(0, noise.size - n) if n < noise.size else 0
-            values = np.resize(noise[start:start + n], n) if n <= noise.size else np.resize(noise, n)
-            if key.endswith("norm.weight"):
-                values = np.full(n, 0x3F80, dtype=np.uint32)  # 1.0
-            f.write(values.astype(np.uint16).tobytes())
+            f.write(values(key, math.prod(shape)))
     files.append(name)
     current.clear()
 size = 0
 for key, shape in shapes:
     current.append((key, shape))
-    size += int(np.prod(shape)) * 2
-    total += int(np.prod(shape)) * 2
+    size += math.prod(shape) * 2
+    total += math.prod(shape) * 2
     if size >= 1 << 30:
         flush()
         size = 0
@@ -78,10 +80,11 @@ if current:
     flush()
 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
           open(f"{work}/folder/model.safetensors.index.json", "w"), indent=2)
-ids = rng.integers(0, 256, (4, 16), dtype=np.int64)  # below both vocabularies
-header = json.dumps({"input_ids": {"dtype": "I64", "shape": [4, 16], "data_offsets": [0, ids.nbytes]}}).encode()
+rng = random.Random(1)
+ids = [rng.randrange(256) for _ in range(4 * 16)]  # below both vocabularies
+header = json.dumps({"input_ids": {"dtype": "I64", "shape": [4, 16], "data_offsets": [0, 8 * len(ids)]}}).encode()
 header += b" " * (-len(header) % 8)
-open(f"{work}/tokens.safetensors", "wb").write(struct.pack("<Q", len(header)) + header + ids.tobytes())
+open(f"{work}/tokens.safetensors", "wb").write(struct.pack("<Q", len(header)) + header + struct.pack(f"<{len(ids)}q", *ids))
 print(f"wrote {len(files)} files, {total / 1e9:.2f} GB")
 PY
 gb=$(du -sb "$work/folder" | awk '{ printf "%.2f", $1 / 1e9 }')

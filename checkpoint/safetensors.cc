@@ -197,7 +197,7 @@ at::Tensor SafetensorsFile::read(const SafetensorsTensor& tensor) const {
 }
 
 at::Tensor SafetensorsFile::readBlock(const SafetensorsTensor& tensor, const std::vector<int64_t>& offsets,
-                                      const std::vector<int64_t>& sizes) const {
+                                      const std::vector<int64_t>& sizes, const at::Tensor& buffer) const {
   const size_t dims = tensor.shape.size();
   bool inside = offsets.size() == dims && sizes.size() == dims;
   for (size_t d = 0; inside && d < dims; ++d)
@@ -206,7 +206,12 @@ at::Tensor SafetensorsFile::readBlock(const SafetensorsTensor& tensor, const std
     throw ConfigError(fmt::format("{}: tensor '{}' of shape [{}] has no block at [{}] of [{}]", path_, tensor.name,
                                   fmt::join(tensor.shape, ", "), fmt::join(offsets, ", "), fmt::join(sizes, ", ")),
                       {.expected = "a block inside the tensor's shape"});
-  at::Tensor out = at::empty(sizes, at::TensorOptions(tensor.dtype));
+  int64_t elements = 1;
+  for (int64_t extent : sizes) elements *= extent;
+  const bool reuse = buffer.defined() && buffer.is_contiguous() && buffer.device().is_cpu() &&
+                     buffer.scalar_type() == tensor.dtype && buffer.numel() >= elements;
+  at::Tensor out =
+      reuse ? buffer.view({-1}).narrow(0, 0, elements).view(sizes) : at::empty(sizes, at::TensorOptions(tensor.dtype));
   if (out.numel() == 0) return out;
   // The innermost dimensions the block spans whole, with the first partial one, make one contiguous run.
   size_t inner = dims;

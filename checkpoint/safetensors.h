@@ -71,8 +71,11 @@ class SafetensorsFile {
   at::Tensor read(const SafetensorsTensor& tensor) const;  // a contiguous CPU tensor
   // The block of the tensor at `offsets` with extent `sizes` (one each per dimension), as a contiguous CPU
   // tensor, reading only its bytes: one read per contiguous run. ConfigError for a block outside the shape.
+  // `buffer`: a contiguous CPU tensor of the tensor's dtype and at least the block's elements, read into (its
+  // first elements, viewed as the block) instead of a new one (else a new one), so that a reader of many
+  // blocks allocates once.
   at::Tensor readBlock(const SafetensorsTensor& tensor, const std::vector<int64_t>& offsets,
-                       const std::vector<int64_t>& sizes) const;
+                       const std::vector<int64_t>& sizes, const at::Tensor& buffer = {}) const;
 
  private:
   std::string path_;

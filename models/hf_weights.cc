@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -224,6 +225,42 @@ std::vector<Read> readsOf(const Decoder& model, const Folder& folder) {
   return reads;
 }
 
+// One read in pieces of at most kMaxReadBytes of the file's dtype along its outermost dimension of more
+// than one row, each read into one staging buffer per dtype and converted into its part of the target: the
+// host holds that buffer beside the model, whatever the tensor's size (a whole embedding block would be
+// hundreds of MB), and allocates nothing per piece.
+constexpr int64_t kMaxReadBytes = 8 << 20;
+
+int64_t readInPieces(const checkpoint::SafetensorsFile& file, const checkpoint::SafetensorsTensor& tensor,
+                     const Read& read, std::map<at::ScalarType, at::Tensor>& staging) {
+  at::Tensor& buffer = staging[tensor.dtype];
+  if (!buffer.defined())
+    buffer = at::empty({kMaxReadBytes / static_cast<int64_t>(c10::elementSize(tensor.dtype))},
+                       at::TensorOptions(tensor.dtype));
+  const at::Tensor target = read.target.view(read.sizes);
+  size_t dim = 0;
+  while (dim + 1 < read.sizes.size() && read.sizes[dim] == 1) ++dim;
+  const int64_t extent = read.sizes.empty() ? 1 : read.sizes[dim];
+  int64_t rowBytes = static_cast<int64_t>(c10::elementSize(tensor.dtype));
+  for (size_t d = dim + 1; d < read.sizes.size(); ++d) rowBytes *= read.sizes[d];
+  const int64_t rows = std::max<int64_t>(1, kMaxReadBytes / std::max<int64_t>(rowBytes, 1));
+  if (read.sizes.empty() || extent <= rows) {
+    const at::Tensor block = file.readBlock(tensor, read.offsets, read.sizes, buffer);
+    target.copy_(block);
+    return block.numel() * block.element_size();
+  }
+  int64_t bytes = 0;
+  for (int64_t begin = 0; begin < extent; begin += rows) {
+    std::vector<int64_t> offsets = read.offsets, sizes = read.sizes;
+    offsets[dim] += begin;
+    sizes[dim] = std::min(rows, extent - begin);
+    const at::Tensor piece = file.readBlock(tensor, offsets, sizes, buffer);
+    target.narrow(static_cast<int64_t>(dim), begin, sizes[dim]).copy_(piece);
+    bytes += piece.numel() * piece.element_size();
+  }
+  return bytes;
+}
+
 }  // namespace
 
 HfLoadReport loadHfWeights(Decoder& model, const std::string& path) {
@@ -240,12 +277,10 @@ HfLoadReport loadHfWeights(Decoder& model, const std::string& path) {
   HfLoadReport report;
   report.folderBytes = folder.bytes();
   const at::NoGradGuard noGrad;
+  std::map<at::ScalarType, at::Tensor> staging;
   for (const Read& read : reads) {
     const auto [file, tensor] = folder.at(read.name);
-    const at::Tensor block = file->readBlock(*tensor, read.offsets, read.sizes);
-    at::Tensor target = read.target;
-    target.copy_(block.view(target.sizes()));
-    report.bytesRead += block.numel() * block.element_size();
+    report.bytesRead += readInPieces(*file, *tensor, read, staging);
     ++report.tensors;
   }
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
