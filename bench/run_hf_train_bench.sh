@@ -25,15 +25,6 @@ config = json.load(open(sys.argv[1]))
 config["num_hidden_layers"] = int(sys.argv[3])
 json.dump(config, open(sys.argv[2], "w"), indent=2)
 PY
-# Uniformly random ids, documents of 64k tokens, enough for every step.
-python3 - "$work/ids.jsonl" $(((steps + 2) * batch * (seq + 1) / 65536 + 1)) <<'PY'
-import random, sys
-rng = random.Random(1)
-with open(sys.argv[1], "w") as f:
-    for _ in range(int(sys.argv[2])):
-        f.write("[" + ",".join(str(rng.randrange(151936)) for _ in range(65536)) + "]\n")
-PY
-"$build/bin/bulkhead-data" convert "$work/ids.jsonl" --out "$work/ids" --vocab 151936 >/dev/null
 
 # train_moe's figures over the second half of its steps: "tok/s step_ms TFLOP/s MFU peak_GiB".
 bulkhead() {
@@ -51,6 +42,15 @@ $(grep -o 'peak device memory [0-9.]*' <<<"$log" | grep -o '[0-9.]*$')"
 }
 if [ "${ONLY:-bulkhead}" = bulkhead ]; then
   echo "$(date +%T) Bulkhead"
+# Uniformly random ids, documents of 64k tokens, enough for every step.
+python3 - "$work/ids.jsonl" $(((steps + 2) * batch * (seq + 1) / 65536 + 1)) <<'PY'
+import random, sys
+rng = random.Random(1)
+with open(sys.argv[1], "w") as f:
+    for _ in range(int(sys.argv[2])):
+        f.write("[" + ",".join(str(rng.randrange(151936)) for _ in range(65536)) + "]\n")
+PY
+"$build/bin/bulkhead-data" convert "$work/ids.jsonl" --out "$work/ids" --vocab 151936 >/dev/null
   bulkhead >"$raw/plain.txt"
   bulkhead --recompute >"$raw/recompute.txt"
 fi
