@@ -31,10 +31,6 @@ at::Tensor expertMatrix(const ExpertOptions& options, int expert, int matrix, in
   return at::empty({rows, columns}, at::kDouble).normal_(0.0, options.initStd, generator);
 }
 
-// This rank's etp slice as a tensor of its own, so that the whole float64
-// matrix behind it is freed at once.
-at::Tensor ownSlice(const at::Tensor& slice, int etp) { return etp > 1 ? slice.clone() : slice; }
-
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -73,20 +69,19 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
     w2_ = at::zeros({localExperts, hidden, ffnLocal}, tensorOptions).set_requires_grad(true);
     return;
   }
+  // Each expert's slice converted into its place as it is drawn: the host holds one expert's float64
+  // matrices beside this rank's share, not every local expert's.
   const int64_t column = expertTp_->rank() * ffnLocal;
-  std::vector<at::Tensor> w13, w2;
+  w13_ = at::empty({localExperts, 2, ffnLocal, hidden}, tensorOptions);
+  w2_ = at::empty({localExperts, hidden, ffnLocal}, tensorOptions);
   for (int local = 0; local < localExperts; ++local) {
     const int expert = firstExpert + local;
-    w13.push_back(at::stack({expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal),
-                             expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal)}));
-    w2.push_back(ownSlice(expertMatrix(options_, expert, 2, hidden, ffn).narrow(1, column, ffnLocal), etp));
+    w13_[local][0].copy_(expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal));
+    w13_[local][1].copy_(expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal));
+    w2_[local].copy_(expertMatrix(options_, expert, 2, hidden, ffn).narrow(1, column, ffnLocal));
   }
-  auto stacked = [&](std::vector<at::Tensor>& parts, std::vector<int64_t> shape) {
-    at::Tensor all = parts.empty() ? at::empty(shape, at::kDouble) : at::stack(parts);
-    return all.to(tensorOptions).contiguous().set_requires_grad(true);
-  };
-  w13_ = stacked(w13, {0, 2, ffnLocal, hidden});
-  w2_ = stacked(w2, {0, hidden, ffnLocal});
+  w13_.set_requires_grad(true);
+  w2_.set_requires_grad(true);
 }
 
 template <typename Products>
