@@ -238,17 +238,16 @@ int64_t readInPieces(const checkpoint::SafetensorsFile& file, const checkpoint::
     buffer = at::empty({kMaxReadBytes / static_cast<int64_t>(c10::elementSize(tensor.dtype))},
                        at::TensorOptions(tensor.dtype));
   const at::Tensor target = read.target.view(read.sizes);
+  if (read.sizes.empty()) {  // a scalar
+    target.copy_(file.readBlock(tensor, read.offsets, read.sizes, buffer));
+    return static_cast<int64_t>(c10::elementSize(tensor.dtype));
+  }
   size_t dim = 0;
   while (dim + 1 < read.sizes.size() && read.sizes[dim] == 1) ++dim;
-  const int64_t extent = read.sizes.empty() ? 1 : read.sizes[dim];
+  const int64_t extent = read.sizes[dim];
   int64_t rowBytes = static_cast<int64_t>(c10::elementSize(tensor.dtype));
   for (size_t d = dim + 1; d < read.sizes.size(); ++d) rowBytes *= read.sizes[d];
   const int64_t rows = std::max<int64_t>(1, kMaxReadBytes / std::max<int64_t>(rowBytes, 1));
-  if (read.sizes.empty() || extent <= rows) {
-    const at::Tensor block = file.readBlock(tensor, read.offsets, read.sizes, buffer);
-    target.copy_(block);
-    return block.numel() * block.element_size();
-  }
   int64_t bytes = 0;
   for (int64_t begin = 0; begin < extent; begin += rows) {
     std::vector<int64_t> offsets = read.offsets, sizes = read.sizes;

@@ -64,17 +64,17 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
                 hidden, ffnLocal);
     }
   }
-  if (options_.initStd == 0) {  // weights about to be loaded: nothing to draw, nothing but this rank's share held
-    w13_ = at::zeros({localExperts, 2, ffnLocal, hidden}, tensorOptions).set_requires_grad(true);
-    w2_ = at::zeros({localExperts, hidden, ffnLocal}, tensorOptions).set_requires_grad(true);
-    return;
-  }
   // Each expert's slice converted into its place as it is drawn: the host holds one expert's float64
-  // matrices beside this rank's share, not every local expert's.
+  // matrices beside this rank's share, not every local expert's. initStd 0 (weights loaded next): zeros,
+  // nothing drawn.
+  const bool draw = options_.initStd != 0;
+  auto allocate = [&](at::IntArrayRef shape) {
+    return draw ? at::empty(shape, tensorOptions) : at::zeros(shape, tensorOptions);
+  };
   const int64_t column = expertTp_->rank() * ffnLocal;
-  w13_ = at::empty({localExperts, 2, ffnLocal, hidden}, tensorOptions);
-  w2_ = at::empty({localExperts, hidden, ffnLocal}, tensorOptions);
-  for (int local = 0; local < localExperts; ++local) {
+  w13_ = allocate({localExperts, 2, ffnLocal, hidden});
+  w2_ = allocate({localExperts, hidden, ffnLocal});
+  for (int local = 0; draw && local < localExperts; ++local) {
     const int expert = firstExpert + local;
     w13_[local][0].copy_(expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal));
     w13_[local][1].copy_(expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal));
