@@ -61,10 +61,10 @@ Routing Router::select(const at::Tensor& tokens, bool hostCounts, const at::Tens
     keys = noiseKeys;
   }
   Routing routing;
-  if (auto mixed = mixedPrecisionLogits(tokens, gate_))
+  if (options_.float32Scores)  // Hugging Face's routers: logits rounded to the tokens' dtype, then float32
+    routing.logits = at::matmul(tokens, gate_.to(tokens.scalar_type()).t()).to(at::kFloat);
+  else if (auto mixed = mixedPrecisionLogits(tokens, gate_))
     routing.logits = std::move(*mixed);
-  else if (tokens.scalar_type() == at::kDouble && !doubleScores)
-    routing.logits = at::matmul(tokens, gate_.to(at::kDouble).t()).to(at::kFloat);
   else
     routing.logits = at::matmul(tokens.to(scoreType), gate_.to(scoreType).t());
   if (auto fused = fusedScores(routing.logits, options_, options_.expertBias ? bias_ : at::Tensor(), keys)) {

@@ -1,14 +1,17 @@
 // Qwen3-MoE and Mixtral on GPUs against transformers' own GPU numbers (fixtures/hf, written on a GPU by
 // fixtures/make_hf_fixtures.py): each fixture loaded in float32 gives transformers' float32 eager logits
-// within 1e-4, and in bfloat16 is within a mean KL divergence of 1e-4 of transformers' bfloat16 logits over
-// every token but the one farthest off (meanKlButWorst says why).
+// within 1e-4. In bfloat16 two implementations round differently (fused attention here, transformers'
+// eager attention and its bfloat16 weighted sum of the experts there), so the bfloat16 check is twofold:
+// Bulkhead's bfloat16 logits are no farther from transformers' float64 ones than transformers' own
+// bfloat16 logits are (within 25%), and within a mean KL divergence of 1.25e-4 of transformers' bfloat16
+// logits (measured on one H200: 3.3e-5 and 5.4e-5 for qwen3_moe_kv1 and mixtral, 1.08e-4 for
+// qwen3_moe_mixed, whose 32 tokens differ by at most 4e-4 each).
 // One rank per GPU: every rank holds the whole model (dp), and where the GPUs split the experts, ep too.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "checkpoint/safetensors.h"
@@ -40,15 +43,6 @@ at::Tensor tokenKl(const at::Tensor& got, const at::Tensor& want) {
   return (logWant.exp() * (logWant - logGot)).sum(-1).flatten();
 }
 double meanKl(const at::Tensor& got, const at::Tensor& want) { return tokenKl(got, want).mean().item<double>(); }
-// The mean over every token but the one farthest off: in bf16 a token whose top-k experts are within
-// rounding of a tie may take another expert than in float32 (qwen3_moe_mixed has one: KL 0.14 from the
-// float64 logits, where transformers' bf16 keeps it), which no precision short of float32 routing inputs
-// avoids.
-double meanKlButWorst(const at::Tensor& got, const at::Tensor& want) {
-  const at::Tensor kl = std::get<0>(tokenKl(got, want).sort(0, /*descending=*/true));
-  return kl.narrow(0, 1, kl.size(0) - 1).mean().item<double>();
-}
-
 // This rank's whole-vocabulary logits of the fixture at `dtype`, on its GPU, as float32 on the host.
 at::Tensor logitsOn(const std::string& name, at::ScalarType dtype, const parallel::ProcessGroups& groups) {
   const std::string folder = kFixtures + "/" + name;
@@ -76,17 +70,17 @@ TEST_CASE("every fixture on the GPU gives transformers' float32 and bfloat16 log
     const double error = (float32 - referenceOf(name, "logits_cuda_float32")).abs().max().item<double>();
     const at::Tensor bf16 = logitsOn(name, at::kBFloat16, groups);
     const double kl = meanKl(bf16, referenceOf(name, "logits_cuda_bfloat16"));
-    const double klButWorst = meanKlButWorst(bf16, referenceOf(name, "logits_cuda_bfloat16"));
     const double klFloat64 = meanKl(bf16, referenceOf(name, "logits"));
     const double transformersKl =
         meanKl(referenceOf(name, "logits_cuda_bfloat16"), referenceOf(name, "logits"));  // its own bf16 error
     const std::string line = fmt::format(
-        "{}: float32 max logit error {:.3g}; bfloat16 mean KL {:.3g} from transformers' bfloat16 ({:.3g} but the "
-        "worst token), {:.3g} from its float64 (transformers' bfloat16: {:.3g})",
-        name, error, kl, klButWorst, klFloat64, transformersKl);
+        "{}: float32 max logit error {:.3g}; bfloat16 mean KL {:.3g} from transformers' bfloat16, {:.3g} "
+        "from its float64 (transformers' bfloat16: {:.3g})",
+        name, error, kl, klFloat64, transformersKl);
     INFO(line);
     if (testing::gpuWorld().rank() == 0) fmt::print("{}\n", line);
     CHECK(error <= 1e-4);
-    CHECK(klButWorst <= 1e-4);
+    CHECK(kl <= 1.25e-4);
+    CHECK(klFloat64 <= 1.25 * transformersKl);
   }
 }
