@@ -1,11 +1,9 @@
 // Qwen3-MoE and Mixtral on GPUs against transformers' own GPU numbers (fixtures/hf, written on a GPU by
 // fixtures/make_hf_fixtures.py): each fixture loaded in float32 gives transformers' float32 eager logits
-// within 1e-4. In bfloat16 two implementations round differently (fused attention here, transformers'
-// eager attention and its bfloat16 weighted sum of the experts there), so the bfloat16 check is twofold:
-// Bulkhead's bfloat16 logits are no farther from transformers' float64 ones than transformers' own
-// bfloat16 logits are (within 25%), and within a mean KL divergence of 1.25e-4 of transformers' bfloat16
-// logits (measured on one H200: 3.3e-5 and 5.4e-5 for qwen3_moe_kv1 and mixtral, 1.08e-4 for
-// qwen3_moe_mixed, whose 32 tokens differ by at most 4e-4 each).
+// within 1e-4, and in bfloat16 within a mean KL divergence of 1e-4 of transformers' bfloat16 model as
+// from_pretrained makes it (SDPA attention, grouped-mm experts). The two still round differently (a float32
+// weighted sum of the experts here, a bfloat16 one there), so the bfloat16 logits must also be no farther
+// from transformers' float64 ones than transformers' own bfloat16 logits are, within 25%.
 // One rank per GPU: every rank holds the whole model (dp), and where the GPUs split the experts, ep too.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -80,7 +78,7 @@ TEST_CASE("every fixture on the GPU gives transformers' float32 and bfloat16 log
     INFO(line);
     if (testing::gpuWorld().rank() == 0) fmt::print("{}\n", line);
     CHECK(error <= 1e-4);
-    CHECK(kl <= 1.25e-4);
+    CHECK(kl <= 1e-4);
     CHECK(klFloat64 <= 1.25 * transformersKl);
   }
 }
