@@ -153,16 +153,28 @@ DistributedOptimizer::~DistributedOptimizer() {
   hooks_.reset();  // no hook may reach this object from here on
 }
 
+at::Tensor DistributedOptimizer::gradPiece(const Bucket& bucket, size_t k) const {
+  if (!bucket.gradPieces.empty()) return bucket.gradPieces[k];
+  const ShardLayout::Piece& piece = bucket.pieces[bucket.comm->rank()][k];
+  return bucket.gradShard.narrow(0, piece.shardOffset, piece.numel);
+}
+
+bool DistributedOptimizer::directGradients(const Bucket& bucket) const {
+  return fused::kernels(groups_.world()->device()) && bucket.layout.ranks() == 1 && !bucket.instances &&
+         bucket.divisor == 1 && bucket.masterType == at::kFloat;
+}
+
 void DistributedOptimizer::startBucket(size_t b, Deadline deadline) {
   Bucket& bucket = buckets_[b];
   const ShardLayout& layout = bucket.layout;
   const int ranks = layout.ranks();
   const c10::Device device = groups_.world()->device();
   auto options = at::TensorOptions().dtype(reduceType(bucket)).device(device);
+  const bool direct = directGradients(bucket);
   // Allocated on the current stream, which the reduction's stream waits for
   // below, and handed to the communicator, which keeps it from reuse until
   // the reduction is done.
-  at::Tensor padded = at::empty({ranks * layout.shardMax}, options);
+  at::Tensor padded = direct ? at::Tensor() : at::empty({ranks * layout.shardMax}, options);
   bucket.reduced = ranks == 1 ? padded : at::empty({layout.shardMax}, options);
   std::optional<c10::StreamGuard> onStream;
   if (stream_) {  // behind everything queued so far, which wrote these gradients
@@ -173,6 +185,16 @@ void DistributedOptimizer::startBucket(size_t b, Deadline deadline) {
     // And behind each gradient's own stream (a shared expert's runs on one of its own).
     for (const auto& [stream, written] : bucket.written) written.block(*stream_);
     onStream.emplace(*stream_);
+  }
+  if (direct) {  // the update reads the gradients themselves, ordered behind their writes as above
+    for (const auto& piece : bucket.pieces[0]) {
+      const at::Tensor& grad = params_[bucket.members[piece.param]].tensor.grad();
+      const int64_t rowElems = layout.params[piece.param].rowElems;
+      bucket.gradPieces.push_back(grad.defined() ? grad.reshape({-1}).narrow(0, piece.rowBegin * rowElems, piece.numel)
+                                                 : at::zeros({piece.numel}, options.dtype(bucket.masterType)));
+    }
+    bucket.started = true;
+    return;
   }
   // Every gradient goes straight into its rows' place in the padded input
   // (rank r's region starts at r * shardMax), converted to the master dtype
@@ -287,6 +309,8 @@ void DistributedOptimizer::endCycle(bool completed) {
   inFlight_.clear();
   for (Bucket& bucket : buckets_) {
     bucket.gradShard = at::Tensor();  // not held between steps
+    bucket.gradPieces.clear();
+    bucket.paramsWritten = false;
     bucket.reduced = at::Tensor();
     bucket.work.reset();
     bucket.started = false;
@@ -318,6 +342,7 @@ void DistributedOptimizer::allGatherParameters(Deadline deadline) {
   std::vector<at::Tensor> into, from;  // copies done together at the end
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
+    if (bucket.paramsWritten) continue;  // by the update itself
     int ranks = bucket.layout.ranks(), me = bucket.comm->rank();
     for (int r = 0; r < ranks; ++r) {
       // This rank's own rows already hold the update when the parameter is the master.
@@ -371,9 +396,10 @@ std::vector<at::Tensor> DistributedOptimizer::countedPieces() const {
   std::vector<at::Tensor> counted;
   for (const Bucket& bucket : buckets_) {
     if (bucket.instances && bucket.instances->rank() != 0) continue;  // the first instance counts the shard
-    for (const auto& piece : bucket.pieces[bucket.comm->rank()])
-      if (countsOnThisTpRank(params_[bucket.members[piece.param]], groups_))
-        counted.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
+    const auto& pieces = bucket.pieces[bucket.comm->rank()];
+    for (size_t k = 0; k < pieces.size(); ++k)
+      if (countsOnThisTpRank(params_[bucket.members[pieces[k].param]], groups_))
+        counted.push_back(gradPiece(bucket, k));
   }
   return counted;
 }
@@ -436,14 +462,21 @@ double DistributedOptimizer::hostUpdate(const at::Tensor& partial, double lr, co
 StepNorm DistributedOptimizer::deviceUpdate(const at::Tensor& partial, double lr, const StepOptions& stepOptions,
                                             Deadline deadline) {
   std::map<double, fused::AdamWPieces> groups;  // by weight decay
-  for (Bucket& bucket : buckets_)
-    for (const auto& piece : bucket.pieces[bucket.comm->rank()]) {
+  const bool kernels = fused::kernels(groups_.world()->device());
+  for (Bucket& bucket : buckets_) {
+    // On one rank the update writes the parameters from their masters in the same pass.
+    bucket.paramsWritten = kernels && bucket.distinctMaster() && bucket.layout.ranks() == 1;
+    const auto& pieces = bucket.pieces[bucket.comm->rank()];
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const ShardLayout::Piece& piece = pieces[k];
       fused::AdamWPieces& group = groups[decay_[bucket.members[piece.param]]];
       group.masters.push_back(masterPiece(bucket, piece));
-      group.grads.push_back(bucket.gradShard.narrow(0, piece.shardOffset, piece.numel));
+      group.grads.push_back(gradPiece(bucket, k));
       group.expAvg.push_back(bucket.expAvg.narrow(0, piece.shardOffset, piece.numel));
       group.expAvgSq.push_back(bucket.expAvgSq.narrow(0, piece.shardOffset, piece.numel));
+      if (kernels) group.params.push_back(bucket.paramsWritten ? paramRows(bucket, piece) : at::Tensor());
     }
+  }
   const CommunicatorPtr& world = groups_.world();
   at::Tensor sum = partial.reshape({1}).contiguous();
   WorkPtr normWork;  // stream-ordered: the host does not wait for it here

@@ -182,7 +182,11 @@ class DistributedOptimizer {
     at::Tensor expAvg, expAvgSq;                          // this rank's shard
     at::Tensor reduced;                                   // the reduce-scatter's output, in the reduction dtype
     at::Tensor gradShard;  // the reduced gradient in the master dtype, during a step (shardMax long)
-    bool atStep = false;   // never started during the backward
+    // Instead of gradShard where nothing is reduced (one rank, no instances, no divisor) and the
+    // optimizer's kernels run: this rank's pieces of the gradients as they are, in their own dtype.
+    std::vector<at::Tensor> gradPieces;
+    bool paramsWritten = false;  // this step's update wrote the parameters: nothing to copy at the gather
+    bool atStep = false;         // never started during the backward
     // During a step: members whose gradients are not finished yet, and the reduce-scatter once started.
     int waitingFor = 0;
     // On a GPU: one event per stream its gradients were written on, recorded
@@ -196,6 +200,10 @@ class DistributedOptimizer {
   void checkReplicasAgree(parallel::ParamGroup group, const CommunicatorPtr& comm, Deadline deadline) const;
   at::Tensor paramRows(const Bucket& bucket, const ShardLayout::Piece& piece) const;
   at::Tensor masterPiece(const Bucket& bucket, const ShardLayout::Piece& piece) const;
+  // This rank's k-th piece of the bucket's gradient during a step (gradPieces or gradShard).
+  at::Tensor gradPiece(const Bucket& bucket, size_t k) const;
+  // Whether bucket b's gradients go to the update as they are (see Bucket::gradPieces).
+  bool directGradients(const Bucket& bucket) const;
   void reduceScatterGradients(Deadline deadline);
   // Converts bucket b's gradients into its padded float buffer and starts its reduce-scatter.
   void startBucket(size_t b, Deadline deadline);

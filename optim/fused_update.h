@@ -20,14 +20,23 @@ namespace bulkhead::optim::fused {
 
 bool available(const c10::Device& device);
 
-// The sum of the squares of every element of `pieces`, as a 1-element float64
-// tensor on their device; zeros({1}) for no pieces.
+// The sum of the squares of every element of `pieces` (any floating dtypes,
+// each norm taken in at least float32), as a 1-element float64 tensor on
+// their device; zeros({1}) for no pieces.
 at::Tensor sumOfSquares(const std::vector<at::Tensor>& pieces, const at::TensorOptions& resultOptions);
 
 // Matching pieces of the float32 master weights, their gradients and both moments.
+// With kernels() the gradients may be bf16 or fp16 (read as they are, not
+// converted first), and `params`, where not empty, holds for each piece the
+// parameter rows (or an undefined tensor) that take the updated master,
+// rounded to their dtype, in the same pass.
 struct AdamWPieces {
-  std::vector<at::Tensor> masters, grads, expAvg, expAvgSq;
+  std::vector<at::Tensor> masters, grads, expAvg, expAvgSq, params;
 };
+
+// Whether adamw() runs Bulkhead's own kernel on `device` (built where libtorch
+// has CUDA): half-precision gradients and parameters written in the update.
+bool kernels(const c10::Device& device);
 
 // What the update reads from the device, so that the host queues it without
 // waiting for the gradient norm.

@@ -8,6 +8,12 @@
 #include "parallel/tensor_parallel_detail.h"
 #include "runtime/errors.h"
 
+#if BULKHEAD_PARALLEL_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "parallel/cuda/cross_entropy_kernels.h"
+#endif
+
 namespace bulkhead::parallel {
 
 VocabParallelEmbedding::VocabParallelEmbedding(std::string name, int64_t vocabSize, int64_t dim, TpGroup group,
@@ -99,6 +105,59 @@ struct VocabCrossEntropy : torch::autograd::Function<VocabCrossEntropy> {
   }
 };
 
+#if BULKHEAD_PARALLEL_KERNELS
+cuda::CrossEntropyArgs kernelArgs(const at::Tensor& rows, const at::Tensor& column) {
+  return {.type = rows.scalar_type() == at::kBFloat16 ? cuda::LogitsType::BFloat16 : cuda::LogitsType::Float16,
+          .rows = rows.size(0),
+          .width = rows.size(1),
+          .column = column.data_ptr<int64_t>(),
+          .stream = c10::cuda::getCurrentCUDAStream(rows.device().index()).stream()};
+}
+
+// Half-precision logits on a GPU take the kernels, which read them in place: one pass for the forward's
+// row statistics, one for the gradient, no float32 copy of the logits and nothing of their size saved
+// but the logits themselves.
+struct FusedVocabCrossEntropy : torch::autograd::Function<FusedVocabCrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
+                            int64_t vocabBegin, const TpGroup& group) {
+    const int64_t width = logits.size(-1);
+    const at::Tensor x = logits.reshape({-1, width}).contiguous();
+    const at::Tensor t = targets.reshape({-1}).to(at::kLong);
+    const at::Tensor inside = (t >= vocabBegin).logical_and(t < vocabBegin + width);
+    const at::Tensor column = (t - vocabBegin).masked_fill(inside.logical_not(), -1).contiguous();
+    // Rows: this block's maximum, its sum of exp(x - maximum), the target's logit (0 off this block).
+    const at::Tensor stats = at::empty({3, x.size(0)}, x.options().dtype(at::kFloat));
+    cuda::crossEntropyRowStats(kernelArgs(x, column), x.data_ptr(), stats[0].data_ptr<float>(),
+                               stats[1].data_ptr<float>(), stats[2].data_ptr<float>());
+    at::Tensor max = stats[0], sumExp = stats[1], target = stats[2];
+    if (group.size() > 1) {  // the blocks' sums rescaled to the global maximum, summed with the target logits
+      const at::Tensor globalMax = detail::allReduce(max, group, ReduceOp::Max);
+      const at::Tensor sums = detail::allReduce(at::stack({sumExp * (max - globalMax).exp(), target}), group);
+      max = globalMax;
+      sumExp = sums[0];
+      target = sums[1];
+    }
+    const at::Tensor logSumExp = max + sumExp.log();
+    ctx->save_for_backward({x, column, logSumExp});
+    ctx->saved_data["shape"] = logits.sizes().vec();
+    return (logSumExp - target).reshape(targets.sizes()).to(logits.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuseDoubleBackward("vocabParallelCrossEntropy");
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& column = saved[1];
+    const at::Tensor& logSumExp = saved[2];
+    const at::Tensor scale = grads[0].reshape({-1}).to(at::kFloat).contiguous();
+    at::Tensor grad = at::empty_like(x);
+    cuda::crossEntropyGradient(kernelArgs(x, column), x.data_ptr(), logSumExp.data_ptr<float>(),
+                               scale.data_ptr<float>(), grad.data_ptr());
+    return {grad.reshape(ctx->saved_data["shape"].toIntVector()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+
 }  // namespace
 
 at::Tensor vocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets, int64_t vocabBegin,
@@ -109,6 +168,10 @@ at::Tensor vocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor&
                                   fmt::join(logits.sizes(), ","), fmt::join(targets.sizes(), ",")),
                       {.rank = group.rank(), .group = group.comm->name(), .expected = "one target per logits row"});
   if (group.size() > 1) detail::checkDevice(logits, group, "vocabParallelCrossEntropy");
+#if BULKHEAD_PARALLEL_KERNELS
+  if (logits.is_cuda() && (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kHalf))
+    return FusedVocabCrossEntropy::apply(logits, targets, vocabBegin, group);
+#endif
   return VocabCrossEntropy::apply(logits, targets, vocabBegin, group);
 }
 

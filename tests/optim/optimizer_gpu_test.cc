@@ -1,8 +1,10 @@
 // The distributed optimizer on GPUs (its multi-tensor kernels: the gradients'
 // conversion into the float32 input, the norm, AdamW, the copy back into the
-// parameters) against the same optimizer on the CPU (one operation per piece)
-// over the mpi world: bf16 parameters with float32 master weights, the clip
-// active, a parameter without a gradient, dp = every GPU. One rank per GPU.
+// parameters; on one GPU the update reading the bf16 gradients as they are and
+// writing the parameters itself) against the same optimizer on the CPU (one
+// operation per piece) over the mpi world: bf16 parameters with float32 master
+// weights, the clip active, a parameter without a gradient, dp = every GPU.
+// One rank per GPU.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
