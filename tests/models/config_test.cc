@@ -113,10 +113,10 @@ TEST_CASE("what the model does not implement is a ConfigError naming the field")
   for (const Case& c : cases) {
     INFO(c.field << " = " << c.value);
     const std::string message = refusal(withField(*c.base, c.field, c.value));
-    CHECK_THAT(message, Catch::Matchers::Contains(c.named));
+    CHECK_THAT(message, bulkhead::testing::Contains(c.named));
   }
-  CHECK_THAT(refusal("{\"model_type\": \"qwen3_moe\", "), Catch::Matchers::Contains("config.json: not JSON"));
-  CHECK_THAT(refusal("[1, 2]"), Catch::Matchers::Contains("not a JSON object"));
+  CHECK_THAT(refusal("{\"model_type\": \"qwen3_moe\", "), bulkhead::testing::Contains("config.json: not JSON"));
+  CHECK_THAT(refusal("[1, 2]"), bulkhead::testing::Contains("not a JSON object"));
   CHECK(refusal(qwen).empty());
   CHECK(refusal(mixtral).empty());
 }

@@ -84,7 +84,7 @@ TEST_CASE("a folder that does not fit its config is refused, naming the tensor, 
     const std::string shard = folder + "/model-00003-of-00009.safetensors";
     stdfs::resize_file(shard, stdfs::file_size(shard) - 64);
     const auto [message, untouched] = refusal("mixtral", folder);
-    CHECK_THAT(message, Catch::Matchers::Contains("model-00003-of-00009.safetensors"));
+    CHECK_THAT(message, bulkhead::testing::Contains("model-00003-of-00009.safetensors"));
     CHECK(untouched);
   }
   SECTION("a tensor of another shape") {
@@ -94,8 +94,8 @@ TEST_CASE("a folder that does not fit its config is refused, naming the tensor, 
         if (name == "model.layers.0.self_attn.k_proj.weight") t = t.narrow(0, 0, 16).contiguous();
     });
     const auto [message, untouched] = refusal("qwen3_moe_mixed", folder);
-    CHECK_THAT(message, Catch::Matchers::Contains("'model.layers.0.self_attn.k_proj.weight' has shape [16, 32]"));
-    CHECK_THAT(message, Catch::Matchers::Contains("num_key_value_heads x head_dim, hidden_size"));
+    CHECK_THAT(message, bulkhead::testing::Contains("'model.layers.0.self_attn.k_proj.weight' has shape [16, 32]"));
+    CHECK_THAT(message, bulkhead::testing::Contains("num_key_value_heads x head_dim, hidden_size"));
     CHECK(untouched);
   }
   SECTION("a missing expert") {
@@ -104,8 +104,8 @@ TEST_CASE("a folder that does not fit its config is refused, naming the tensor, 
       std::erase_if(tensors, [](const auto& t) { return t.first == "model.layers.2.mlp.experts.7.up_proj.weight"; });
     });
     const auto [message, untouched] = refusal("qwen3_moe_mixed", folder);
-    CHECK_THAT(message, Catch::Matchers::Contains("'model.layers.2.mlp.experts.7.up_proj.weight' is missing"));
-    CHECK_THAT(message, Catch::Matchers::Contains("expert 7 of 8 (num_local_experts)"));
+    CHECK_THAT(message, bulkhead::testing::Contains("'model.layers.2.mlp.experts.7.up_proj.weight' is missing"));
+    CHECK_THAT(message, bulkhead::testing::Contains("expert 7 of 8 (num_local_experts)"));
     CHECK(untouched);
   }
   SECTION("a tensor the model has no place for") {
@@ -114,8 +114,8 @@ TEST_CASE("a folder that does not fit its config is refused, naming the tensor, 
       tensors.emplace_back("model.layers.0.mlp.gate.weight", at::randn({4, 32}, at::kDouble));
     });
     const auto [message, untouched] = refusal("qwen3_moe_kv1", folder);
-    CHECK_THAT(message, Catch::Matchers::Contains("'model.layers.0.mlp.gate.weight'"));
-    CHECK_THAT(message, Catch::Matchers::Contains("has no place in a qwen3_moe model"));
+    CHECK_THAT(message, bulkhead::testing::Contains("'model.layers.0.mlp.gate.weight'"));
+    CHECK_THAT(message, bulkhead::testing::Contains("has no place in a qwen3_moe model"));
     CHECK(untouched);
   }
 }

@@ -3,6 +3,8 @@
 // c10's logging (glog or its own) defines CHECK too: take it in first, drop its
 // CHECK, and let Catch's stand; c10's include guards keep it from coming back.
 #include <c10/util/Logging.h>
+
+#include <string>
 #undef CHECK
 #if __has_include(<catch2/catch_test_macros.hpp>)
 #include <catch2/catch_approx.hpp>
@@ -22,4 +24,13 @@ using Approx = Catch::Approx;
 #else
 using Approx = Catch::Detail::Approx;
 #endif
+
+// The substring matcher: v3's ContainsSubstring, v2's Contains.
+inline auto Contains(const std::string& part) {
+#ifdef BULKHEAD_CATCH3
+  return Catch::Matchers::ContainsSubstring(part);
+#else
+  return Catch::Matchers::Contains(part);
+#endif
+}
 }  // namespace bulkhead::testing
