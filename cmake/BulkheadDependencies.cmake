@@ -87,3 +87,14 @@ macro(bulkhead_enable_cuda)
   endif()
   enable_language(CUDA)
 endmacro()
+
+# A library's CUDA kernels of our own (where libtorch has CUDA): the sources, each compiled alone also
+# in a unity build (CMake 3.31 batches CUDA sources too), `definition`=1 for the C++ side that launches
+# them, and the CUDA runtime. A macro for the same reason as bulkhead_enable_cuda.
+macro(bulkhead_target_kernels target definition)
+  bulkhead_enable_cuda()
+  target_sources(${target} PRIVATE ${ARGN})
+  set_source_files_properties(${ARGN} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+  target_compile_definitions(${target} PRIVATE ${definition}=1)
+  target_link_libraries(${target} PRIVATE ${BULKHEAD_C10_CUDA} CUDA::cudart)
+endmacro()
