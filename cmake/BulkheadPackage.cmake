@@ -20,7 +20,7 @@ install(TARGETS bulkhead bulkhead_runtime bulkhead_data bulkhead_parallel bulkhe
 # checkpoint/save_job.h, box.h.
 set(BULKHEAD_PUBLIC_HEADERS
   runtime/backoff.h runtime/diagnosis/checked_region.h runtime/communicator.h runtime/cpu_share.h runtime/cuda/cuda_graph.h
-  runtime/deadline.h runtime/diagnosis/diagnosis.h runtime/dtype.h runtime/env.h runtime/errors.h runtime/diagnosis/fatal_exit.h
+  runtime/deadline.h runtime/parallel_for.h runtime/diagnosis/diagnosis.h runtime/dtype.h runtime/env.h runtime/errors.h runtime/diagnosis/fatal_exit.h
   runtime/diagnosis/fault.h runtime/diagnosis/fault_spec.h runtime/fd.h runtime/store/file_store.h runtime/gloo/gloo_backend.h
   runtime/cuda/host_copy.h runtime/host_staged.h runtime/cuda/stream_timer.h runtime/diagnosis/ledger.h runtime/log.h runtime/diagnosis/monitor.h
   runtime/diagnosis/monitor_record.h runtime/mpi/mpi_backend.h

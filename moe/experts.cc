@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/DeviceGuard.h>
 
 #if __has_include(<ATen/ops/_grouped_mm.h>)
 #include <ATen/ops/_grouped_mm.h>
@@ -14,21 +15,28 @@
 
 #include <numeric>
 #include <utility>
+#include <vector>
 
 #include "moe/batched_linear.h"
 #include "moe/swiglu.h"
 #include "parallel/tensor_parallel.h"
+#include "runtime/cpu_share.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
+#include "runtime/parallel_for.h"
 
 namespace bulkhead::moe {
 namespace {
 
 // Global expert `expert`'s full matrix number `matrix`, from a generator of
-// its own: the same values whatever the layout.
-at::Tensor expertMatrix(const ExpertOptions& options, int expert, int matrix, int64_t rows, int64_t columns) {
+// its own: the same values whatever the layout. Drawn into `buffer` (float64,
+// grown as needed), which a thread reuses from one draw to the next: no fresh
+// pages for the kernel to clear at every matrix.
+at::Tensor expertMatrix(const ExpertOptions& options, int expert, int matrix, int64_t rows, int64_t columns,
+                        at::Tensor& buffer) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(initSeed(options.seed, matrix, expert));
-  return at::empty({rows, columns}, at::kDouble).normal_(0.0, options.initStd, generator);
+  if (!buffer.defined() || buffer.numel() < rows * columns) buffer = at::empty({rows * columns}, at::kDouble);
+  return buffer.narrow(0, 0, rows * columns).view({rows, columns}).normal_(0.0, options.initStd, generator);
 }
 
 uint64_t splitmix64(uint64_t x) {
@@ -65,8 +73,9 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
     }
   }
   // Each expert's slice converted into its place as it is drawn: the host holds one expert's float64
-  // matrices beside this rank's share, not every local expert's. initStd 0 (weights loaded next): zeros,
-  // nothing drawn.
+  // matrices a thread beside this rank's share, not every local expert's. Experts are drawn on as many
+  // threads as this rank's CPUs, each from generators of its own, so the values do not depend on the
+  // threads. initStd 0 (weights loaded next): zeros, nothing drawn.
   const bool draw = options_.initStd != 0;
   auto allocate = [&](at::IntArrayRef shape) {
     return draw ? at::empty(shape, tensorOptions) : at::zeros(shape, tensorOptions);
@@ -74,11 +83,17 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
   const int64_t column = expertTp_->rank() * ffnLocal;
   w13_ = allocate({localExperts, 2, ffnLocal, hidden});
   w2_ = allocate({localExperts, hidden, ffnLocal});
-  for (int local = 0; draw && local < localExperts; ++local) {
-    const int expert = firstExpert + local;
-    w13_[local][0].copy_(expertMatrix(options_, expert, 1, ffn, hidden).narrow(0, column, ffnLocal));
-    w13_[local][1].copy_(expertMatrix(options_, expert, 3, ffn, hidden).narrow(0, column, ffnLocal));
-    w2_[local].copy_(expertMatrix(options_, expert, 2, hidden, ffn).narrow(1, column, ffnLocal));
+  if (draw) {
+    const int threads = cpuShare().allowed;
+    std::vector<at::Tensor> buffers(static_cast<size_t>(threads));  // one a thread
+    parallelForWorkers(localExperts, threads, [&](int worker, int64_t local) {
+      const c10::DeviceGuard onDevice(w13_.device());  // a helper thread copies to this rank's GPU too
+      at::Tensor& buffer = buffers[static_cast<size_t>(worker)];
+      const int expert = firstExpert + static_cast<int>(local);
+      w13_[local][0].copy_(expertMatrix(options_, expert, 1, ffn, hidden, buffer).narrow(0, column, ffnLocal));
+      w13_[local][1].copy_(expertMatrix(options_, expert, 3, ffn, hidden, buffer).narrow(0, column, ffnLocal));
+      w2_[local].copy_(expertMatrix(options_, expert, 2, hidden, ffn, buffer).narrow(1, column, ffnLocal));
+    });
   }
   w13_.set_requires_grad(true);
   w2_.set_requires_grad(true);
