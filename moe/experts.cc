@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <c10/core/DeviceGuard.h>
 
 #if __has_include(<ATen/ops/_grouped_mm.h>)
 #include <ATen/ops/_grouped_mm.h>
@@ -13,6 +12,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <array>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -46,6 +47,36 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// Draws this rank's experts into w13 and w2 (their expert-tp columns from `column`), as many experts at a
+// time as the rank has CPUs: each helper thread draws an expert's float64 matrices into a buffer of its
+// own and rounds its slices to the weights' dtype on the host (as copy_ rounds a host tensor bound for a
+// GPU); the caller's thread then copies them into place, on its device and stream.
+void drawExperts(const ExpertOptions& options, int firstExpert, int64_t column, at::Tensor& w13, at::Tensor& w2) {
+  const int64_t localExperts = w13.size(0), ffnLocal = w13.size(2), hidden = options.hidden, ffn = options.ffnHidden;
+  const at::ScalarType type = w13.scalar_type();
+  const int threads = cpuShare().allowed;
+  std::vector<at::Tensor> buffers(static_cast<size_t>(threads));
+  for (int64_t wave = 0; wave < localExperts; wave += threads) {
+    const int64_t count = std::min<int64_t>(threads, localExperts - wave);
+    std::vector<std::array<at::Tensor, 3>> drawn(static_cast<size_t>(count));
+    parallelForWorkers(count, threads, [&](int worker, int64_t i) {
+      at::Tensor& buffer = buffers[static_cast<size_t>(worker)];
+      const int expert = firstExpert + static_cast<int>(wave + i);
+      auto rounded = [&](const at::Tensor& slice) { return slice.to(type, /*non_blocking=*/false, /*copy=*/true); };
+      drawn[static_cast<size_t>(i)] = {
+          rounded(expertMatrix(options, expert, 1, ffn, hidden, buffer).narrow(0, column, ffnLocal)),
+          rounded(expertMatrix(options, expert, 3, ffn, hidden, buffer).narrow(0, column, ffnLocal)),
+          rounded(expertMatrix(options, expert, 2, hidden, ffn, buffer).narrow(1, column, ffnLocal))};
+    });
+    for (int64_t i = 0; i < count; ++i) {
+      const auto& [gate, up, down] = drawn[static_cast<size_t>(i)];
+      w13[wave + i][0].copy_(gate);
+      w13[wave + i][1].copy_(up);
+      w2[wave + i].copy_(down);
+    }
+  }
+}
+
 }  // namespace
 
 uint64_t initSeed(uint64_t seed, uint64_t kind, uint64_t id) {
@@ -72,10 +103,10 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
                 hidden, ffnLocal);
     }
   }
-  // Each expert's slice converted into its place as it is drawn: the host holds one expert's float64
-  // matrices a thread beside this rank's share, not every local expert's. Experts are drawn on as many
-  // threads as this rank's CPUs, each from generators of its own, so the values do not depend on the
-  // threads. initStd 0 (weights loaded next): zeros, nothing drawn.
+  // Each expert's slices converted into place as they are drawn: the host holds one expert's float64
+  // matrices and rounded slices a thread beside this rank's share, not every local expert's. Each expert
+  // comes from generators of its own, so the values do not depend on the threads. initStd 0 (weights
+  // loaded next): zeros, nothing drawn.
   const bool draw = options_.initStd != 0;
   auto allocate = [&](at::IntArrayRef shape) {
     return draw ? at::empty(shape, tensorOptions) : at::zeros(shape, tensorOptions);
@@ -83,18 +114,7 @@ GroupedExperts::GroupedExperts(ExpertOptions options, int firstExpert, int local
   const int64_t column = expertTp_->rank() * ffnLocal;
   w13_ = allocate({localExperts, 2, ffnLocal, hidden});
   w2_ = allocate({localExperts, hidden, ffnLocal});
-  if (draw) {
-    const int threads = cpuShare().allowed;
-    std::vector<at::Tensor> buffers(static_cast<size_t>(threads));  // one a thread
-    parallelForWorkers(localExperts, threads, [&](int worker, int64_t local) {
-      const c10::DeviceGuard onDevice(w13_.device());  // a helper thread copies to this rank's GPU too
-      at::Tensor& buffer = buffers[static_cast<size_t>(worker)];
-      const int expert = firstExpert + static_cast<int>(local);
-      w13_[local][0].copy_(expertMatrix(options_, expert, 1, ffn, hidden, buffer).narrow(0, column, ffnLocal));
-      w13_[local][1].copy_(expertMatrix(options_, expert, 3, ffn, hidden, buffer).narrow(0, column, ffnLocal));
-      w2_[local].copy_(expertMatrix(options_, expert, 2, hidden, ffn, buffer).narrow(1, column, ffnLocal));
-    });
-  }
+  if (draw) drawExperts(options_, firstExpert, column, w13_, w2_);
   w13_.set_requires_grad(true);
   w2_.set_requires_grad(true);
 }
