@@ -48,12 +48,13 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 // Draws this rank's experts into w13 and w2 (their expert-tp columns from `column`), as many experts at a
-// time as the rank has CPUs: each helper thread draws an expert's float64 matrices into a buffer of its
-// own and rounds its slices to the weights' dtype on the host (as copy_ rounds a host tensor bound for a
-// GPU); the caller's thread then copies them into place, on its device and stream.
+// time as the rank has CPUs, each helper thread into a float64 buffer of its own. Weights on the host are
+// written in place by the helpers; for weights on a GPU the helpers round the slices to the weights' dtype
+// on the host (as copy_ rounds a host tensor bound for a GPU) and the caller's thread copies them over,
+// on its device and stream.
 void drawExperts(const ExpertOptions& options, int firstExpert, int64_t column, at::Tensor& w13, at::Tensor& w2) {
   const int64_t localExperts = w13.size(0), ffnLocal = w13.size(2), hidden = options.hidden, ffn = options.ffnHidden;
-  const at::ScalarType type = w13.scalar_type();
+  const bool onHost = w13.is_cpu();
   const int threads = cpuShare().allowed;
   std::vector<at::Tensor> buffers(static_cast<size_t>(threads));
   for (int64_t wave = 0; wave < localExperts; wave += threads) {
@@ -61,14 +62,20 @@ void drawExperts(const ExpertOptions& options, int firstExpert, int64_t column, 
     std::vector<std::array<at::Tensor, 3>> drawn(static_cast<size_t>(count));
     parallelForWorkers(count, threads, [&](int worker, int64_t i) {
       at::Tensor& buffer = buffers[static_cast<size_t>(worker)];
-      const int expert = firstExpert + static_cast<int>(wave + i);
-      auto rounded = [&](const at::Tensor& slice) { return slice.to(type, /*non_blocking=*/false, /*copy=*/true); };
-      drawn[static_cast<size_t>(i)] = {
-          rounded(expertMatrix(options, expert, 1, ffn, hidden, buffer).narrow(0, column, ffnLocal)),
-          rounded(expertMatrix(options, expert, 3, ffn, hidden, buffer).narrow(0, column, ffnLocal)),
-          rounded(expertMatrix(options, expert, 2, hidden, ffn, buffer).narrow(1, column, ffnLocal))};
+      const int64_t local = wave + i;
+      const int expert = firstExpert + static_cast<int>(local);
+      const std::array<at::Tensor, 3> into{w13[local][0], w13[local][1], w2[local]};
+      auto place = [&](int k, const at::Tensor& slice) {
+        if (onHost)
+          into[static_cast<size_t>(k)].copy_(slice);
+        else
+          drawn[static_cast<size_t>(i)][static_cast<size_t>(k)] = slice.to(w13.scalar_type(), false, /*copy=*/true);
+      };
+      place(0, expertMatrix(options, expert, 1, ffn, hidden, buffer).narrow(0, column, ffnLocal));
+      place(1, expertMatrix(options, expert, 3, ffn, hidden, buffer).narrow(0, column, ffnLocal));
+      place(2, expertMatrix(options, expert, 2, hidden, ffn, buffer).narrow(1, column, ffnLocal));
     });
-    for (int64_t i = 0; i < count; ++i) {
+    for (int64_t i = 0; i < count && !onHost; ++i) {
       const auto& [gate, up, down] = drawn[static_cast<size_t>(i)];
       w13[wave + i][0].copy_(gate);
       w13[wave + i][1].copy_(up);

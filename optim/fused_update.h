@@ -1,9 +1,9 @@
 #pragma once
 // Multi-tensor kernels for the optimizer's step on a GPU: the squared norm of
-// many gradient pieces in one pass, AdamW over every piece in one kernel per
-// weight-decay value (with the clip scale and the skip of a step whose norm
-// is not finite read from the device), and the copy of the
-// updated master pieces into the parameters. The math is AdamW's as in
+// many gradient pieces in one pass, AdamW over every piece in few kernels
+// (Bulkhead's own for float32 masters where built, ATen's otherwise; the clip
+// scale and the skip of a step whose norm is not finite read from the
+// device), and the copy of the updated master pieces into the parameters. The math is AdamW's as in
 // adamwUpdate; the order of the float operations differs in the last bits.
 // Used where available(): CUDA tensors with libtorch 2.2 or later. The CPU
 // keeps the per-piece path, so float64 results do not move.

@@ -1,6 +1,7 @@
 #pragma once
-// The CUDA kernel behind fused::adamw (optim/fused_update.h) where the update
-// also reads half-precision gradients or writes half-precision parameters, on
+// The CUDA kernel behind fused::adamw (optim/fused_update.h) for float32
+// masters and moments, with float32 or half-precision gradients read as they
+// are and, where given, half-precision parameters written in the same pass; on
 // raw pointers so this header and its .cu need no libtorch. One launch updates
 // up to kMaxPieces pieces; it is queued on `stream` and never synchronizes.
 // Per element, in float32 (AdamW as adamwUpdate has it, PyTorch's fused order):
