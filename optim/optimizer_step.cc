@@ -13,6 +13,7 @@
 #include "optim/clip.h"
 #include "optim/distributed_optimizer.h"
 #include "optim/fused_update.h"
+#include "parallel/tensor_parallel.h"
 #include "runtime/cuda/host_copy.h"
 #include "runtime/errors.h"
 #include "runtime/log.h"
