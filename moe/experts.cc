@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "moe/batched_linear.h"
+#include "moe/grouped_products.h"
 #include "moe/swiglu.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/cpu_share.h"
@@ -182,10 +183,22 @@ at::Tensor groupEndsFor(const at::Tensor& rows, const at::Tensor& groupEnds, boo
 
 bool GroupedExperts::groupedFor(const at::Tensor& tokens) const { return groupedMmApplies(tokens, groupedMm_); }
 
+namespace {
+
+#if BULKHEAD_HAVE_GROUPED_MM
+// Bulkhead's Hopper kernels where they serve these tensors, else ATen's.
+at::Tensor groupedProducts(const at::Tensor& rows, const at::Tensor& weights, const at::Tensor& groupEnds) {
+  if (hopperProductsApply(rows, weights, groupEnds)) return hopperGroupedLinear(rows, weights, groupEnds);
+  return at::_grouped_mm(rows, weights.transpose(-2, -1), groupEnds);
+}
+#endif
+
+}  // namespace
+
 at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, const std::vector<int64_t>& counts,
                          const at::Tensor& groupEnds) {
 #if BULKHEAD_HAVE_GROUPED_MM
-  if (counts.empty() && groupEnds.defined()) return at::_grouped_mm(rows, weights.transpose(-2, -1), groupEnds);
+  if (counts.empty() && groupEnds.defined()) return groupedProducts(rows, weights, groupEnds);
 #endif
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
   if (total != rows.size(0) || static_cast<int64_t>(counts.size()) != weights.size(0)) {
@@ -194,7 +207,7 @@ at::Tensor groupedLinear(const at::Tensor& rows, const at::Tensor& weights, cons
                       {.expected = "one count per weight, summing to the number of rows"});
   }
 #if BULKHEAD_HAVE_GROUPED_MM
-  if (groupEnds.defined()) return at::_grouped_mm(rows, weights.transpose(-2, -1), groupEnds);
+  if (groupEnds.defined()) return groupedProducts(rows, weights, groupEnds);
 #endif
   std::vector<at::Tensor> parts = rows.split_with_sizes(counts);
   for (size_t group = 0; group < parts.size(); ++group) parts[group] = at::mm(parts[group], weights[group].t());

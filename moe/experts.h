@@ -15,7 +15,8 @@
 //   inputs; the partial products of w2 are summed over that group.
 // - Grouped products: at::_grouped_mm on CUDA where this libtorch has it
 //   (bf16, hidden and F_local multiples of 8: rows of whole 16-byte units),
-//   otherwise one matrix product per expert. The choice is made from the
+//   otherwise one matrix product per expert. On Hopper GPUs, Bulkhead's own
+//   kernels replace at::_grouped_mm where they apply (moe/grouped_products.h). The choice is made from the
 //   options, so a shape _grouped_mm refuses fails on no rank (a rank with no
 //   rows multiplies nothing either way). Experts with no rows still take part,
 //   so every weight gets a gradient (zeros).

@@ -69,6 +69,9 @@ const Knob kPeerAllReduce{"BULKHEAD_PEER_ALL_REDUCE", "",
                           "GPUs' peer memory within a node instead of NCCL; empty: none"};
 const Knob kPeerAllReduceBytes{"BULKHEAD_PEER_ALL_REDUCE_BYTES", "1048576",
                                "the largest all-reduce in bytes that goes through peer memory"};
+const Knob kGroupedProducts{"BULKHEAD_GROUPED_PRODUCTS", "hopper",
+                            "the experts' bf16 grouped products on Hopper GPUs: hopper (Bulkhead's kernels) or aten "
+                            "(at::_grouped_mm)"};
 const Knob kLedgerDump{"BULKHEAD_LEDGER_DUMP", "",
                        "directory for per-rank ledger JSON and Chrome traces, written on a timeout and at shutdown"};
 const Knob kFault{"BULKHEAD_FAULT", "",
@@ -97,6 +100,7 @@ const std::vector<const Knob*>& all() {
                                                  &kStrict,
                                                  &kPeerAllReduce,
                                                  &kPeerAllReduceBytes,
+                                                 &kGroupedProducts,
                                                  &kLedgerDump,
                                                  &kFault,
                                                  &kCheckpointFault};

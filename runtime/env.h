@@ -50,6 +50,7 @@ extern const Knob kNodeRelay;
 extern const Knob kStrict;
 extern const Knob kPeerAllReduce;
 extern const Knob kPeerAllReduceBytes;
+extern const Knob kGroupedProducts;
 extern const Knob kLedgerDump;
 extern const Knob kFault;
 extern const Knob kStoreMaxMessage;

@@ -1,0 +1,555 @@
+#include "moe/cuda/grouped_gemm_kernels.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "runtime/cuda/elements.cuh"
+#include "runtime/errors.h"
+
+// The kernels' bodies exist in the sm_90a pass alone (wgmma, setmaxnreg);
+// moe/CMakeLists.txt compiles this file for that target only.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define BULKHEAD_GROUPED_GEMM_BODY 1
+#endif
+
+namespace bulkhead::moe::cuda {
+namespace {
+
+// A block's tile: 128 output rows (64 a consumer warpgroup) by 256 columns,
+// reduced 64 at a time through kStages shared-memory stages.
+constexpr int kTileM = 128, kTileN = 256, kTileK = 64, kStages = 3;
+constexpr int kThreads = 384;  // a producer warpgroup, two consumer warpgroups
+constexpr int kConsumerWarps = 8;
+constexpr uint32_t kChunkBytes = 64 * 64 * 2;  // one 64 x 64 bf16 box, 128-byte swizzled
+constexpr uint32_t kStageBytes = (kTileM + kTileN) * kTileK * 2;
+
+struct alignas(1024) Stage {
+  __nv_bfloat16 a[kTileM * kTileK];
+  __nv_bfloat16 b[kTileN * kTileK];
+};
+
+// Each consumer warpgroup's 64 x 256 outputs, rounded, as four 64 x 64 boxes
+// swizzled as the tensor copy engine stores them.
+struct alignas(1024) Staging {
+  __nv_bfloat16 out[64 * kTileN];
+};
+
+struct SharedStorage {
+  Stage stages[kStages];
+  Staging staging[2];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+  int32_t rowStart[kMaxProductGroups + 2];   // group g's first row; [groups + 1] = rows
+  int32_t tileStart[kMaxProductGroups + 2];  // row-grouped: the row tiles before group g
+};
+
+struct Params {
+  __nv_bfloat16* out = nullptr;
+  const int32_t* ends = nullptr;
+  int groups = 0;
+  int64_t rows = 0, m = 0, n = 0, k = 0;
+};
+
+// One tile of the work: rows [row0, rowEnd) of the output (Wgrad: of group
+// `group`'s [m, n] block, its reduction over rows [reduce0, reduce0 + reduceRows)),
+// columns from col0, kSteps steps of kTileK.
+struct Tile {
+  int group = 0;
+  int64_t row0 = 0, rowEnd = 0, col0 = 0;
+  int64_t reduce0 = 0, reduceRows = 0;
+  int kSteps = 0;
+};
+
+__host__ __device__ constexpr int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
+
+#if BULKHEAD_GROUPED_GEMM_BODY
+
+__device__ __forceinline__ uint32_t sharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void barrierInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sharedAddress(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void barrierWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(sharedAddress(bar)), "r"(parity)
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ void barrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sharedAddress(bar)) : "memory");
+}
+
+__device__ __forceinline__ void barrierExpectBytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sharedAddress(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void load2d(void* dst, const CUtensorMap* map, int64_t c0, int64_t c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
+          "r"(sharedAddress(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(static_cast<int32_t>(c0)), "r"(static_cast<int32_t>(c1)),
+      "r"(sharedAddress(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void load3d(void* dst, const CUtensorMap* map, int64_t c0, int64_t c1, int64_t c2,
+                                       uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(sharedAddress(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(static_cast<int32_t>(c0)), "r"(static_cast<int32_t>(c1)),
+      "r"(static_cast<int32_t>(c2)), "r"(sharedAddress(bar))
+      : "memory");
+}
+
+// A shared-memory matrix descriptor for wgmma over a 128-byte swizzled tile:
+// K-major rows of 64 elements (8-row groups 1,024 bytes apart), or MN-major
+// 64 x 64 boxes (kChunkBytes apart along M or N, 8-row groups of K 1,024 apart).
+__device__ __forceinline__ uint64_t descriptor(const void* p, bool mnMajor) {
+  const uint64_t address = sharedAddress(p);
+  const uint64_t leading = mnMajor ? kChunkBytes : 16, stride = 1024;
+  return ((address & 0x3FFFF) >> 4) | ((leading >> 4) << 16) | ((stride >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+// The byte offset of the kk-th 16-deep slice of a 64-deep stage.
+__device__ __forceinline__ uint32_t sliceOffset(int kk, bool mnMajor) { return mnMajor ? kk * 16 * 128 : kk * 32; }
+
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void mma64x256(float (&d)[128], uint64_t descA, uint64_t descB, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]),
+        "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
+        "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(descA), "l"(descB), "r"(accumulate), "n"(kTransA), "n"(kTransB));
+}
+
+__device__ __forceinline__ void mmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void mmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Shared memory's group starts (warp 0: a running maximum, so that each start
+// is at least the one before), and for row-grouped products the row tiles
+// before each group (the rows past the last end as group `groups`, of zeros).
+__device__ void loadGroups(SharedStorage& s, const Params& p, bool rowGrouped) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  int carry = 0;
+  for (int base = 0; base <= p.groups; base += 32) {
+    const int g = base + lane;
+    int start = g == 0 || g > p.groups ? 0 : static_cast<int>(smaller(p.ends[g - 1] < 0 ? 0 : p.ends[g - 1], p.rows));
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, start, offset);
+      if (lane >= offset) start = max(start, up);
+    }
+    start = max(start, carry);
+    if (g <= p.groups) s.rowStart[g] = start;
+    carry = __shfl_sync(0xffffffffu, start, 31);
+  }
+  if (lane == 0) s.rowStart[p.groups + 1] = static_cast<int32_t>(p.rows);
+  __syncwarp();
+  if (!rowGrouped) return;
+  carry = 0;
+  for (int base = 0; base <= p.groups; base += 32) {
+    const int g = base + lane;
+    int tiles = g <= p.groups ? static_cast<int>(ceilDiv(s.rowStart[g + 1] - s.rowStart[g], kTileM)) : 0;
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, tiles, offset);
+      if (lane >= offset) tiles += up;
+    }
+    if (g <= p.groups) s.tileStart[g + 1] = carry + tiles;
+    carry += __shfl_sync(0xffffffffu, tiles, 31);
+  }
+  if (lane == 0) s.tileStart[0] = 0;
+}
+
+// Tile t of a row-grouped product (Forward, Dgrad): row tiles in group order,
+// each across the columns; false past the last.
+__device__ bool rowTile(const SharedStorage& s, const Params& p, int64_t t, Tile& tile) {
+  const int64_t columnTiles = ceilDiv(p.n, kTileN), rowTileIndex = t / columnTiles;
+  if (rowTileIndex >= s.tileStart[p.groups + 1]) return false;
+  int lo = 0, hi = p.groups;  // the last group whose tiles start at or before rowTileIndex
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (s.tileStart[mid] <= rowTileIndex)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  tile.group = lo;
+  tile.row0 = s.rowStart[lo] + (rowTileIndex - s.tileStart[lo]) * kTileM;
+  tile.rowEnd = smaller(tile.row0 + kTileM, s.rowStart[lo + 1]);
+  tile.col0 = (t % columnTiles) * kTileN;
+  tile.kSteps = lo < p.groups ? static_cast<int>(ceilDiv(p.k, kTileK)) : 0;
+  return true;
+}
+
+// Tile t of Wgrad: each group's [m, n] block in tiles, reduced over its rows.
+__device__ bool weightTile(const SharedStorage& s, const Params& p, int64_t t, Tile& tile) {
+  const int64_t columnTiles = ceilDiv(p.n, kTileN), perGroup = ceilDiv(p.m, kTileM) * columnTiles;
+  if (t >= perGroup * p.groups) return false;
+  tile.group = static_cast<int>(t / perGroup);
+  const int64_t within = t % perGroup;
+  tile.row0 = (within / columnTiles) * kTileM;
+  tile.rowEnd = smaller(tile.row0 + kTileM, p.m);
+  tile.col0 = (within % columnTiles) * kTileN;
+  tile.reduce0 = s.rowStart[tile.group];
+  tile.reduceRows = s.rowStart[tile.group + 1] - tile.reduce0;
+  tile.kSteps = static_cast<int>(ceilDiv(tile.reduceRows, kTileK));
+  return true;
+}
+
+template <GroupedProduct kProduct>
+__device__ __forceinline__ bool nextTile(const SharedStorage& s, const Params& p, int64_t t, Tile& tile) {
+  return kProduct == GroupedProduct::Wgrad ? weightTile(s, p, t, tile) : rowTile(s, p, t, tile);
+}
+
+// One stage's loads (see the header for each product's operands).
+template <GroupedProduct kProduct>
+__device__ __forceinline__ void loadStage(Stage& st, uint64_t* bar, const CUtensorMap* mapA, const CUtensorMap* mapB,
+                                          const Tile& tile, int step) {
+  const int64_t k0 = static_cast<int64_t>(step) * kTileK;
+  barrierExpectBytes(bar, kStageBytes);
+  if constexpr (kProduct == GroupedProduct::Wgrad) {
+    for (int c = 0; c < kTileM / 64; ++c) load2d(st.a + c * 64 * 64, mapA, tile.row0 + 64 * c, tile.reduce0 + k0, bar);
+    for (int c = 0; c < kTileN / 64; ++c) load2d(st.b + c * 64 * 64, mapB, tile.col0 + 64 * c, tile.reduce0 + k0, bar);
+  } else {
+    load2d(st.a, mapA, k0, tile.row0, bar);
+    if constexpr (kProduct == GroupedProduct::Forward) {
+      load3d(st.b, mapB, k0, tile.col0, tile.group, bar);
+    } else {
+      for (int c = 0; c < kTileN / 64; ++c) load3d(st.b + c * 64 * 64, mapB, tile.col0 + 64 * c, k0, tile.group, bar);
+    }
+  }
+}
+
+template <GroupedProduct kProduct>
+__device__ void produce(SharedStorage& s, const Params& p, const CUtensorMap* mapA, const CUtensorMap* mapB) {
+  int stage = 0;
+  uint32_t phase = 0;
+  Tile tile;
+  for (int64_t t = blockIdx.x; nextTile<kProduct>(s, p, t, tile); t += gridDim.x) {
+    for (int step = 0; step < tile.kSteps; ++step) {
+      barrierWait(&s.empty[stage], phase ^ 1);
+      loadStage<kProduct>(s.stages[stage], &s.full[stage], mapA, mapB, tile, step);
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// Wgrad's last step of a group whose rows end inside it: the rows past the
+// group's (the next group's, loaded with it) are zeroed in both operands, by
+// both consumer warpgroups, before the products read them.
+__device__ void zeroTail(Stage& st, int validRows) {
+  const int rowsLeft = kTileK - validRows, perChunk = rowsLeft * 8;  // 16-byte units
+  const int chunks = (kTileM + kTileN) / 64, consumer = threadIdx.x - 128;
+  for (int i = consumer; i < chunks * perChunk; i += 256) {
+    const int chunk = i / perChunk, unit = i % perChunk;
+    __nv_bfloat16* base = chunk < kTileM / 64 ? st.a + chunk * 64 * 64 : st.b + (chunk - kTileM / 64) * 64 * 64;
+    reinterpret_cast<uint4*>(base + validRows * 64)[unit] = make_uint4(0, 0, 0, 0);
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+}
+
+__device__ __forceinline__ void storeBox(const CUtensorMap* map, const void* src, int64_t c0, int64_t c1, int64_t c2,
+                                         bool threeD) {
+  if (threeD) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(sharedAddress(src)), "r"(static_cast<int32_t>(c0)), "r"(static_cast<int32_t>(c1)),
+                 "r"(static_cast<int32_t>(c2))
+                 : "memory");
+  } else {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(sharedAddress(src)), "r"(static_cast<int32_t>(c0)), "r"(static_cast<int32_t>(c1))
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ void warpgroupSync(int group) {
+  asm volatile("bar.sync %0, 128;" ::"r"(2 + group) : "memory");
+}
+
+// The byte offset of (row, 16-byte unit) in a 64 x 64 box swizzled by 128 bytes.
+__device__ __forceinline__ uint32_t swizzled(int row, int unit) { return row * 128 + ((unit ^ (row % 8)) * 16); }
+
+// This warpgroup's 64 x 256 accumulators, rounded to bf16, to the output: into
+// its staging boxes, then stored by the copy engine (asynchronously: the next
+// tile's products run meanwhile) where the box's rows are all the tile's, or
+// copied row by row where they end inside it. Rows at or past rowEnd and
+// columns at or past n are not written.
+__device__ void storeTile(const float (&d)[128], Staging& staging, const CUtensorMap* mapOut, __nv_bfloat16* out,
+                          const Params& p, const Tile& tile, int group, bool weights) {
+  const int thread = threadIdx.x % 128, lane = threadIdx.x % 32, warp = thread / 32;
+  if (thread == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  warpgroupSync(group);
+  auto* bytes = reinterpret_cast<uint8_t*>(staging.out);
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp * 16 + lane / 4 + 8 * h;
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(bytes + (j / 8) * kChunkBytes + swizzled(row, j % 8) + (lane % 4) * 4) = pair;
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  warpgroupSync(group);
+  const int64_t row0 = tile.row0 + group * 64;
+  if (weights || row0 + 64 <= tile.rowEnd) {
+    if (thread == 0) {
+      for (int c = 0; c < kTileN / 64 && tile.col0 + 64 * c < p.n; ++c) {
+        storeBox(mapOut, bytes + c * kChunkBytes, tile.col0 + 64 * c, row0, tile.group, weights);
+      }
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    return;
+  }
+  const int rows = static_cast<int>(tile.rowEnd - row0);
+  for (int i = thread; i < rows * (kTileN / 8); i += 128) {
+    const int row = i / (kTileN / 8), unit = i % (kTileN / 8);
+    const int64_t col = tile.col0 + unit * 8;
+    if (col >= p.n) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(bytes + (unit / 8) * kChunkBytes + swizzled(row, unit % 8));
+    *reinterpret_cast<uint4*>(out + (row0 + row) * p.n + col) = v;
+  }
+}
+
+template <GroupedProduct kProduct>
+__device__ void consume(SharedStorage& s, const Params& p, const CUtensorMap* mapOut) {
+  constexpr bool kMnA = kProduct == GroupedProduct::Wgrad, kMnB = kProduct != GroupedProduct::Forward;
+  const int group = threadIdx.x / 128 - 1, lane = threadIdx.x % 32;
+  int stage = 0;
+  uint32_t phase = 0;
+  float d[128];
+  Tile tile;
+  for (int64_t t = blockIdx.x; nextTile<kProduct>(s, p, t, tile); t += gridDim.x) {
+    int previous = -1;
+    for (int step = 0; step < tile.kSteps; ++step) {
+      Stage& st = s.stages[stage];
+      barrierWait(&s.full[stage], phase);
+      if (kProduct == GroupedProduct::Wgrad && step == tile.kSteps - 1 && tile.reduceRows % kTileK != 0) {
+        zeroTail(st, static_cast<int>(tile.reduceRows % kTileK));
+      }
+      const uint64_t descA = descriptor(st.a + group * 64 * 64, kMnA), descB = descriptor(st.b, kMnB);
+      mmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 16; ++kk) {
+        mma64x256<kMnA, kMnB>(d, descA + (sliceOffset(kk, kMnA) >> 4), descB + (sliceOffset(kk, kMnB) >> 4),
+                              step > 0 || kk > 0);
+      }
+      mmaCommit();
+      mmaWait<1>();
+      if (previous >= 0 && lane == 0) barrierArrive(&s.empty[previous]);
+      previous = stage;
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    mmaWait<0>();
+    if (previous >= 0 && lane == 0) barrierArrive(&s.empty[previous]);
+    if (tile.kSteps == 0) {
+#pragma unroll
+      for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    }
+    storeTile(d, s.staging[group], mapOut, p.out, p, tile, group, kProduct == GroupedProduct::Wgrad);
+  }
+  if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+#endif  // BULKHEAD_GROUPED_GEMM_BODY
+
+template <GroupedProduct kProduct>
+__global__ void __launch_bounds__(kThreads, 1)
+    groupedGemmKernel(Params p, const __grid_constant__ CUtensorMap mapA, const __grid_constant__ CUtensorMap mapB,
+                      const __grid_constant__ CUtensorMap mapOut) {
+#if BULKHEAD_GROUPED_GEMM_BODY
+  extern __shared__ uint8_t raw[];
+  auto& s = *reinterpret_cast<SharedStorage*>(raw + ((1024 - sharedAddress(raw) % 1024) % 1024));
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) barrierInit(&s.full[i], 1), barrierInit(&s.empty[i], kConsumerWarps);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  loadGroups(s, p, kProduct != GroupedProduct::Wgrad);
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) produce<kProduct>(s, p, &mapA, &mapB);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    consume<kProduct>(s, p, &mapOut);
+  }
+#else
+  (void)p, (void)mapA, (void)mapB, (void)mapOut;
+#endif
+}
+
+}  // namespace
+
+namespace {
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encoder() {
+  static EncodeTiled encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(fn);
+  }();
+  return encode;
+}
+
+// A bf16 tensor map over `dims` (innermost first; dims[0] contiguous) in
+// 128-byte swizzled boxes of `box`, reading zeros out of bounds.
+CUtensorMap tensorMap(const void* base, int rank, const uint64_t* dims, const uint32_t* box) {
+  CUtensorMap map{};
+  cuuint64_t sizes[3], strides[2];
+  cuuint32_t boxes[3], unit[3] = {1, 1, 1};
+  uint64_t stride = 2;
+  for (int i = 0; i < rank; ++i) {
+    sizes[i] = dims[i], boxes[i] = box[i];
+    if (i > 0) strides[i - 1] = stride;
+    stride *= dims[i];
+  }
+  const CUresult status = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), sizes,
+                                    strides, boxes, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS) {
+    throw Error("grouped product: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(status),
+                {.expected = "a contiguous bf16 tensor with 16-byte aligned rows"});
+  }
+  return map;
+}
+
+struct DeviceFacts {
+  bool hopper = false;
+  int multiprocessors = 0;
+};
+
+DeviceFacts deviceFacts() {
+  int device = 0, major = 0, minor = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return {};
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return {.hopper = major == 9 && minor == 0, .multiprocessors = count};
+}
+
+template <GroupedProduct kProduct>
+void launch(const GroupedGemmArgs& args, const CUtensorMap& mapA, const CUtensorMap& mapB, void* out,
+            int multiprocessors) {
+  const uint64_t n = static_cast<uint64_t>(args.n),
+                 outRows = static_cast<uint64_t>(kProduct == GroupedProduct::Wgrad ? args.m : args.rows);
+  const uint64_t dimsOut[] = {n, outRows, static_cast<uint64_t>(args.groups)};
+  const uint32_t boxOut[] = {64, 64, 1};
+  const CUtensorMap mapOut = tensorMap(out, kProduct == GroupedProduct::Wgrad ? 3 : 2, dimsOut, boxOut);
+  constexpr size_t shared = sizeof(SharedStorage) + 1024;
+  cudaFuncSetAttribute(groupedGemmKernel<kProduct>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+  int64_t tiles = ceilDiv(args.n, kTileN);
+  tiles *= kProduct == GroupedProduct::Wgrad ? ceilDiv(args.m, kTileM) * args.groups
+                                             : ceilDiv(args.rows, kTileM) + args.groups + 1;
+  const int blocks = static_cast<int>(std::min<int64_t>(multiprocessors, tiles));
+  const Params p{.out = static_cast<__nv_bfloat16*>(out),
+                 .ends = args.ends,
+                 .groups = args.groups,
+                 .rows = args.rows,
+                 .m = args.m,
+                 .n = args.n,
+                 .k = args.k};
+  groupedGemmKernel<kProduct>
+      <<<blocks, kThreads, shared, static_cast<cudaStream_t>(args.stream)>>>(p, mapA, mapB, mapOut);
+  bulkhead::cuda::checkLaunch("the grouped product kernel");
+}
+
+}  // namespace
+
+bool groupedGemmApplies(const GroupedGemmArgs& args) {
+  static const DeviceFacts facts = deviceFacts();
+  const bool wgrad = args.product == GroupedProduct::Wgrad;
+  auto fits = [](int64_t d) { return d >= 64 && d % 8 == 0 && d < (int64_t{1} << 31); };
+  return facts.hopper && encoder() != nullptr && args.groups >= 1 && args.groups <= kMaxProductGroups &&
+         args.rows >= 1 && args.rows < (int64_t{1} << 31) && fits(args.n) && (wgrad ? fits(args.m) : fits(args.k));
+}
+
+void groupedGemm(const GroupedGemmArgs& args, const void* a, const void* b, void* out) {
+  if (!groupedGemmApplies(args)) {
+    throw ConfigError("grouped product: these shapes or this device are not served by the Hopper kernels",
+                      {.expected = "a Hopper GPU, bf16, dimensions multiples of 8 and at least 64, 1 to " +
+                                   std::to_string(kMaxProductGroups) + " groups (check groupedGemmApplies first)"});
+  }
+  static const DeviceFacts facts = deviceFacts();
+  const auto rows = static_cast<uint64_t>(args.rows), n = static_cast<uint64_t>(args.n),
+             k = static_cast<uint64_t>(args.k), m = static_cast<uint64_t>(args.m),
+             g = static_cast<uint64_t>(args.groups);
+  switch (args.product) {
+    case GroupedProduct::Forward: {
+      const uint64_t dimsA[] = {k, rows}, dimsB[] = {k, n, g};
+      const uint32_t boxA[] = {64, kTileM}, boxB[] = {64, kTileN, 1};
+      launch<GroupedProduct::Forward>(args, tensorMap(a, 2, dimsA, boxA), tensorMap(b, 3, dimsB, boxB), out,
+                                      facts.multiprocessors);
+      break;
+    }
+    case GroupedProduct::Dgrad: {
+      const uint64_t dimsA[] = {k, rows}, dimsB[] = {n, k, g};
+      const uint32_t boxA[] = {64, kTileM}, boxB[] = {64, 64, 1};
+      launch<GroupedProduct::Dgrad>(args, tensorMap(a, 2, dimsA, boxA), tensorMap(b, 3, dimsB, boxB), out,
+                                    facts.multiprocessors);
+      break;
+    }
+    case GroupedProduct::Wgrad: {
+      const uint64_t dimsA[] = {m, rows}, dimsB[] = {n, rows};
+      const uint32_t box[] = {64, 64};
+      launch<GroupedProduct::Wgrad>(args, tensorMap(a, 2, dimsA, box), tensorMap(b, 2, dimsB, box), out,
+                                    facts.multiprocessors);
+      break;
+    }
+  }
+}
+
+}  // namespace bulkhead::moe::cuda
