@@ -9,6 +9,7 @@ backward timed.
 Launched under mpirun beside bulkhead-moe-bench (bench/run_moe_bench.sh).
 
     mpirun -np 2 python3 bench/torch_moe.py --tokens 4096 --hidden 2048 --experts 64 --topk 8 --ffn 768
+    mpirun -np 1 python3 bench/torch_moe.py --compile ...   (one GPU, the layer's forward compiled)
 """
 import argparse
 import os
@@ -22,6 +23,8 @@ import torch.distributed.nn.functional as dist_fn
 parser = argparse.ArgumentParser()
 for name, default in [("tokens", 4096), ("hidden", 2048), ("experts", 64), ("topk", 8), ("ffn", 768), ("iters", 20)]:
     parser.add_argument(f"--{name}", type=int, default=default)
+parser.add_argument("--compile", action="store_true",
+                    help="one GPU: the layer's forward (no exchange) under torch.compile, backward through autograd")
 args = parser.parse_args()
 
 rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
@@ -79,6 +82,32 @@ def step():
     out = torch.zeros_like(x).index_add(0, order // k, returned * slot_weights.unsqueeze(1))
     torch.autograd.backward([out, aux], [grad_out, torch.ones_like(aux)])
 
+
+def local_layer(tokens):
+    """The same layer on one GPU, where both exchanges are the identity: static shapes for torch.compile."""
+    logits = tokens.float() @ gate.float().t()
+    probs = torch.softmax(logits, -1)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    slots = experts.reshape(-1)
+    counts = torch.zeros(E, dtype=torch.long, device=device).scatter_add_(0, slots, torch.ones_like(slots))
+    aux = 0.01 * E * ((counts.float() / (T * k)) * probs.mean(0)).sum()
+    order = torch.argsort(slots, stable=True)
+    expert_in = tokens.index_select(0, order // k)
+    gate_proj, up_proj = grouped(expert_in, w13, counts).chunk(2, dim=-1)
+    expert_out = grouped(torch.nn.functional.silu(gate_proj) * up_proj, w2, counts)
+    slot_weights = weights.reshape(-1).index_select(0, order).to(expert_out.dtype)
+    return torch.zeros_like(tokens).index_add(0, order // k, expert_out * slot_weights.unsqueeze(1)), aux
+
+
+if args.compile:
+    if world != 1:
+        raise SystemExit("torch_moe.py --compile runs on one GPU (the layer without its exchanges)")
+    compiled_layer = torch.compile(local_layer)
+
+    def step():
+        out, aux = compiled_layer(x)
+        torch.autograd.backward([out, aux], [grad_out, torch.ones_like(aux)])
 
 for _ in range(3):
     step()
