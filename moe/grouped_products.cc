@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <cstdint>
 #include <memory>
 
 #include "moe/cuda/grouped_gemm_kernels.h"
@@ -59,27 +60,40 @@ at::Tensor product(cuda::GroupedProduct kind, const at::Tensor& a, const at::Ten
   return out;
 }
 
-// Saved as SavedVariables: an input changed in place since the forward, or a
-// second backward through a freed graph, raises as it would in ATen. The
-// gradients have no graph of their own, so a double backward raises.
+// Contiguous, on a 16-byte boundary (what the tensor copy engine reads): `t`
+// itself where it already is, else a copy.
+at::Tensor aligned(const at::Tensor& t) {
+  const at::Tensor dense = t.contiguous();
+  return reinterpret_cast<uintptr_t>(dense.data_ptr()) % 16 == 0 ? dense : dense.clone();
+}
+
+// Saved as SavedVariables: rows (for the weights' gradient) and weights (for
+// the rows'), each only where the other needs a gradient, and the ends. One
+// changed in place since the forward, or a second backward through a freed
+// graph, raises as it would in ATen (a strided or unaligned input was copied,
+// so later changes to it do not matter). The gradients have no graph of their
+// own, so a double backward raises.
 struct GroupedProductBackward : torch::autograd::Node {
-  torch::autograd::SavedVariable savedRows, savedWeights;
-  at::Tensor ends;
+  torch::autograd::SavedVariable savedRows, savedWeights, savedEnds;
   std::string name() const override { return "bulkhead::GroupedProductBackward"; }
   void release_variables() override {
     savedRows.reset_data();
     savedWeights.reset_data();
-    ends.reset();
+    savedEnds.reset_data();
   }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     parallel::refuseDoubleBackward("bulkhead::GroupedProductBackward");
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
-    const at::Tensor rows = savedRows.unpack(), weights = savedWeights.unpack();
-    const c10::cuda::CUDAGuard onDevice(rows.device());
-    const at::Tensor gradOut = grads[0].to(rows.scalar_type()).contiguous();
+    const at::Tensor ends = savedEnds.unpack();
+    const c10::cuda::CUDAGuard onDevice(ends.device());
+    const at::Tensor gradOut = aligned(grads[0].to(at::kBFloat16));
     at::Tensor gradRows, gradWeights;
-    if (task_should_compute_output(0)) gradRows = product(cuda::GroupedProduct::Dgrad, gradOut, weights, ends);
-    if (task_should_compute_output(1)) gradWeights = product(cuda::GroupedProduct::Wgrad, gradOut, rows, ends);
+    if (task_should_compute_output(0)) {
+      gradRows = product(cuda::GroupedProduct::Dgrad, gradOut, savedWeights.unpack(), ends);
+    }
+    if (task_should_compute_output(1)) {
+      gradWeights = product(cuda::GroupedProduct::Wgrad, gradOut, savedRows.unpack(), ends);
+    }
     return {gradRows, gradWeights};
   }
 };
@@ -123,14 +137,14 @@ at::Tensor hopperGroupedLinear(const at::Tensor& rows, const at::Tensor& weights
   }
 #if BULKHEAD_HOPPER_PRODUCTS
   const c10::cuda::CUDAGuard onDevice(rows.device());
-  const at::Tensor input = rows.detach().contiguous(), w = weights.detach().contiguous();
+  const at::Tensor input = aligned(rows.detach()), w = aligned(weights.detach());
   const at::Tensor groupEnds = ends.contiguous();
   at::Tensor out = product(cuda::GroupedProduct::Forward, input, w, groupEnds);
   if (torch::autograd::GradMode::is_enabled() && (rows.requires_grad() || weights.requires_grad())) {
     auto node = std::shared_ptr<GroupedProductBackward>(new GroupedProductBackward(), torch::autograd::deleteNode);
-    node->savedRows = torch::autograd::SavedVariable(input, /*is_output=*/false);
-    node->savedWeights = torch::autograd::SavedVariable(w, /*is_output=*/false);
-    node->ends = groupEnds;
+    if (weights.requires_grad()) node->savedRows = torch::autograd::SavedVariable(input, /*is_output=*/false);
+    if (rows.requires_grad()) node->savedWeights = torch::autograd::SavedVariable(w, /*is_output=*/false);
+    node->savedEnds = torch::autograd::SavedVariable(groupEnds, /*is_output=*/false);
     node->set_next_edges(torch::autograd::collect_next_edges(rows, weights));
     torch::autograd::set_history(out, node);
   }
@@ -160,7 +174,7 @@ at::Tensor hopperProduct(HopperProduct kind, const at::Tensor& a, const at::Tens
   const auto kernelKind = kind == HopperProduct::Forward ? cuda::GroupedProduct::Forward
                           : kind == HopperProduct::Dgrad ? cuda::GroupedProduct::Dgrad
                                                          : cuda::GroupedProduct::Wgrad;
-  return product(kernelKind, a, b, ends.contiguous());
+  return product(kernelKind, aligned(a), aligned(b), ends.contiguous());
 #else
   return {};
 #endif

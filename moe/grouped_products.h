@@ -20,7 +20,8 @@ namespace bulkhead::moe {
 bool hopperProductsApply(const at::Tensor& rows, const at::Tensor& weights, const at::Tensor& ends);
 
 // [N, Out]: each group's rows times its weight transposed; differentiable in
-// rows and weights (a second backward raises).
+// rows and weights in reverse mode (a second backward raises; forward-mode
+// tangents are not carried).
 at::Tensor hopperGroupedLinear(const at::Tensor& rows, const at::Tensor& weights, const at::Tensor& ends);
 
 // The three products of hopperGroupedLinear alone, without autograd (for

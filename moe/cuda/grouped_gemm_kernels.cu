@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <mutex>
+#include <optional>
 #include <string>
 
 #include "runtime/cuda/elements.cuh"
@@ -418,6 +421,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     consume<kProduct>(s, p, &mapOut);
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // a device pass without sm_90a's instructions: never launched (see groupedGemmApplies)
 #else
   (void)p, (void)mapA, (void)mapB, (void)mapOut;
 #endif
@@ -472,13 +477,24 @@ struct DeviceFacts {
   int multiprocessors = 0;
 };
 
+// The current device's facts, read once per device (a process may hold GPUs of several kinds).
 DeviceFacts deviceFacts() {
-  int device = 0, major = 0, minor = 0, count = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return {};
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-  return {.hopper = major == 9 && minor == 0, .multiprocessors = count};
+  constexpr int kDevices = 64;
+  static std::mutex mutex;
+  static std::array<std::optional<DeviceFacts>, kDevices> known;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return {};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (device < kDevices && known[device]) return *known[device];
+  int major = 0, minor = 0, count = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return {};
+  }
+  const DeviceFacts facts{.hopper = major == 9 && minor == 0, .multiprocessors = count};
+  if (device < kDevices) known[device] = facts;
+  return facts;
 }
 
 template <GroupedProduct kProduct>
@@ -490,7 +506,10 @@ void launch(const GroupedGemmArgs& args, const CUtensorMap& mapA, const CUtensor
   const uint32_t boxOut[] = {64, 64, 1};
   const CUtensorMap mapOut = tensorMap(out, kProduct == GroupedProduct::Wgrad ? 3 : 2, dimsOut, boxOut);
   constexpr size_t shared = sizeof(SharedStorage) + 1024;
-  cudaFuncSetAttribute(groupedGemmKernel<kProduct>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+  if (cudaFuncSetAttribute(groupedGemmKernel<kProduct>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared) !=
+      cudaSuccess) {
+    bulkhead::cuda::checkLaunch("setting the grouped product kernel's shared memory");
+  }
   int64_t tiles = ceilDiv(args.n, kTileN);
   tiles *= kProduct == GroupedProduct::Wgrad ? ceilDiv(args.m, kTileM) * args.groups
                                              : ceilDiv(args.rows, kTileM) + args.groups + 1;
@@ -510,7 +529,7 @@ void launch(const GroupedGemmArgs& args, const CUtensorMap& mapA, const CUtensor
 }  // namespace
 
 bool groupedGemmApplies(const GroupedGemmArgs& args) {
-  static const DeviceFacts facts = deviceFacts();
+  const DeviceFacts facts = deviceFacts();
   const bool wgrad = args.product == GroupedProduct::Wgrad;
   auto fits = [](int64_t d) { return d >= 64 && d % 8 == 0 && d < (int64_t{1} << 31); };
   return facts.hopper && encoder() != nullptr && args.groups >= 1 && args.groups <= kMaxProductGroups &&
@@ -523,7 +542,7 @@ void groupedGemm(const GroupedGemmArgs& args, const void* a, const void* b, void
                       {.expected = "a Hopper GPU, bf16, dimensions multiples of 8 and at least 64, 1 to " +
                                    std::to_string(kMaxProductGroups) + " groups (check groupedGemmApplies first)"});
   }
-  static const DeviceFacts facts = deviceFacts();
+  const DeviceFacts facts = deviceFacts();
   const auto rows = static_cast<uint64_t>(args.rows), n = static_cast<uint64_t>(args.n),
              k = static_cast<uint64_t>(args.k), m = static_cast<uint64_t>(args.m),
              g = static_cast<uint64_t>(args.groups);
