@@ -8,26 +8,16 @@
 
 namespace {
 
-using bulkhead::moe::cuda::GroupedGemmArgs;
 using bulkhead::moe::cuda::GroupedProduct;
 
 at::Tensor run(GroupedProduct product, const at::Tensor& a, const at::Tensor& b, const at::Tensor& ends) {
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && ends.is_contiguous(), "contiguous operands");
-  GroupedGemmArgs args{.product = product,
-                       .rows = a.size(0),
-                       .groups = static_cast<int>(ends.size(0)),
-                       .ends = ends.data_ptr<int32_t>(),
-                       .stream = at::cuda::getCurrentCUDAStream().stream()};
-  at::Tensor out;
-  if (product == GroupedProduct::Wgrad) {
-    args.m = a.size(1), args.n = b.size(1);
-    out = at::empty({args.groups, args.m, args.n}, a.options());
-  } else {
-    args.k = a.size(1), args.n = product == GroupedProduct::Forward ? b.size(1) : b.size(2);
-    out = at::empty({args.rows, args.n}, a.options());
-  }
-  TORCH_CHECK(bulkhead::moe::cuda::groupedGemmApplies(args), "the kernels do not serve these shapes here");
-  bulkhead::moe::cuda::groupedGemm(args, a.data_ptr(), b.data_ptr(), out.data_ptr());
+  const auto call = bulkhead::moe::cuda::groupedGemmCall(
+      product, a.size(0), a.size(1), b.size(1), b.dim() > 2 ? b.size(2) : 0, static_cast<int>(ends.size(0)),
+      ends.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(bulkhead::moe::cuda::groupedGemmApplies(call.args), "the kernels do not serve these shapes here");
+  at::Tensor out = at::empty(at::IntArrayRef(call.outShape, call.outDims), a.options());
+  bulkhead::moe::cuda::groupedGemm(call.args, a.data_ptr(), b.data_ptr(), out.data_ptr());
   return out;
 }
 

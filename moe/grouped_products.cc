@@ -43,20 +43,11 @@ void* streamOf(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.d
 
 // out = the product `kind` of a and b (see moe/cuda/grouped_gemm_kernels.h).
 at::Tensor product(cuda::GroupedProduct kind, const at::Tensor& a, const at::Tensor& b, const at::Tensor& ends) {
-  cuda::GroupedGemmArgs args{.product = kind,
-                             .rows = a.size(0),
-                             .groups = static_cast<int>(ends.numel()),
-                             .ends = ends.data_ptr<int32_t>(),
-                             .stream = streamOf(a)};
-  at::Tensor out;
-  if (kind == cuda::GroupedProduct::Wgrad) {
-    args.m = a.size(1), args.n = b.size(1);
-    out = at::empty({args.groups, args.m, args.n}, a.options());
-  } else {
-    args.k = a.size(1), args.n = kind == cuda::GroupedProduct::Forward ? b.size(1) : b.size(2);
-    out = at::empty({args.rows, args.n}, a.options());
-  }
-  cuda::groupedGemm(args, a.data_ptr(), b.data_ptr(), out.data_ptr());
+  const cuda::GroupedGemmCall call =
+      cuda::groupedGemmCall(kind, a.size(0), a.size(1), b.size(1), b.dim() > 2 ? b.size(2) : 0,
+                            static_cast<int>(ends.numel()), ends.data_ptr<int32_t>(), streamOf(a));
+  at::Tensor out = at::empty(at::IntArrayRef(call.outShape, call.outDims), a.options());
+  cuda::groupedGemm(call.args, a.data_ptr(), b.data_ptr(), out.data_ptr());
   return out;
 }
 

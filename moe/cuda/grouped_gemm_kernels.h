@@ -34,6 +34,29 @@ struct GroupedGemmArgs {
   void* stream = nullptr;  // cudaStream_t
 };
 
+// A call's arguments from its operands' sizes, a [rows, aColumns] and b
+// (Forward, Dgrad: [groups, b1, b2]; Wgrad: [rows, b1]), and the output's
+// shape: [rows, n], or Wgrad's [groups, m, n].
+struct GroupedGemmCall {
+  GroupedGemmArgs args;
+  int64_t outShape[3] = {};
+  int outDims = 0;
+};
+
+inline GroupedGemmCall groupedGemmCall(GroupedProduct product, int64_t rows, int64_t aColumns, int64_t b1, int64_t b2,
+                                       int groups, const int32_t* ends, void* stream) {
+  GroupedGemmCall call;
+  call.args = {.product = product, .rows = rows, .groups = groups, .ends = ends, .stream = stream};
+  if (product == GroupedProduct::Wgrad) {
+    call.args.m = aColumns, call.args.n = b1;
+    call.outShape[0] = groups, call.outShape[1] = aColumns, call.outShape[2] = b1, call.outDims = 3;
+  } else {
+    call.args.k = aColumns, call.args.n = product == GroupedProduct::Forward ? b1 : b2;
+    call.outShape[0] = rows, call.outShape[1] = call.args.n, call.outDims = 2;
+  }
+  return call;
+}
+
 // Whether groupedGemm serves these shapes on the current device: this build
 // has the sm_90a kernels, the device is a Hopper GPU (compute capability 9.0),
 // every dimension is a multiple of 8 and at least 64 (rows: at least 1, below
