@@ -325,6 +325,7 @@ __device__ __forceinline__ uint32_t swizzled(int row, int unit) { return row * 1
 __device__ void storeTile(const float (&d)[128], Staging& staging, const CUtensorMap* mapOut, __nv_bfloat16* out,
                           const Params& p, const Tile& tile, int group, bool weights) {
   const int thread = threadIdx.x % 128, lane = threadIdx.x % 32, warp = thread / 32;
+  if (!weights && tile.row0 + group * 64 >= tile.rowEnd) return;  // every row past the end
   if (thread == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
   warpgroupSync(group);
   auto* bytes = reinterpret_cast<uint8_t*>(staging.out);
@@ -369,9 +370,17 @@ __device__ void consume(SharedStorage& s, const Params& p, const CUtensorMap* ma
   Tile tile;
   for (int64_t t = blockIdx.x; nextTile<kProduct>(s, p, t, tile); t += gridDim.x) {
     int previous = -1;
+    // A row-grouped tile whose rows end in its first half: the second
+    // warpgroup's rows are all past the end, so it only frees each stage.
+    const bool idle = kProduct != GroupedProduct::Wgrad && tile.row0 + group * 64 >= tile.rowEnd;
     for (int step = 0; step < tile.kSteps; ++step) {
       Stage& st = s.stages[stage];
       barrierWait(&s.full[stage], phase);
+      if (idle) {
+        if (lane == 0) barrierArrive(&s.empty[stage]);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+        continue;
+      }
       if (kProduct == GroupedProduct::Wgrad && step == tile.kSteps - 1 && tile.reduceRows % kTileK != 0) {
         zeroTail(st, static_cast<int>(tile.reduceRows % kTileK));
       }
