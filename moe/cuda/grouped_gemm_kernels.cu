@@ -163,6 +163,16 @@ __device__ __forceinline__ void mma64x256(float (&d)[128], uint64_t descA, uint6
       : "l"(descA), "l"(descB), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 }
 
+// kSlices 16-deep products of one stage into d.
+template <bool kMnA, bool kMnB, int kSlices>
+__device__ __forceinline__ void mmaSlices(float (&d)[128], uint64_t descA, uint64_t descB, bool accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < kSlices; ++kk) {
+    mma64x256<kMnA, kMnB>(d, descA + (sliceOffset(kk, kMnA) >> 4), descB + (sliceOffset(kk, kMnB) >> 4),
+                          accumulate || kk > 0);
+  }
+}
+
 __device__ __forceinline__ void mmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void mmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>
@@ -283,7 +293,7 @@ __device__ void produce(SharedStorage& s, const Params& p, const CUtensorMap* ma
 // group's (the next group's, loaded with it) are zeroed in both operands, by
 // both consumer warpgroups, before the products read them.
 __device__ void zeroTail(Stage& st, int validRows) {
-  const int rowsLeft = kTileK - validRows, perChunk = rowsLeft * 8;  // 16-byte units
+  const int rowsLeft = (validRows + 15) / 16 * 16 - validRows, perChunk = rowsLeft * 8;  // 16-byte units
   const int chunks = (kTileM + kTileN) / 64, consumer = threadIdx.x - 128;
   for (int i = consumer; i < chunks * perChunk; i += 256) {
     const int chunk = i / perChunk, unit = i % perChunk;
@@ -360,9 +370,43 @@ __device__ void storeTile(const float (&d)[128], Staging& staging, const CUtenso
   }
 }
 
+// One stage's products into d: all four 16-deep slices, or in Wgrad's last
+// step of a group whose rows end inside it, the slices that hold its rows
+// (the rest of the last one zeroed). The partial path runs once a tile, so the
+// warpgroup.arrive ptxas adds to its switch (C7519) stays out of the loop.
+template <GroupedProduct kProduct>
+__device__ __forceinline__ void stageProducts(float (&d)[128], Stage& st, int group, const Tile& tile, int step) {
+  constexpr bool kMnA = kProduct == GroupedProduct::Wgrad, kMnB = kProduct != GroupedProduct::Forward;
+  const uint64_t descA = descriptor(st.a + group * 64 * 64, kMnA), descB = descriptor(st.b, kMnB);
+  const int rem =
+      kProduct == GroupedProduct::Wgrad && step == tile.kSteps - 1 ? static_cast<int>(tile.reduceRows % kTileK) : 0;
+  if (rem == 0) {
+    mmaFence();
+    mmaSlices<kMnA, kMnB, kTileK / 16>(d, descA, descB, step > 0);
+    mmaCommit();
+    return;
+  }
+  zeroTail(st, rem);
+  mmaFence();
+  switch ((rem + 15) / 16) {
+    case 1:
+      mmaSlices<kMnA, kMnB, 1>(d, descA, descB, step > 0);
+      break;
+    case 2:
+      mmaSlices<kMnA, kMnB, 2>(d, descA, descB, step > 0);
+      break;
+    case 3:
+      mmaSlices<kMnA, kMnB, 3>(d, descA, descB, step > 0);
+      break;
+    default:
+      mmaSlices<kMnA, kMnB, 4>(d, descA, descB, step > 0);
+      break;
+  }
+  mmaCommit();
+}
+
 template <GroupedProduct kProduct>
 __device__ void consume(SharedStorage& s, const Params& p, const CUtensorMap* mapOut) {
-  constexpr bool kMnA = kProduct == GroupedProduct::Wgrad, kMnB = kProduct != GroupedProduct::Forward;
   const int group = threadIdx.x / 128 - 1, lane = threadIdx.x % 32;
   int stage = 0;
   uint32_t phase = 0;
@@ -381,17 +425,7 @@ __device__ void consume(SharedStorage& s, const Params& p, const CUtensorMap* ma
         if (++stage == kStages) stage = 0, phase ^= 1;
         continue;
       }
-      if (kProduct == GroupedProduct::Wgrad && step == tile.kSteps - 1 && tile.reduceRows % kTileK != 0) {
-        zeroTail(st, static_cast<int>(tile.reduceRows % kTileK));
-      }
-      const uint64_t descA = descriptor(st.a + group * 64 * 64, kMnA), descB = descriptor(st.b, kMnB);
-      mmaFence();
-#pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk) {
-        mma64x256<kMnA, kMnB>(d, descA + (sliceOffset(kk, kMnA) >> 4), descB + (sliceOffset(kk, kMnB) >> 4),
-                              step > 0 || kk > 0);
-      }
-      mmaCommit();
+      stageProducts<kProduct>(d, st, group, tile, step);
       mmaWait<1>();
       if (previous >= 0 && lane == 0) barrierArrive(&s.empty[previous]);
       previous = stage;
