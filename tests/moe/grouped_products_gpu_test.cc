@@ -58,13 +58,44 @@ void checkClose(const at::Tensor& got, const at::Tensor& exact, const char* what
   CHECK(at::allclose(got.cpu().to(at::kDouble), exact, 1.0 / 256, 1e-3 * scale));
 }
 
+// The output and both gradients of the products over `ends` (rows past the
+// last end in none) against float64 math on the same rounded inputs.
+void checkProducts(const at::Tensor& ends, int64_t rows, int64_t k, int64_t out, int salt) {
+  const at::Device gpu(at::kCUDA, 0);
+  const int64_t groups = ends.size(0);
+  const at::Tensor x64 = at::randn({rows, k}, testing::sharedGenerator(salt + 1), at::kDouble);
+  const at::Tensor w64 = at::randn({groups, out, k}, testing::sharedGenerator(salt + 2), at::kDouble) * 0.05;
+  const at::Tensor dy64 = at::randn({rows, out}, testing::sharedGenerator(salt + 3), at::kDouble);
+  at::Tensor x = x64.to(gpu, at::kBFloat16).requires_grad_(true), w = w64.to(gpu, at::kBFloat16).requires_grad_(true);
+  const at::Tensor dy = dy64.to(gpu, at::kBFloat16);
+  at::Tensor y = hopperGroupedLinear(x, w, ends.to(gpu));
+  REQUIRE(y.grad_fn() != nullptr);
+  CHECK(y.grad_fn()->name() == "bulkhead::GroupedProductBackward");
+  y.backward(dy);
+
+  // The exact answer on the rounded inputs.
+  at::Tensor xe = x.detach().cpu().to(at::kDouble).requires_grad_(true);
+  at::Tensor we = w.detach().cpu().to(at::kDouble).requires_grad_(true);
+  at::Tensor ye = exactProducts(xe, we, ends);
+  ye.backward(dy.cpu().to(at::kDouble));
+  checkClose(y, ye.detach(), "output");
+  checkClose(x.grad(), xe.grad(), "rows' gradient");
+  checkClose(w.grad(), we.grad(), "weights' gradient");
+  const int64_t covered = ends[groups - 1].item<int64_t>();
+  CHECK(y.narrow(0, covered, rows - covered).eq(0).all().item<bool>());
+  CHECK(x.grad().narrow(0, covered, rows - covered).eq(0).all().item<bool>());
+  const at::Tensor sizes = at::diff(ends.to(at::kLong), 1, 0, at::zeros({1}, at::kLong));
+  for (int64_t g = 0; g < groups; ++g) {
+    if (sizes[g].item<int64_t>() == 0) CHECK(w.grad()[g].eq(0).all().item<bool>());  // an empty group
+  }
+}
+
 TEST_CASE("Hopper grouped products are within a bf16 rounding of float64 math, forward and both gradients",
           "[moe][gpu]") {
   if (!kernelsHere()) {
     WARN("skipped: Bulkhead's grouped products do not apply here (they need a Hopper GPU and sm_90a code)");
     return;
   }
-  const at::Device gpu(at::kCUDA, 0);
   // groups, rows, K, Out, rows past the last end
   for (auto [groups, rows, k, out, tail] : {std::tuple{5L, 1000L, 192L, 320L, 0L},
                                             {8L, 3001L, 256L, 520L, 77L},
@@ -73,30 +104,22 @@ TEST_CASE("Hopper grouped products are within a bf16 rounding of float64 math, f
                                             {130L, 2000L, 136L, 64L, 0L}}) {
     INFO(groups << " groups, " << rows << " rows, K " << k << ", Out " << out << ", tail " << tail);
     const int salt = static_cast<int>(rows + k);
-    const at::Tensor ends = drawEnds(groups, rows, tail, salt);
-    const at::Tensor x64 = at::randn({rows, k}, testing::sharedGenerator(salt + 1), at::kDouble);
-    const at::Tensor w64 = at::randn({groups, out, k}, testing::sharedGenerator(salt + 2), at::kDouble) * 0.05;
-    const at::Tensor dy64 = at::randn({rows, out}, testing::sharedGenerator(salt + 3), at::kDouble);
-    at::Tensor x = x64.to(gpu, at::kBFloat16).requires_grad_(true), w = w64.to(gpu, at::kBFloat16).requires_grad_(true);
-    const at::Tensor dy = dy64.to(gpu, at::kBFloat16);
-    at::Tensor y = hopperGroupedLinear(x, w, ends.to(gpu));
-    REQUIRE(y.grad_fn() != nullptr);
-    CHECK(y.grad_fn()->name() == "bulkhead::GroupedProductBackward");
-    y.backward(dy);
-
-    // The exact answer on the rounded inputs.
-    at::Tensor xe = x.detach().cpu().to(at::kDouble).requires_grad_(true);
-    at::Tensor we = w.detach().cpu().to(at::kDouble).requires_grad_(true);
-    at::Tensor ye = exactProducts(xe, we, ends);
-    ye.backward(dy.cpu().to(at::kDouble));
-    checkClose(y, ye.detach(), "output");
-    checkClose(x.grad(), xe.grad(), "rows' gradient");
-    checkClose(w.grad(), we.grad(), "weights' gradient");
-    const int64_t covered = ends[groups - 1].item<int64_t>();
-    CHECK(y.narrow(0, covered, rows - covered).eq(0).all().item<bool>());
-    CHECK(x.grad().narrow(0, covered, rows - covered).eq(0).all().item<bool>());
-    CHECK(w.grad()[1].eq(0).all().item<bool>());  // the empty group
+    checkProducts(drawEnds(groups, rows, tail, salt), rows, k, out, salt);
   }
+}
+
+TEST_CASE("Hopper grouped products at every kind of group end a tile meets", "[moe][gpu]") {
+  if (!kernelsHere()) {
+    WARN("skipped: Bulkhead's grouped products do not apply here (they need a Hopper GPU and sm_90a code)");
+    return;
+  }
+  // Sizes whose ends fall in each 16-row slice of a 64-deep step and on its
+  // edges (wgrad's last step), and in each half of a 128-row tile (a tile
+  // whose rows end in its first half leaves the second warpgroup nothing).
+  const std::vector<int64_t> sizes = {16, 0, 17, 33, 48, 49, 63, 64, 65, 127, 128, 129, 200, 1, 31, 96};
+  const at::Tensor ends = at::tensor(sizes, at::kLong).cumsum(0).to(at::kInt);
+  const int64_t covered = ends[-1].item<int64_t>();
+  checkProducts(ends, covered + 3, 256, 320, 5);
 }
 
 TEST_CASE("Hopper grouped products refuse an input changed in place and a double backward", "[moe][gpu]") {
