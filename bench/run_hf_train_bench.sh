@@ -3,7 +3,7 @@
 # 32 heads / 4 kv heads, head_dim 128, 128 experts top-8, expert hidden 768, vocabulary 151,936) on one GPU,
 # beside the same architecture in plain PyTorch (eager and torch.compile) and transformers' own
 # Qwen3MoeForCausalLM training step (eager and compiled), in one command. Every run: bf16, random weights,
-# uniformly random token ids, AdamW, clipping at 1.0; Bulkhead also with --recompute.
+# uniformly random token ids, AdamW, clipping at 1.0; Bulkhead also with --recompute and with --moment-dtype bfloat16.
 #   bench/run_hf_train_bench.sh [build-dir] [out-file]
 # Env: STEPS (default 20; the second half is measured), SEQ (4096), BATCH (2), LAYERS (4),
 #      COMMIT (the commit to record; default git's HEAD), RAW (a folder for each part's figures; default a
@@ -53,6 +53,7 @@ PY
 "$build/bin/bulkhead-data" convert "$work/ids.jsonl" --out "$work/ids" --vocab 151936 >/dev/null
   bulkhead >"$raw/plain.txt"
   bulkhead --recompute >"$raw/recompute.txt"
+  bulkhead --moment-dtype bfloat16 >"$raw/bf16_moments.txt"
 fi
 if [ "${ONLY:-references}" = references ]; then
   echo "$(date +%T) references"
@@ -61,9 +62,10 @@ if [ "${ONLY:-references}" = references ]; then
   python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)' >"$raw/versions.txt"
 fi
 echo "$(date +%T) done"
-for part in plain recompute references versions; do [ -s "$raw/$part.txt" ] || exit 0; done
+for part in plain recompute bf16_moments references versions; do [ -s "$raw/$part.txt" ] || exit 0; done
 read -r b_tok b_ms b_tflops b_mfu b_peak <"$raw/plain.txt"
 read -r r_tok r_ms r_tflops r_mfu r_peak <"$raw/recompute.txt"
+read -r m_tok m_ms m_tflops m_mfu m_peak <"$raw/bf16_moments.txt"
 read -r torch_version transformers_version <"$raw/versions.txt"
 references=$(cat "$raw/references.txt")
 flops_per_token=$(awk -v t="$b_tflops" -v s="$b_tok" 'BEGIN { printf "%.6g", t * 1e12 / s }')
@@ -82,13 +84,14 @@ row() {  # row <name> <tok/s> <step ms> <peak GiB>
   echo "- Commit: \`${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}\`"
   echo "- Model: tests/models/fixtures/hf/configs/qwen3_30b_a3b.json with $layers layers, random weights, bf16;"
   echo "  sequence $seq, $batch sequences a step, uniformly random token ids. Bulkhead: \`train_moe --model-config\`"
-  echo "  (bf16 weights, fp32 master weights and AdamW moments). The references: bench/torch_qwen3_moe.py (bf16 weights,"
+  echo "  (bf16 weights, fp32 master weights and AdamW moments; bf16 moments with --moment-dtype bfloat16). The references: bench/torch_qwen3_moe.py (bf16 weights,"
   echo "  fused AdamW in bf16). MFU: the model FLOPs train_moe counts ($flops_per_token a token) over 989 TFLOP/s."
   echo
   echo "| run | tokens/s | step ms | MFU | peak GiB | Bulkhead is |"
   echo "|---|---:|---:|---:|---:|---:|"
   row "Bulkhead train_moe" "$b_tok" "$b_ms" "$b_peak"
   row "Bulkhead train_moe --recompute" "$r_tok" "$r_ms" "$r_peak"
+  row "Bulkhead train_moe --moment-dtype bfloat16" "$m_tok" "$m_ms" "$m_peak"
   while read -r _ mode tok ms peak _; do
     row "$mode" "${tok#*=}" "${ms#*=}" "${peak#*=}"
   done < <(grep '^QWEN3_TRAIN' <<<"$references")

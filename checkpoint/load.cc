@@ -136,13 +136,20 @@ Destinations destinationsOf(StateDict& targets, const Manifest& manifest, const 
                             {.rank = rank, .expected = "every key of the state dict in the checkpoint"});
     }
     const TensorRecord& saved = manifest.tensors[index];
-    if (saved.globalShape != target.shard.globalShape || saved.dtype != target.local.scalar_type())
+    if (saved.globalShape == target.shard.globalShape && saved.dtype != target.local.scalar_type())
+      throw CheckpointError(
+          fmt::format("key '{}': the checkpoint holds it in {} but the state dict asks for {}; configure it as it "
+                      "was saved (a parameter: the model's dtype; an AdamW moment: AdamWOptions::momentType, "
+                      "train_moe's --moment-dtype)",
+                      target.key, dtypeName(saved.dtype), dtypeName(target.local.scalar_type())),
+          {.rank = rank, .expected = "the saved dtype"});
+    if (saved.globalShape != target.shard.globalShape)
       throw CheckpointError(
           fmt::format("key '{}': the checkpoint holds {} [{}] but the state dict asks for {} [{}]; "
                       "the model's configuration differs from the saved one",
                       target.key, dtypeName(saved.dtype), fmt::join(saved.globalShape, ", "),
                       dtypeName(target.local.scalar_type()), fmt::join(target.shard.globalShape, ", ")),
-          {.rank = rank, .expected = "the saved dtype and global shape"});
+          {.rank = rank, .expected = "the saved global shape"});
     out.add(target.key, target.local, target.shard.offsets, index);
   }
   for (size_t t = 0; t < manifest.tensors.size(); ++t) {

@@ -15,6 +15,13 @@ at::ScalarType masterType(at::ScalarType paramType) {
   return (paramType == at::kBFloat16 || paramType == at::kHalf) ? at::kFloat : paramType;
 }
 
+at::ScalarType momentTypeFor(at::ScalarType master, const AdamWOptions& options) {
+  if (options.momentType != at::kFloat && options.momentType != at::kBFloat16)
+    throw ConfigError(fmt::format("AdamW: moments of dtype {} are not kept", c10::toString(options.momentType)),
+                      {.expected = "AdamWOptions::momentType float32 or bfloat16"});
+  return master == at::kFloat ? options.momentType : master;
+}
+
 double weightDecayFor(const parallel::Parameter& param, const AdamWOptions& options) {
   const bool decays = options.decays ? options.decays(param) : param.shard.globalShape.size() >= 2;
   return decays ? options.weightDecay : 0.0;
@@ -23,14 +30,20 @@ double weightDecayFor(const parallel::Parameter& param, const AdamWOptions& opti
 void adamwUpdate(at::Tensor master, const at::Tensor& grad, at::Tensor expAvg, at::Tensor expAvgSq, int64_t step,
                  double lr, double weightDecay, const AdamWOptions& options) {
   c10::NoGradGuard noGrad;
-  at::Tensor g = grad.to(master.scalar_type()).reshape(master.sizes());
+  const at::ScalarType type = master.scalar_type();
+  at::Tensor g = grad.to(type).reshape(master.sizes());
+  // Moments kept in another dtype are updated in the master's, rounded back once.
+  at::Tensor m = expAvg.scalar_type() == type ? expAvg : expAvg.to(type);
+  at::Tensor v = expAvgSq.scalar_type() == type ? expAvgSq : expAvgSq.to(type);
   if (weightDecay != 0.0) master.mul_(1.0 - lr * weightDecay);
-  expAvg.mul_(options.beta1).add_(g, 1.0 - options.beta1);
-  expAvgSq.mul_(options.beta2).addcmul_(g, g, 1.0 - options.beta2);
+  m.mul_(options.beta1).add_(g, 1.0 - options.beta1);
+  v.mul_(options.beta2).addcmul_(g, g, 1.0 - options.beta2);
   double correction1 = 1.0 - std::pow(options.beta1, static_cast<double>(step));
   double correction2 = 1.0 - std::pow(options.beta2, static_cast<double>(step));
-  at::Tensor denominator = expAvgSq.sqrt().div_(std::sqrt(correction2)).add_(options.eps);
-  master.addcdiv_(expAvg, denominator, -lr / correction1);
+  at::Tensor denominator = v.sqrt().div_(std::sqrt(correction2)).add_(options.eps);
+  master.addcdiv_(m, denominator, -lr / correction1);
+  if (!m.is_same(expAvg)) expAvg.copy_(m);
+  if (!v.is_same(expAvgSq)) expAvgSq.copy_(v);
 }
 
 AdamW::AdamW(std::vector<parallel::Parameter> params, AdamWOptions options, int worldRank)
@@ -41,8 +54,9 @@ AdamW::AdamW(std::vector<parallel::Parameter> params, AdamWOptions options, int 
     at::ScalarType type = masterType(param.tensor.scalar_type());
     at::Tensor master = type == param.tensor.scalar_type() ? param.tensor.detach() : param.tensor.detach().to(type);
     masters_.push_back(master);
-    expAvg_.push_back(at::zeros_like(master));
-    expAvgSq_.push_back(at::zeros_like(master));
+    const at::ScalarType moments = momentTypeFor(type, options_);
+    expAvg_.push_back(at::zeros_like(master, moments));
+    expAvgSq_.push_back(at::zeros_like(master, moments));
     decay_.push_back(weightDecayFor(param, options_));
   }
   stepTensor_ = at::zeros({1}, at::kLong);

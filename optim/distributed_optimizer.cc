@@ -89,8 +89,9 @@ DistributedOptimizer::DistributedOptimizer(std::vector<Parameter> params, const 
 
     int64_t length = bucket.layout.shardLength(bucket.comm->rank());
     auto stateOptions = at::TensorOptions().dtype(bucket.masterType).device(world->device());
-    bucket.expAvg = at::zeros({length}, stateOptions);
-    bucket.expAvgSq = at::zeros({length}, stateOptions);
+    const auto momentOptions = stateOptions.dtype(momentTypeFor(bucket.masterType, options_.adamw));
+    bucket.expAvg = at::zeros({length}, momentOptions);
+    bucket.expAvgSq = at::zeros({length}, momentOptions);
     if (bucket.masterType != bucket.paramType) {
       bucket.master = at::empty({length}, stateOptions);
       for (const auto& piece : bucket.pieces[bucket.comm->rank()])

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include <tuple>
+
 #include "runtime/errors.h"
 
 #if BULKHEAD_OPTIM_KERNELS
@@ -62,12 +64,16 @@ cuda::HalfType halfType(const at::Tensor& t) {
   return cuda::HalfType::None;
 }
 
-// Whether the kernel takes these pieces: float32 masters and moments, float32 or half gradients, and
-// contiguous half parameters of one dtype where written.
+// Whether the kernel takes these pieces: float32 masters, float32 or bf16 moments (both of one dtype),
+// float32 or half gradients, and contiguous half parameters of one dtype where written.
 bool kernelTakes(const AdamWPieces& pieces) {
   for (size_t i = 0; i < pieces.masters.size(); ++i) {
+    const at::ScalarType moments = pieces.expAvg[i].scalar_type();
+    if (pieces.masters[i].scalar_type() != at::kFloat || (moments != at::kFloat && moments != at::kBFloat16) ||
+        pieces.expAvgSq[i].scalar_type() != moments)
+      return false;
     for (const at::Tensor* t : {&pieces.masters[i], &pieces.expAvg[i], &pieces.expAvgSq[i]})
-      if (t->scalar_type() != at::kFloat || !t->is_contiguous()) return false;
+      if (!t->is_contiguous()) return false;
     const at::Tensor& grad = pieces.grads[i];
     if ((grad.scalar_type() != at::kFloat && halfType(grad) == cuda::HalfType::None) || !grad.is_contiguous())
       return false;
@@ -80,13 +86,17 @@ bool kernelTakes(const AdamWPieces& pieces) {
   return true;
 }
 
-// The pieces in launches of at most kMaxPieces, each of one gradient dtype and one parameter dtype.
+// The gradient, parameter and moment dtypes of one launch.
+using LaunchTypes = std::tuple<cuda::HalfType, cuda::HalfType, cuda::HalfType>;
+
+// The pieces in launches of at most kMaxPieces, each of one gradient, parameter and moment dtype.
 void kernelAdamw(const AdamWPieces& pieces, double lr, double decay, const DeviceScalars& scalars,
                  const AdamWOptions& options) {
-  std::map<std::pair<cuda::HalfType, cuda::HalfType>, cuda::AdamWPiecePointers> launches;
-  const auto run = [&](std::pair<cuda::HalfType, cuda::HalfType> types, cuda::AdamWPiecePointers& batch) {
-    const cuda::AdamWArgs args{.gradType = types.first,
-                               .paramType = types.second,
+  std::map<LaunchTypes, cuda::AdamWPiecePointers> launches;
+  const auto run = [&](const LaunchTypes& types, cuda::AdamWPiecePointers& batch) {
+    const cuda::AdamWArgs args{.gradType = std::get<0>(types),
+                               .paramType = std::get<1>(types),
+                               .momentType = std::get<2>(types),
                                .lr = lr,
                                .beta1 = options.beta1,
                                .beta2 = options.beta2,
@@ -101,13 +111,14 @@ void kernelAdamw(const AdamWPieces& pieces, double lr, double decay, const Devic
   };
   for (size_t i = 0; i < pieces.masters.size(); ++i) {
     const bool writes = !pieces.params.empty() && pieces.params[i].defined();
-    const auto types = std::pair{halfType(pieces.grads[i]), writes ? halfType(pieces.params[i]) : cuda::HalfType::None};
+    const LaunchTypes types{halfType(pieces.grads[i]), writes ? halfType(pieces.params[i]) : cuda::HalfType::None,
+                            halfType(pieces.expAvg[i])};
     cuda::AdamWPiecePointers& batch = launches[types];
     const int k = batch.pieces++;
     batch.master[k] = pieces.masters[i].data_ptr<float>();
     batch.grad[k] = pieces.grads[i].data_ptr();
-    batch.expAvg[k] = pieces.expAvg[i].data_ptr<float>();
-    batch.expAvgSq[k] = pieces.expAvgSq[i].data_ptr<float>();
+    batch.expAvg[k] = pieces.expAvg[i].data_ptr();
+    batch.expAvgSq[k] = pieces.expAvgSq[i].data_ptr();
     batch.param[k] = writes ? pieces.params[i].data_ptr() : nullptr;
     batch.numel[k] = pieces.masters[i].numel();
     if (batch.pieces == cuda::kMaxPieces) run(types, batch);
@@ -129,10 +140,13 @@ void adamw(const std::map<double, AdamWPieces>& groups, double lr, const DeviceS
       continue;
     }
 #endif
-    // ATen's kernel takes gradients in the masters' dtype, and writes no parameters: both done apart.
-    std::vector<at::Tensor> grads = pieces.grads, into, from;
+    // ATen's kernel takes gradients and moments in the masters' dtype, and writes no parameters: all
+    // done apart (moments of another dtype updated in the masters' and rounded back).
+    std::vector<at::Tensor> grads = pieces.grads, m = pieces.expAvg, v = pieces.expAvgSq, into, from;
     for (size_t i = 0; i < grads.size(); ++i) {
-      if (grads[i].scalar_type() != pieces.masters[i].scalar_type()) grads[i] = grads[i].to(pieces.masters[i].dtype());
+      const auto type = pieces.masters[i].dtype();
+      if (grads[i].dtype() != type) grads[i] = grads[i].to(type);
+      if (m[i].dtype() != type) m[i] = m[i].to(type), v[i] = v[i].to(type);
       if (!pieces.params.empty() && pieces.params[i].defined()) {
         into.push_back(pieces.params[i]);
         from.push_back(pieces.masters[i]);
@@ -140,9 +154,13 @@ void adamw(const std::map<double, AdamWPieces>& groups, double lr, const DeviceS
     }
     // The kernels read the step count (one per piece; all the same here).
     std::vector<at::Tensor> steps(pieces.masters.size(), scalars.step);
-    at::_fused_adamw_(pieces.masters, grads, pieces.expAvg, pieces.expAvgSq, {}, steps, lr, options.beta1,
-                      options.beta2, decay, options.eps, /*amsgrad=*/false, /*maximize=*/false, scalars.unscale,
-                      scalars.skip);
+    at::_fused_adamw_(pieces.masters, grads, m, v, {}, steps, lr, options.beta1, options.beta2, decay, options.eps,
+                      /*amsgrad=*/false, /*maximize=*/false, scalars.unscale, scalars.skip);
+    for (size_t i = 0; i < m.size(); ++i) {
+      if (m[i].is_same(pieces.expAvg[i])) continue;
+      into.push_back(pieces.expAvg[i]), from.push_back(m[i]);
+      into.push_back(pieces.expAvgSq[i]), from.push_back(v[i]);
+    }
     copy(into, from);
   }
 }

@@ -25,7 +25,8 @@ bool available(const c10::Device& device);
 // their device; zeros({1}) for no pieces.
 at::Tensor sumOfSquares(const std::vector<at::Tensor>& pieces, const at::TensorOptions& resultOptions);
 
-// Matching pieces of the float32 master weights, their gradients and both moments.
+// Matching pieces of the float32 master weights, their gradients and both
+// moments (float32, or both bfloat16: updated in float32, rounded once).
 // With kernels() the gradients may be bf16 or fp16 (read as they are, not
 // converted first), and `params`, where not empty, holds for each piece the
 // parameter rows (or an undefined tensor) that take the updated master,

@@ -180,10 +180,11 @@ std::string snapshotCostLine(const launch::SnapshotCost& cost, int64_t every) {
   return line;
 }
 
-// AdamW with weight decay 0.01, its gradient reduction as the flags say.
+// AdamW with weight decay 0.01, its moments' dtype and gradient reduction as the flags say.
 optim::DistributedOptimizerOptions optimizerOptions(const TrainOptions& options) {
   optim::DistributedOptimizerOptions o;
   o.adamw.weightDecay = 0.01;
+  if (options.bf16Moments) o.adamw.momentType = at::kBFloat16;
   o.overlapGradReduce = options.gradOverlap && !options.cudaGraph;
   o.reduceInParamDtype = options.gradReduceBf16;
   // The tied embedding's gradients are summed across stages after the backward: reduced at the step.

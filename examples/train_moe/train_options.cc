@@ -140,6 +140,13 @@ void addTrainFlags(CLI::App& app, TrainOptions& o) {
                "reduce-scatter bf16 gradients in bf16 (the default: half the bytes, each addition rounded) or in "
                "float32")
       ->group("Training");
+  app.add_option_function<std::string>(
+         "--moment-dtype", [&o](const std::string& name) { o.bf16Moments = name == "bfloat16"; },
+         "dtype of AdamW's moments: float32, or bfloat16 (8 bytes of state a parameter less; Megatron-LM's "
+         "--exp-avg-dtype bf16); a checkpoint resumes with the dtype it was saved with")
+      ->check(CLI::IsMember({"float32", "bfloat16"}))
+      ->default_str("float32")
+      ->group("Training");
   app.add_flag("--cuda-graph", o.cudaGraph,
                "capture each step's forward and backward in a CUDA graph and replay it (GPU, --capacity, pp 1)")
       ->group("Training");

@@ -59,6 +59,9 @@ struct TrainOptions {
   // bf16 gradients reduce-scattered in bf16, not float32: on 4 H100s 5-10% more tokens/s, and the
   // 200-step loss within the run-to-run spread (bench/results/train_grad_reduce_h100x4_2026-11-28.md).
   bool gradReduceBf16 = true;
+  // AdamW's moments (of float32 masters) in bfloat16, not float32: 8 bytes of
+  // state a parameter less (optim::AdamWOptions::momentType).
+  bool bf16Moments = false;
   // Forward and backward captured in a CUDA graph and replayed each step
   // (examples/train_moe/captured_step.h): needs a GPU, --capacity and pp 1.
   bool cudaGraph = false;

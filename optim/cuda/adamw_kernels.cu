@@ -23,7 +23,7 @@ struct Hyper {
   float lr, beta1, beta2, eps, decay;
 };
 
-template <typename G, typename P>
+template <typename G, typename P, typename M>
 __global__ void __launch_bounds__(kThreads) adamwKernel(AdamWPiecePointers pieces, Chunks chunks, Hyper h,
                                                         const float* step, const float* unscale, const float* skip) {
   if (skip != nullptr && *skip != 0.f) return;
@@ -36,23 +36,24 @@ __global__ void __launch_bounds__(kThreads) adamwKernel(AdamWPiecePointers piece
   const float correction2Sqrt = sqrtf(1.f - powf(h.beta2, t));
   float* master = pieces.master[p];
   const G* grad = static_cast<const G*>(pieces.grad[p]);
-  float* m = pieces.expAvg[p];
-  float* v = pieces.expAvgSq[p];
+  M* m = static_cast<M*>(pieces.expAvg[p]);
+  M* v = static_cast<M*>(pieces.expAvgSq[p]);
   P* param = static_cast<P*>(pieces.param[p]);
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
     const float g = load(grad + i) * inverse;
     float w = master[i] * (1.f - h.lr * h.decay);
-    const float mi = m[i] + (1.f - h.beta1) * (g - m[i]);
-    const float vi = h.beta2 * v[i] + (1.f - h.beta2) * g * g;
+    const float mOld = load(m + i);
+    const float mi = mOld + (1.f - h.beta1) * (g - mOld);
+    const float vi = h.beta2 * load(v + i) + (1.f - h.beta2) * g * g;
     w -= stepSize * mi / (sqrtf(vi) / correction2Sqrt + h.eps);
     master[i] = w;
-    m[i] = mi;
-    v[i] = vi;
+    store(m + i, mi);
+    store(v + i, vi);
     if (param != nullptr) store(param + i, w);
   }
 }
 
-template <typename G, typename P>
+template <typename G, typename P, typename M>
 void launch(const AdamWArgs& a, const AdamWPiecePointers& pieces) {
   Chunks chunks;
   for (int p = 0; p < pieces.pieces; ++p)
@@ -61,24 +62,30 @@ void launch(const AdamWArgs& a, const AdamWPiecePointers& pieces) {
   if (blocks == 0) return;
   const Hyper h{static_cast<float>(a.lr), static_cast<float>(a.beta1), static_cast<float>(a.beta2),
                 static_cast<float>(a.eps), static_cast<float>(a.decay)};
-  adamwKernel<G, P><<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(
+  adamwKernel<G, P, M><<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(
       pieces, chunks, h, a.step, a.unscale, a.skip);
   checkLaunch("the AdamW kernel");
 }
 
-template <typename G>
+template <typename G, typename M>
 void withParam(const AdamWArgs& a, const AdamWPiecePointers& pieces) {
-  if (a.paramType == HalfType::BFloat16) return launch<G, __nv_bfloat16>(a, pieces);
-  if (a.paramType == HalfType::Float16) return launch<G, __half>(a, pieces);
-  launch<G, float>(a, pieces);  // no parameter written
+  if (a.paramType == HalfType::BFloat16) return launch<G, __nv_bfloat16, M>(a, pieces);
+  if (a.paramType == HalfType::Float16) return launch<G, __half, M>(a, pieces);
+  launch<G, float, M>(a, pieces);  // no parameter written
+}
+
+template <typename G>
+void withMoments(const AdamWArgs& a, const AdamWPiecePointers& pieces) {
+  if (a.momentType == HalfType::BFloat16) return withParam<G, __nv_bfloat16>(a, pieces);
+  withParam<G, float>(a, pieces);
 }
 
 }  // namespace
 
 void adamw(const AdamWArgs& args, const AdamWPiecePointers& pieces) {
-  if (args.gradType == HalfType::BFloat16) return withParam<__nv_bfloat16>(args, pieces);
-  if (args.gradType == HalfType::Float16) return withParam<__half>(args, pieces);
-  withParam<float>(args, pieces);
+  if (args.gradType == HalfType::BFloat16) return withMoments<__nv_bfloat16>(args, pieces);
+  if (args.gradType == HalfType::Float16) return withMoments<__half>(args, pieces);
+  withMoments<float>(args, pieces);
 }
 
 }  // namespace bulkhead::optim::cuda

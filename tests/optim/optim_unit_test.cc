@@ -1,7 +1,7 @@
 // One-process tests of the optimizer's arithmetic: the learning-rate
 // schedule's values, the shard layout's cuts, the AdamW update against the
 // formula evaluated element by element, and bf16 parameters with float32
-// master weights.
+// master weights and float32 or bf16 moments.
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -205,6 +205,51 @@ TEST_CASE("AdamW on bf16 parameters keeps float32 masters that accumulate update
   CHECK(state[0].key == "optim.w.master");
   CHECK(state[6].key == "optim.step");
   CHECK(state[6].local.item<int64_t>() == 8);
+}
+
+TEST_CASE("AdamW with bf16 moments rounds float32 moments once a step and tracks float32 moments") {
+  auto generator = at::detail::createCPUGenerator(23);
+  const at::Tensor initial = at::randn({24, 16}, generator, at::kFloat);
+  auto make = [&](at::ScalarType moments) {
+    std::vector<parallel::Parameter> params{{.name = "w",
+                                             .tensor = initial.to(at::kBFloat16).set_requires_grad(true),
+                                             .shard = parallel::ShardInfo::whole({24, 16})}};
+    return std::pair{params, AdamW(params, {.weightDecay = 0.1, .momentType = moments})};
+  };
+  auto [halfParams, half] = make(at::kBFloat16);
+  auto [fullParams, full] = make(at::kFloat);
+  CHECK(half.master(0).scalar_type() == at::kFloat);
+  CHECK(half.expAvg(0).scalar_type() == at::kBFloat16);
+  CHECK(half.expAvgSq(0).scalar_type() == at::kBFloat16);
+  CHECK(full.expAvg(0).scalar_type() == at::kFloat);
+  // The reference: the float32 update, its moments rounded to bf16 after each step.
+  at::Tensor master = half.master(0).clone(), m = at::zeros_like(master), v = at::zeros_like(master);
+  const AdamWOptions reference{.weightDecay = 0.1};
+  for (int step = 1; step <= 20; ++step) {
+    const at::Tensor grad = at::randn({24, 16}, generator, at::kFloat).add_(0.3).to(at::kBFloat16);
+    halfParams[0].tensor.mutable_grad() = grad;
+    fullParams[0].tensor.mutable_grad() = grad;
+    half.step(1e-2);
+    full.step(1e-2);
+    adamwUpdate(master, grad, m, v, step, 1e-2, 0.1, reference);
+    m = m.to(at::kBFloat16).to(at::kFloat);
+    v = v.to(at::kBFloat16).to(at::kFloat);
+  }
+  CHECK(at::equal(half.master(0), master));
+  CHECK(at::equal(half.expAvg(0).to(at::kFloat), m));
+  CHECK(at::equal(half.expAvgSq(0).to(at::kFloat), v));
+  // bf16's 8 bits of moment change the 20 steps' update by well under a percent of it.
+  const at::Tensor moved = full.master(0) - initial.to(at::kBFloat16).to(at::kFloat);
+  CHECK((half.master(0) - full.master(0)).norm().item<double>() < 0.01 * moved.norm().item<double>());
+  CHECK_FALSE(at::equal(half.master(0), full.master(0)));
+  for (const auto& entry : half.state())
+    if (entry.key.find(".exp_avg") != std::string::npos) CHECK(entry.local.scalar_type() == at::kBFloat16);
+  // Float64 masters keep float64 moments; moments in float16 are refused.
+  std::vector<parallel::Parameter> wide{{.name = "w",
+                                         .tensor = initial.to(at::kDouble).set_requires_grad(true),
+                                         .shard = parallel::ShardInfo::whole({24, 16})}};
+  CHECK(AdamW(wide, {.momentType = at::kBFloat16}).expAvg(0).scalar_type() == at::kDouble);
+  CHECK_THROWS_AS(AdamW(wide, {.momentType = at::kHalf}), ConfigError);
 }
 
 TEST_CASE("zeroGrad releases the gradients, so the next backward writes them rather than adding") {

@@ -3,7 +3,8 @@
 // parameters; on one GPU the update reading the bf16 gradients as they are and
 // writing the parameters itself) against the same optimizer on the CPU (one
 // operation per piece) over the mpi world: bf16 parameters with float32 master
-// weights, the clip active, a parameter without a gradient, dp = every GPU.
+// weights (and float32 or bf16 moments), the clip active, a parameter
+// without a gradient, dp = every GPU.
 // One rank per GPU.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -40,7 +41,7 @@ struct Side {
   std::vector<parallel::Parameter> params;
   std::unique_ptr<optim::DistributedOptimizer> optimizer;
 
-  Side(const CommunicatorPtr& world, const c10::Device& device)
+  Side(const CommunicatorPtr& world, const c10::Device& device, at::ScalarType moments = at::kFloat)
       : groups(parallel::ProcessGroups::create(world, parallel::LayoutOptions{}, {.warmup = false})) {
     const int replica = groups.dpCp()->rank();
     for (size_t i = 0; i < kSpecs.size(); ++i) {
@@ -55,7 +56,8 @@ struct Side {
     }
     optimizer = std::make_unique<optim::DistributedOptimizer>(
         params, groups,
-        optim::DistributedOptimizerOptions{.adamw = {.weightDecay = 0.1}});  // matrices and expert weights decay
+        optim::DistributedOptimizerOptions{
+            .adamw = {.weightDecay = 0.1, .momentType = moments}});  // matrices and expert weights decay
   }
 
   // This rank's step-`step` gradients (another draw on every rank); `poison`: one of them NaN.
@@ -75,24 +77,35 @@ struct Side {
   }
 };
 
-// Every state tensor and parameter of the GPU side within the kernels' roundings of the CPU side's.
-void checkAgree(Side& gpuSide, Side& cpuSide) {
+// bf16 values within one rounding of each other where they straddle one, and few of those.
+void checkBf16Close(const at::Tensor& ours, const at::Tensor& theirs) {
+  CHECK((ours - theirs).abs().max().item<double>() <= theirs.abs().max().item<double>() / 128);
+  CHECK((ours - theirs).ne(0).to(at::kDouble).mean().item<double>() < 0.01);
+}
+
+// Every state tensor and parameter of the GPU side within the kernels' roundings of the CPU side's:
+// float32 state within `tolerance` of its largest value.
+void checkAgree(Side& gpuSide, Side& cpuSide, double tolerance = 1e-5) {
   auto gpuState = gpuSide.optimizer->state(), cpuState = cpuSide.optimizer->state();
   REQUIRE(gpuState.size() == cpuState.size());
   for (size_t i = 0; i < gpuState.size(); ++i) {
     INFO(gpuState[i].key);
     REQUIRE(gpuState[i].key == cpuState[i].key);
+    REQUIRE(gpuState[i].local.scalar_type() == cpuState[i].local.scalar_type());
     const at::Tensor ours = gpuState[i].local.cpu().to(at::kDouble), theirs = cpuState[i].local.to(at::kDouble);
+    if (gpuState[i].local.scalar_type() == at::kBFloat16) {  // bf16 moments: rounded from float32 alike
+      checkBf16Close(ours, theirs);
+      continue;
+    }
     // The float32 state within a few roundings of the CPU's (the kernels order their float operations otherwise).
-    CHECK((ours - theirs).abs().max().item<double>() <= 1e-5 * (theirs.abs().max().item<double>() + 1e-3));
+    CHECK((ours - theirs).abs().max().item<double>() <= tolerance * (theirs.abs().max().item<double>() + 1e-3));
   }
   for (size_t i = 0; i < kSpecs.size(); ++i) {
     INFO(kSpecs[i].name);
     const at::Tensor ours = gpuSide.params[i].tensor.detach().cpu().to(at::kDouble);
     const at::Tensor theirs = cpuSide.params[i].tensor.detach().to(at::kDouble);
     // The bf16 parameters: the masters rounded, one bf16 step apart at most where they straddle a rounding.
-    CHECK((ours - theirs).abs().max().item<double>() <= theirs.abs().max().item<double>() / 128);
-    CHECK((ours - theirs).ne(0).to(at::kDouble).mean().item<double>() < 0.01);
+    checkBf16Close(ours, theirs);
   }
 }
 
@@ -108,6 +121,20 @@ TEST_CASE("the distributed optimizer's GPU kernels match its CPU step: bf16 para
     CHECK(std::abs(gpuNorm - cpuNorm) <= 1e-5 * cpuNorm);
     checkAgree(gpuSide, cpuSide);
   }
+}
+
+TEST_CASE("the distributed optimizer's GPU kernels match its CPU step with bf16 moments") {
+  const int me = gpuWorld().rank();
+  Side gpuSide(gpuWorldPtr(), gpu(), at::kBFloat16), cpuSide(cpuWorldPtr(), c10::Device(c10::kCPU), at::kBFloat16);
+  for (int step = 1; step <= 5; ++step) {
+    INFO(fmt::format("rank {}, step {}", me, step));
+    const double gpuNorm = gpuSide.step(step, me), cpuNorm = cpuSide.step(step, me);
+    CHECK(std::abs(gpuNorm - cpuNorm) <= 1e-5 * cpuNorm);
+    // A moment that rounds the other way on one side moves that element's update by 2^-8 of it.
+    checkAgree(gpuSide, cpuSide, 2e-4);
+  }
+  for (const auto& entry : gpuSide.optimizer->state())
+    if (entry.key.find(".exp_avg") != std::string::npos) CHECK(entry.local.scalar_type() == at::kBFloat16);
 }
 
 TEST_CASE("steps queued on a GPU: a non-finite norm skips its update on every rank, counted once read") {
