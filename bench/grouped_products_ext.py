@@ -56,12 +56,17 @@ def exact(kind, a, b, ends, rows):
 def check():
     ok = True
     # groups, rows, K, N, rows past the last end
+    # and one set of sizes ending in each 16-row part of a 64-deep step and each half of a 128-row tile
+    edges = torch.tensor([16, 0, 17, 33, 48, 49, 63, 64, 65, 127, 128, 129, 200, 1, 31, 96])
     for groups, rows, k, n, tail in ((5, 1000, 192, 320, 0), (8, 3001, 256, 512, 77), (3, 700, 2048, 1536, 0),
-                                     (16, 4096, 768, 2048, 0)):
-        sizes = torch.randint(0, 2 * rows // groups, (groups,))
-        sizes[1] = 0
-        sizes = (sizes.float() * (rows - tail) / sizes.sum()).long()
-        sizes[-1] += rows - tail - sizes.sum()
+                                     (16, 4096, 768, 2048, 0), (len(edges), int(edges.sum()) + 3, 256, 320, 3)):
+        if groups == len(edges):
+            sizes = edges.clone()
+        else:
+            sizes = torch.randint(0, 2 * rows // groups, (groups,))
+            sizes[1] = 0
+            sizes = (sizes.float() * (rows - tail) / sizes.sum()).long()
+            sizes[-1] += rows - tail - sizes.sum()
         ends = torch.cumsum(sizes, 0).to(torch.int32).to(device)
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         w = torch.randn(groups, n, k, device=device, dtype=torch.bfloat16) * 0.05
