@@ -59,8 +59,9 @@ def check():
     # and one set of sizes ending in each 16-row part of a 64-deep step and each half of a 128-row tile
     edges = torch.tensor([16, 0, 17, 33, 48, 49, 63, 64, 65, 127, 128, 129, 200, 1, 31, 96])
     for groups, rows, k, n, tail in ((5, 1000, 192, 320, 0), (8, 3001, 256, 512, 77), (3, 700, 2048, 1536, 0),
-                                     (16, 4096, 768, 2048, 0), (len(edges), int(edges.sum()) + 3, 256, 320, 3)):
-        if groups == len(edges):
+                                     (16, 4096, 768, 2048, 0), (-len(edges), int(edges.sum()) + 3, 256, 320, 3)):
+        if groups < 0:  # the edge sizes
+            groups = len(edges)
             sizes = edges.clone()
         else:
             sizes = torch.randint(0, 2 * rows // groups, (groups,))
