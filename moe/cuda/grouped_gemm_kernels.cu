@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "moe/cuda/hopper_ptx.cuh"
 #include "runtime/cuda/elements.cuh"
 #include "runtime/errors.h"
 
@@ -72,51 +73,7 @@ __host__ __device__ constexpr int64_t smaller(int64_t a, int64_t b) { return a <
 
 #if BULKHEAD_GROUPED_GEMM_BODY
 
-__device__ __forceinline__ uint32_t sharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void barrierInit(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sharedAddress(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void barrierWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(sharedAddress(bar)), "r"(parity)
-                 : "memory");
-  }
-}
-
-__device__ __forceinline__ void barrierArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sharedAddress(bar)) : "memory");
-}
-
-__device__ __forceinline__ void barrierExpectBytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sharedAddress(bar)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void load2d(void* dst, const CUtensorMap* map, int64_t c0, int64_t c1, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
-          "r"(sharedAddress(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(static_cast<int32_t>(c0)), "r"(static_cast<int32_t>(c1)),
-      "r"(sharedAddress(bar))
-      : "memory");
-}
-
-__device__ __forceinline__ void load3d(void* dst, const CUtensorMap* map, int64_t c0, int64_t c1, int64_t c2,
-                                       uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-      "[%5];" ::"r"(sharedAddress(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(static_cast<int32_t>(c0)), "r"(static_cast<int32_t>(c1)),
-      "r"(static_cast<int32_t>(c2)), "r"(sharedAddress(bar))
-      : "memory");
-}
+using namespace hopper;
 
 // A shared-memory matrix descriptor for wgmma over a 128-byte swizzled tile:
 // K-major rows of 64 elements (8-row groups 1,024 bytes apart), or MN-major
@@ -130,39 +87,6 @@ __device__ __forceinline__ uint64_t descriptor(const void* p, bool mnMajor) {
 // The byte offset of the kk-th 16-deep slice of a 64-deep stage.
 __device__ __forceinline__ uint32_t sliceOffset(int kk, bool mnMajor) { return mnMajor ? kk * 16 * 128 : kk * 32; }
 
-template <int kTransA, int kTransB>
-__device__ __forceinline__ void mma64x256(float (&d)[128], uint64_t descA, uint64_t descB, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
-        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
-        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
-        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
-        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
-        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]),
-        "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
-        "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(descA), "l"(descB), "r"(accumulate), "n"(kTransA), "n"(kTransB));
-}
-
 // kSlices 16-deep products of one stage into d.
 template <bool kMnA, bool kMnB, int kSlices>
 __device__ __forceinline__ void mmaSlices(float (&d)[128], uint64_t descA, uint64_t descB, bool accumulate) {
@@ -171,13 +95,6 @@ __device__ __forceinline__ void mmaSlices(float (&d)[128], uint64_t descA, uint6
     mma64x256<kMnA, kMnB>(d, descA + (sliceOffset(kk, kMnA) >> 4), descB + (sliceOffset(kk, kMnB) >> 4),
                           accumulate || kk > 0);
   }
-}
-
-__device__ __forceinline__ void mmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void mmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void mmaWait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
 // Shared memory's group starts (warp 0: a running maximum, so that each start
@@ -290,8 +207,9 @@ __device__ void produce(SharedStorage& s, const Params& p, const CUtensorMap* ma
 }
 
 // Wgrad's last step of a group whose rows end inside it: the rows past the
-// group's (the next group's, loaded with it) are zeroed in both operands, by
-// both consumer warpgroups, before the products read them.
+// group's (the next group's, loaded with it) up to the next multiple of 16 (the
+// last 16-deep slice the products read) are zeroed in both operands, by both
+// consumer warpgroups, before the products read them.
 __device__ void zeroTail(Stage& st, int validRows) {
   const int rowsLeft = (validRows + 15) / 16 * 16 - validRows, perChunk = rowsLeft * 8;  // 16-byte units
   const int chunks = (kTileM + kTileN) / 64, consumer = threadIdx.x - 128;
@@ -304,28 +222,9 @@ __device__ void zeroTail(Stage& st, int validRows) {
   asm volatile("bar.sync 1, 256;" ::: "memory");
 }
 
-__device__ __forceinline__ void storeBox(const CUtensorMap* map, const void* src, int64_t c0, int64_t c1, int64_t c2,
-                                         bool threeD) {
-  if (threeD) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(sharedAddress(src)), "r"(static_cast<int32_t>(c0)), "r"(static_cast<int32_t>(c1)),
-                 "r"(static_cast<int32_t>(c2))
-                 : "memory");
-  } else {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(sharedAddress(src)), "r"(static_cast<int32_t>(c0)), "r"(static_cast<int32_t>(c1))
-                 : "memory");
-  }
-}
-
 __device__ __forceinline__ void warpgroupSync(int group) {
   asm volatile("bar.sync %0, 128;" ::"r"(2 + group) : "memory");
 }
-
-// The byte offset of (row, 16-byte unit) in a 64 x 64 box swizzled by 128 bytes.
-__device__ __forceinline__ uint32_t swizzled(int row, int unit) { return row * 128 + ((unit ^ (row % 8)) * 16); }
 
 // This warpgroup's 64 x 256 accumulators, rounded to bf16, to the output: into
 // its staging boxes, then stored by the copy engine (asynchronously: the next
@@ -335,7 +234,6 @@ __device__ __forceinline__ uint32_t swizzled(int row, int unit) { return row * 1
 __device__ void storeTile(const float (&d)[128], Staging& staging, const CUtensorMap* mapOut, __nv_bfloat16* out,
                           const Params& p, const Tile& tile, int group, bool weights) {
   const int thread = threadIdx.x % 128, lane = threadIdx.x % 32, warp = thread / 32;
-  if (!weights && tile.row0 + group * 64 >= tile.rowEnd) return;  // every row past the end
   if (thread == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
   warpgroupSync(group);
   auto* bytes = reinterpret_cast<uint8_t*>(staging.out);
@@ -415,7 +313,8 @@ __device__ void consume(SharedStorage& s, const Params& p, const CUtensorMap* ma
   for (int64_t t = blockIdx.x; nextTile<kProduct>(s, p, t, tile); t += gridDim.x) {
     int previous = -1;
     // A row-grouped tile whose rows end in its first half: the second
-    // warpgroup's rows are all past the end, so it only frees each stage.
+    // warpgroup's rows are all past the end, so it only frees each stage and
+    // stores nothing.
     const bool idle = kProduct != GroupedProduct::Wgrad && tile.row0 + group * 64 >= tile.rowEnd;
     for (int step = 0; step < tile.kSteps; ++step) {
       Stage& st = s.stages[stage];
@@ -437,7 +336,7 @@ __device__ void consume(SharedStorage& s, const Params& p, const CUtensorMap* ma
 #pragma unroll
       for (int i = 0; i < 128; ++i) d[i] = 0.f;
     }
-    storeTile(d, s.staging[group], mapOut, p.out, p, tile, group, kProduct == GroupedProduct::Wgrad);
+    if (!idle) storeTile(d, s.staging[group], mapOut, p.out, p, tile, group, kProduct == GroupedProduct::Wgrad);
   }
   if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
